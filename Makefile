@@ -1,0 +1,38 @@
+# Every target sets itself up from a fresh clone: only Python 3.11 and the package
+# registries are needed.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+
+.PHONY: setup demo test lint protos clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Without a GPU, take the pinned CPU build of torch first; a bare torch
+	# requirement would otherwise pull a multi-GB CUDA build.
+	if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
+		$(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/weightsync demo
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check weightsync server client tests benchmarks
+
+protos: setup
+	$(PY) proto/generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

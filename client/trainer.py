@@ -1,0 +1,421 @@
+"""TrainerClient: the asyncio client a trainer uses to push weights to every engine.
+
+The event loop only awaits. Everything that blocks (materialising tensors, planning,
+packing, the collective, waiting for peers, hosting the rendezvous store) runs on one
+dedicated worker thread, with the caller's context copied so the deadline ContextVar
+goes along. Control calls are grpc.aio.
+
+``update_weights`` is ``pause`` -> ``broadcast`` -> ``resume``:
+- a cancellation that lands while bytes move waits for the transfer to end, then
+  propagates, chained (``__cause__``) to the transfer's error if it failed;
+- ``resume`` always runs (with its own small budget if the sync's deadline is spent),
+  and the agents make sure no engine resumes onto torn weights or a sleeping KV cache;
+- on expiry the caller gets ``StepTimeoutError`` naming the operation that was running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import torch
+from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
+from weightsync.server.serving import CHANNEL_OPTIONS
+
+from weightsync import deadline
+from weightsync import transport as transports
+from weightsync.errors import (
+    InvalidArgument,
+    TransferError,
+    WeightSyncError,
+    from_rpc_error,
+    outcome_error,
+)
+from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, dtype_name, weights_digest
+from weightsync.transport.store import host_store
+from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+T = TypeVar("T")
+
+PAUSE_MODES = {"keep": common_pb2.PAUSE_MODE_KEEP, "abort": common_pb2.PAUSE_MODE_ABORT,
+               "wait": common_pb2.PAUSE_MODE_WAIT}
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """One engine's part in a sync."""
+
+    engine_id: str
+    ok: bool
+    weight_version: int
+    torn: bool
+    seconds: float
+    error_reason: str = ""
+    error_message: str = ""
+
+    @classmethod
+    def from_proto(cls, o: common_pb2.EngineOutcome) -> EngineResult:
+        return cls(o.engine_id, o.ok, o.weight_version, o.torn, o.seconds, o.error_reason, o.error_message)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What a broadcast (or a whole ``update_weights``) did."""
+
+    version: int
+    ok: bool
+    bytes: int                    # stream bytes delivered to each engine
+    transfer_seconds: float       # trainer side: first bucket packed -> last acknowledged
+    engines: tuple[EngineResult, ...]
+    pause_seconds: float = 0.0
+    resume_seconds: float = 0.0
+    total_seconds: float = 0.0
+    resumed: tuple[str, ...] = ()   # engines serving again after the sync
+
+    @property
+    def failed(self) -> tuple[EngineResult, ...]:
+        return tuple(e for e in self.engines if not e.ok)
+
+
+class SyncFailed(TransferError):
+    """A broadcast finished with at least one engine failed; ``result`` says which."""
+
+    def __init__(self, message: str, *, result: SyncResult) -> None:
+        super().__init__(message, metadata={"failed": ",".join(e.engine_id for e in result.failed)})
+        self.result = result
+
+
+@dataclass
+class _Prepared:
+    plan: BucketPlan
+    sources: list[torch.Tensor]
+    digest: str
+
+
+class TrainerClient:
+    """Async context manager; see the module docstring.
+
+    Args:
+        coordinator: ``HOST:PORT`` of the coordinator.
+        transport: default data plane, ``"gloo"`` or ``"shm"``.
+        host: address engines use to reach this trainer's rendezvous store.
+        bucket_bytes: bucket size of the plan.
+        wire_dtype: cast floating tensors to this dtype on the way (fp32 -> bf16).
+        default_timeout_s: deadline of one ``update_weights`` when none is given.
+        resume_grace_s: budget of the resume that follows a failed or expired sync.
+        retry: retry policy for transient control-plane failures.
+    """
+
+    def __init__(self, coordinator: str, *, transport: str = "gloo", host: str = "127.0.0.1",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, wire_dtype: torch.dtype | None = None,
+                 default_timeout_s: float = 300.0, resume_grace_s: float = 30.0,
+                 retry: RetryPolicy | None = None) -> None:
+        self.coordinator = coordinator
+        self.transport = transports.kind_from_name(transport)
+        self.host = host
+        if bucket_bytes <= 0 or bucket_bytes % 8:
+            raise InvalidArgument("bucket_bytes must be a positive multiple of 8")
+        self.bucket_bytes = bucket_bytes
+        if wire_dtype is not None:
+            dtype_name(wire_dtype)
+        self.wire_dtype = wire_dtype
+        if default_timeout_s <= 0 or resume_grace_s <= 0:
+            raise InvalidArgument("timeouts must be positive")
+        self.default_timeout_s = default_timeout_s
+        self.resume_grace_s = resume_grace_s
+        self.retry = retry or RetryPolicy()
+        self._executor: ThreadPoolExecutor | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self._store = None
+        self._senders: dict[int, transports.Sender] = {}
+        self._plans: dict[tuple, BucketPlan] = {}
+        self._abort = threading.Event()
+        self._closed = False
+
+    # ----- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> TrainerClient:
+        """Opens the channel, the worker thread and the rendezvous store."""
+        if self._closed:
+            raise RuntimeError("TrainerClient is closed")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-transfer")
+            self._channel = grpc.aio.insecure_channel(self.coordinator, options=CHANNEL_OPTIONS)
+            self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        return self
+
+    async def aclose(self) -> None:
+        """Releases senders, the store, the thread and the channel. Idempotent; survives a
+        half-finished ``start``; raises an ExceptionGroup of every failure."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[Exception] = []
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            def close_thread_side() -> None:
+                for sender in self._senders.values():
+                    sender.close()
+                self._senders.clear()
+                self._store = None
+            try:
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(executor, close_thread_side), 30)
+            except Exception as exc:
+                errors.append(exc)
+            executor.shutdown(wait=False, cancel_futures=True)
+        if self._channel is not None:
+            try:
+                await self._channel.close(grace=None)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise ExceptionGroup("TrainerClient.aclose failed", errors)
+
+    async def __aenter__(self) -> TrainerClient:
+        try:
+            return await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def _ready(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        if self._stub is None or self._closed:
+            raise RuntimeError("TrainerClient is not started (use 'async with' or await start())")
+        return self._stub
+
+    async def _in_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """Runs blocking work on the transfer thread with the caller's context (deadline)."""
+        assert self._executor is not None
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: ctx.run(fn, *args, **kwargs))
+
+    # ----- the three calls ---------------------------------------------------------------
+
+    async def pause(self, *, mode: str = "keep", offload_kv: bool = False, required_engines: Iterable[str] = (),
+                    key: str | None = None, timeout_s: float | None = None) -> coordinator_pb2.PauseResponse:
+        """Pauses every available engine (a new round). ``mode``: keep | abort | wait."""
+        if mode not in PAUSE_MODES:
+            raise InvalidArgument(f"pause mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
+        stub = self._ready()
+        request = coordinator_pb2.PauseRequest(idempotency_key=key or new_key("pause"), mode=PAUSE_MODES[mode],
+                                               offload_kv=offload_kv, required_engines=list(required_engines))
+        with deadline.scope(timeout_s, operation="pause"), deadline.operation("pause"):
+            async def attempt(left):
+                request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
+                return await stub.Pause(request, timeout=left)
+            return await call_with_retry(self.retry, attempt, operation="pause")
+
+    async def resume(self, *, allow_torn: bool = False, key: str | None = None,
+                     timeout_s: float | None = None) -> coordinator_pb2.ResumeResponse:
+        """Resumes the round's engines; torn ones stay paused unless ``allow_torn``."""
+        stub = self._ready()
+        request = coordinator_pb2.ResumeRequest(idempotency_key=key or new_key("resume"), allow_torn=allow_torn)
+        with deadline.scope(timeout_s, operation="resume"), deadline.operation("resume"):
+            async def attempt(left):
+                request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
+                return await stub.Resume(request, timeout=left)
+            return await call_with_retry(self.retry, attempt, operation="resume")
+
+    async def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                        transport: str | None = None, key: str | None = None, timeout_s: float | None = None,
+                        verify_digest: bool = False) -> SyncResult:
+        """Sends ``named_tensors`` as weight ``version`` to the paused engines.
+
+        Raises:
+            SyncFailed: some engine did not get the weights (``.result`` has details).
+            StepTimeoutError: the deadline expired (operation ``broadcast``).
+            asyncio.CancelledError: after the running transfer ended, chained to its error.
+        """
+        stub = self._ready()
+        kind = transports.kind_from_name(transport) if transport else self.transport
+        if version <= 0:
+            raise InvalidArgument("version must be a positive integer")
+        key = key or new_key("broadcast")
+        with deadline.scope(timeout_s, operation="broadcast"), deadline.operation("broadcast"):
+            if self._store is None:  # hosted on first use: status-only clients never open a port
+                self._store = await self._in_thread(host_store, self.host, timeout_s=self.default_timeout_s)
+            prepared = await self._in_thread(self._prepare, named_tensors, verify_digest)
+            request = coordinator_pb2.BroadcastRequest(
+                idempotency_key=key, version=version, plan=prepared.plan.to_proto(), transport=kind,
+                store_host=self.host, store_port=self._store.port, weights_digest=prepared.digest)
+            return await self._broadcast(stub, request, prepared, kind)
+
+    async def _broadcast(self, stub, request, prepared: _Prepared, kind) -> SyncResult:
+        self._abort.clear()
+        transfer: asyncio.Future | None = None
+        result: coordinator_pb2.BroadcastResult | None = None
+        attempt = 0
+        try:
+            while result is None:
+                attempt += 1
+                left = deadline.remaining()
+                request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
+                try:
+                    async for event in stub.Broadcast(request, timeout=left):
+                        which = event.WhichOneof("event")
+                        if which == "rendezvous" and transfer is None:
+                            transfer = self._start_send(event.rendezvous, prepared, kind)
+                        elif which == "engine_failed":
+                            self._abort.set()  # stop sending to a round that cannot complete
+                        elif which == "result":
+                            result = event.result
+                    if result is None:
+                        raise TransferError("broadcast stream ended without a result")
+                except grpc.aio.AioRpcError as exc:
+                    delay = self.retry.backoff(attempt)
+                    left = deadline.remaining()
+                    # A retry with the same key attaches to the running round, never re-runs it.
+                    if is_transient(exc) and attempt < self.retry.max_attempts and (left is None or left > delay):
+                        await asyncio.sleep(delay)
+                        continue
+                    raise from_rpc_error(exc, operation="broadcast") from exc
+        except asyncio.CancelledError:
+            if transfer is not None:
+                await _wait_through_cancellation(transfer)
+                raise asyncio.CancelledError("broadcast cancelled") from transfer.exception()
+            raise
+        except BaseException:
+            if transfer is not None:
+                self._abort.set()
+                await _wait_through_cancellation(transfer)
+            raise
+        send_seconds = 0.0
+        if transfer is not None:
+            cancelled = await _wait_through_cancellation(transfer)
+            if cancelled:
+                raise asyncio.CancelledError("broadcast cancelled") from transfer.exception()
+            if transfer.exception() is None:
+                send_seconds = transfer.result().seconds
+        sync = SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
+                          transfer_seconds=send_seconds or result.seconds,
+                          engines=tuple(EngineResult.from_proto(o) for o in result.engines))
+        if not result.ok:
+            failed = "; ".join(f"{e.engine_id}: [{e.error_reason}] {e.error_message}" for e in sync.failed)
+            error = SyncFailed(f"broadcast of version {result.version} failed on {len(sync.failed)} "
+                               f"engine(s): {failed}", result=sync)
+            if transfer is not None and transfer.exception() is not None:
+                raise error from transfer.exception()
+            raise error
+        if transfer is not None and transfer.exception() is not None:
+            raise TransferError(f"sender failed: {transfer.exception()}") from transfer.exception()
+        return sync
+
+    def _start_send(self, rendezvous, prepared: _Prepared, kind) -> asyncio.Future:
+        deadline_at = time.monotonic() + (deadline.remaining(self.default_timeout_s) or 0.0)
+
+        def send():
+            sender = self._senders.get(kind)
+            if sender is None:
+                sender = self._senders[kind] = transports.make_sender(kind, self._store)
+            return sender.send(rendezvous, prepared.plan, prepared.sources, deadline_at=deadline_at,
+                               abort=self._abort)
+
+        ctx = contextvars.copy_context()
+        return asyncio.get_running_loop().run_in_executor(self._executor, lambda: ctx.run(send))
+
+    def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], with_digest: bool) -> _Prepared:
+        """Worker thread: detach, make contiguous, plan (cached), optional digest."""
+        pairs = [(n, t.detach().contiguous()) for n, t in named_tensors]
+        if not pairs:
+            raise InvalidArgument("no tensors to send")
+        wire = self.wire_dtype
+        specs = tuple((n, wire if (wire is not None and t.dtype.is_floating_point) else t.dtype, tuple(t.shape))
+                      for n, t in pairs)
+        cache_key = (specs, self.bucket_bytes)
+        plan = self._plans.get(cache_key)
+        if plan is None:  # plan once, replay every step
+            plan = BucketPlan.build(specs, bucket_bytes=self.bucket_bytes)
+            self._plans = {cache_key: plan}
+        digest = ""
+        if with_digest:
+            digest = weights_digest((n, t.to(s[1]) if t.dtype != s[1] else t) for (n, t), s in zip(pairs, specs,
+                                                                                                  strict=True))
+        return _Prepared(plan, [t for _, t in pairs], digest)
+
+    # ----- the whole sync -----------------------------------------------------------------
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                             transport: str | None = None, mode: str = "keep", offload_kv: bool = False,
+                             timeout_s: float | None = None, verify_digest: bool = False,
+                             required_engines: Iterable[str] = ()) -> SyncResult:
+        """Pause -> Broadcast -> Resume. Returns the broadcast's SyncResult with timings.
+
+        Do not modify the tensors until this returns: they are read on the worker thread.
+        """
+        started = time.monotonic()
+        budget = timeout_s if timeout_s is not None else self.default_timeout_s
+        with deadline.scope(budget, operation="sync"):
+            with deadline.operation("pause"):
+                t0 = time.monotonic()
+                await self.pause(mode=mode, offload_kv=offload_kv, required_engines=required_engines)
+                pause_s = time.monotonic() - t0
+            primary: BaseException | None = None
+            result: SyncResult | None = None
+            try:
+                with deadline.operation("broadcast"):
+                    result = await self.broadcast(named_tensors, version=version, transport=transport,
+                                                  verify_digest=verify_digest)
+            except BaseException as exc:
+                primary = exc
+                raise
+            finally:
+                t1 = time.monotonic()
+                resumed = await self._resume_after(primary)
+                resume_s = time.monotonic() - t1
+        assert result is not None
+        return SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
+                          transfer_seconds=result.transfer_seconds, engines=result.engines, pause_seconds=pause_s,
+                          resume_seconds=resume_s, total_seconds=time.monotonic() - started,
+                          resumed=tuple(resumed))
+
+    async def _resume_after(self, primary: BaseException | None) -> list[str]:
+        """Resume that always runs; its own budget if the sync's one is spent."""
+        left = deadline.remaining()
+        budget = self.resume_grace_s if left is None or left < 1.0 else left
+        try:
+            with deadline.scope(budget, operation="resume"), deadline.operation("resume"):
+                response = await self.resume()
+        except WeightSyncError as exc:
+            if primary is None:
+                raise
+            primary.add_note(f"resume after the failure also failed: {exc}")
+            return []
+        if primary is not None:
+            for o in response.engines:
+                if not o.ok:
+                    primary.add_note(f"{o.engine_id} stays paused: {outcome_error(o.error_reason, o.error_message)}")
+        return [o.engine_id for o in response.engines if o.ok]
+
+    async def get_state(self, *, include_digests: bool = False) -> coordinator_pb2.GetStateResponse:
+        """The coordinator's view: weight version, engines, the current round."""
+        stub = self._ready()
+
+        async def attempt(left):
+            return await stub.GetState(coordinator_pb2.GetStateRequest(include_digests=include_digests),
+                                       timeout=left if left is not None else 60.0)
+        return await call_with_retry(self.retry, attempt, operation="get_state")
+
+
+async def _wait_through_cancellation(future: asyncio.Future) -> bool:
+    """Waits until ``future`` is done even if cancelled meanwhile; True if a cancel arrived."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait({future})
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
+__all__ = ["TrainerClient", "SyncResult", "EngineResult", "SyncFailed", "PAUSE_MODES"]

@@ -1,0 +1,382 @@
+"""EngineAgent: the sidecar beside one engine.
+
+It serves the ``EngineAgent`` RPCs, drives its engine through an ``EngineAdapter``,
+joins the data plane to receive weights, and enforces the engine-side invariants
+whatever its callers send:
+
+1. KV before resume: ``Resume`` wakes the KV cache first; a receive that ran with the
+   KV cache offloaded wakes it when it ends, on success, failure and cancellation.
+2. No resume during a receive: ``Resume`` waits for a running receive to end.
+3. No torn weights served: a failed receive leaves the engine paused and ``torn``
+   (with the version it was moving to) until a good receive, unless the resume says
+   ``allow_torn``.
+10. Versions only go up: a receive for a version <= the served one is refused.
+
+Every mutating RPC goes through an in-memory ``IdempotencyStore`` (keys derived by
+the coordinator), so a retried Receive can never start a second transfer. Engine
+control runs on one thread, the transfer on another; the event loop only awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from weightsync import transport as transports
+from weightsync.engine.adapter import EngineAdapter
+from weightsync.engine.reference import validate_tags
+from weightsync.errors import (
+    EngineFault,
+    FailedPrecondition,
+    InvalidArgument,
+    StepTimeoutError,
+    TornWeightsError,
+    TransferError,
+    WeightSyncError,
+    abort_with,
+)
+from weightsync.idempotency import IdempotencyStore
+from weightsync.plan import BucketPlan, dtype_name
+from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+log = logging.getLogger("weightsync.agent")
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 60.0
+MAX_EVENTS = 10_000
+
+
+class AgentCore(agent_pb2_grpc.EngineAgentServicer):
+    """The agent's state machine and RPC handlers (see the module docstring)."""
+
+    def __init__(self, *, engine_id: str, adapter: EngineAdapter) -> None:
+        self.engine_id = engine_id
+        self.adapter = adapter
+        self.address = ""
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
+        self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
+        self._receivers: dict[int, transports.Receiver] = {}
+        self._idempotency = IdempotencyStore()
+        self._receive_task: asyncio.Future | None = None
+        self._abort = threading.Event()
+        self.torn = False
+        self.torn_version = 0
+        self.paused = False
+        self._kv_offloaded_for_sync = False
+        self._events: deque[common_pb2.Event] = deque(maxlen=MAX_EVENTS)
+        self._seq = 0
+        self.accepting = True
+
+    # ----- helpers --------------------------------------------------------------------
+
+    def record(self, kind: str, **fields: object) -> None:
+        """Appends to the agent's event log (GetEvents): what happened, in order."""
+        self._seq += 1
+        self._events.append(common_pb2.Event(seq=self._seq, unix_time=time.time(), kind=kind,
+                                             engine_id=self.engine_id,
+                                             fields={k: str(v) for k, v in fields.items()}))
+        log.info("%s %s", kind, fields or "")
+
+    async def _engine(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.copy_context()
+        return await loop.run_in_executor(self._control, lambda: ctx.run(fn, *args, **kwargs))
+
+    def _check_alive(self) -> None:
+        fault = self.adapter.fault()
+        if fault:
+            raise EngineFault(f"engine {self.engine_id} is dead: {fault}", metadata={"engine_id": self.engine_id})
+
+    def _outcome(self, ok: bool = True, **fields) -> common_pb2.EngineOutcome:
+        return common_pb2.EngineOutcome(engine_id=self.engine_id, ok=ok, weight_version=self.adapter.weight_version,
+                                        torn=self.torn, **fields)
+
+    async def _handle(self, context, key: str, operation: str, request, fn, response_type):
+        """Runs a mutating RPC through the idempotency store; errors become statuses."""
+        try:
+            if not self.accepting and operation not in ("resume",):
+                raise FailedPrecondition("agent is shutting down", reason="SHUTTING_DOWN")
+            return await self._idempotency.execute(key, operation, request, fn, response_type)
+        except WeightSyncError as exc:
+            await abort_with(context, exc)
+
+    @property
+    def asleep(self) -> list[str]:
+        return self._asleep_tags()
+
+    def _asleep_tags(self) -> list[str]:
+        engine = getattr(self.adapter, "engine", None)
+        return list(getattr(engine, "asleep", []))
+
+    def state(self, *, include_digest: bool = False) -> common_pb2.EngineState:
+        """This engine's state as reported to the coordinator and to GetState."""
+        running, queued = self.adapter.counts()
+        fault = self.adapter.fault() or ""
+        return common_pb2.EngineState(
+            engine_id=self.engine_id, address=self.address, available=not fault, paused=self.paused,
+            receiving=self._receive_task is not None and not self._receive_task.done(),
+            faulted=bool(fault), fault=fault, weight_version=self.adapter.weight_version, torn=self.torn,
+            torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
+            weights_digest=self.adapter.weights_digest() if include_digest else "",
+            running_requests=running, queued_requests=queued)
+
+    # ----- RPCs: control --------------------------------------------------------------
+
+    async def Pause(self, request, context):
+        return await self._handle(context, request.idempotency_key, "pause", request,
+                                  lambda: self._pause(request), common_pb2.EngineOutcome)
+
+    async def _pause(self, request) -> common_pb2.EngineOutcome:
+        self._check_alive()
+        if request.mode not in (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT):
+            raise InvalidArgument(f"pause mode must be KEEP, ABORT or WAIT, got {request.mode}")
+        timeout_s = request.timeout_s or DEFAULT_TIMEOUT_S
+        await self._engine(self.adapter.pause, request.mode, timeout_s=timeout_s)
+        self.paused = True
+        self.record("paused", mode=common_pb2.PauseMode.Name(request.mode))
+        if request.offload_kv:
+            slept = await self._engine(self.adapter.sleep, ["kv_cache"])
+            if slept:
+                self._kv_offloaded_for_sync = True
+                self.record("kv_asleep")
+        return self._outcome()
+
+    async def Sleep(self, request, context):
+        return await self._handle(context, request.idempotency_key, "sleep", request,
+                                  lambda: self._sleep(request), common_pb2.EngineOutcome)
+
+    async def _sleep(self, request) -> common_pb2.EngineOutcome:
+        self._check_alive()
+        tags = validate_tags(request.tags)
+        if not self.paused:
+            raise FailedPrecondition("sleep needs a paused engine: call Pause first")
+        slept = await self._engine(self.adapter.sleep, tags)
+        for tag in slept:
+            self.record(f"{tag}_asleep".replace("kv_cache", "kv"))
+        return self._outcome()
+
+    async def Wake(self, request, context):
+        return await self._handle(context, request.idempotency_key, "wake", request,
+                                  lambda: self._wake(request), common_pb2.EngineOutcome)
+
+    async def _wake(self, request) -> common_pb2.EngineOutcome:
+        self._check_alive()
+        tags = validate_tags(request.tags)
+        await self._wake_tags(tags)
+        return self._outcome()
+
+    async def _wake_tags(self, tags: list[str]) -> None:
+        woken = await self._engine(self.adapter.wake, tags)
+        if "weights" in woken:
+            # Woken weights are empty storage: nothing trustworthy until a good receive.
+            self.torn, self.torn_version = True, self.torn_version or 0
+            self.record("weights_awake")
+        if "kv_cache" in woken:
+            self._kv_offloaded_for_sync = False
+            self.record("kv_awake")
+
+    async def Resume(self, request, context):
+        return await self._handle(context, request.idempotency_key, "resume", request,
+                                  lambda: self._resume(request), common_pb2.EngineOutcome)
+
+    async def _resume(self, request) -> common_pb2.EngineOutcome:
+        self._check_alive()
+        timeout_s = request.timeout_s or DEFAULT_TIMEOUT_S
+        task = self._receive_task
+        if task is not None and not task.done():
+            # Invariant 2: never resume while bytes are still landing in the engine.
+            self.record("resume_waits_for_receive")
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                raise StepTimeoutError("resume waited too long for a running receive", operation="resume")
+        if "weights" in self._asleep_tags():
+            await self._wake_tags(["weights"])
+        if self.torn and not request.allow_torn:
+            raise TornWeightsError(
+                f"engine {self.engine_id} holds torn weights (failed move to version {self.torn_version}); "
+                "it stays paused until a good broadcast or a resume with allow_torn",
+                metadata={"engine_id": self.engine_id, "torn_version": str(self.torn_version)})
+        if "kv_cache" in self._asleep_tags():
+            await self._wake_tags(["kv_cache"])  # Invariant 1: KV awake before any step
+        await self._engine(self.adapter.resume)
+        self.paused = False
+        self.record("resumed", allow_torn=request.allow_torn, torn=self.torn)
+        return self._outcome()
+
+    # ----- RPCs: weights --------------------------------------------------------------
+
+    async def Receive(self, request, context):
+        if request.validate_only:
+            try:
+                self._check_alive()
+                self.validate_receive(request)
+            except WeightSyncError as exc:
+                await abort_with(context, exc)
+            return self._outcome()
+        return await self._handle(context, request.idempotency_key, "receive", request,
+                                  lambda: self._receive(request), common_pb2.EngineOutcome)
+
+    def validate_receive(self, request) -> tuple[BucketPlan, transports.Receiver]:
+        """Checks everything about a Receive before anything changes."""
+        plan = BucketPlan.from_proto(request.plan)
+        specs = self.adapter.tensor_specs()
+        names = [s.name for s in plan.slots]
+        unknown = [n for n in names if n not in specs]
+        if unknown:
+            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown[:5]}",
+                                  metadata={"tensor": unknown[0]})
+        missing = [n for n in specs if n not in set(names)]
+        if missing:
+            raise InvalidArgument(f"plan lacks engine tensors: {missing[:5]} (a sync must cover every weight)",
+                                  metadata={"tensor": missing[0]})
+        for slot in plan.slots:
+            dtype, shape = specs[slot.name]
+            if slot.dtype != dtype:
+                raise InvalidArgument(f"tensor {slot.name!r}: plan dtype {dtype_name(slot.dtype)} != engine "
+                                      f"dtype {dtype_name(dtype)}", metadata={"tensor": slot.name})
+            if tuple(slot.shape) != tuple(shape):
+                raise InvalidArgument(f"tensor {slot.name!r}: plan shape {list(slot.shape)} != engine shape "
+                                      f"{list(shape)}", metadata={"tensor": slot.name})
+        rdzv = request.rendezvous
+        if rdzv.transport not in transports.KIND_NAMES:
+            raise InvalidArgument(f"unknown transport {rdzv.transport}")
+        if not rdzv.group_id or not rdzv.session_id or not rdzv.store_host:
+            raise InvalidArgument("rendezvous needs group_id, session_id and store_host")
+        if not 0 < rdzv.store_port < 65536:
+            raise InvalidArgument(f"bad rendezvous store port {rdzv.store_port}")
+        if rdzv.world_size < 2 or not 1 <= request.rank < rdzv.world_size:
+            raise InvalidArgument(f"rank {request.rank} is not a receiver rank of world {rdzv.world_size}")
+        if request.version <= self.adapter.weight_version:
+            raise FailedPrecondition(f"version {request.version} is not newer than the served version "
+                                     f"{self.adapter.weight_version}", reason="VERSION_NOT_NEWER")
+        receiver = self._receivers.get(rdzv.transport)
+        if receiver is None:
+            receiver = transports.make_receiver(rdzv.transport)
+            self._receivers[rdzv.transport] = receiver
+        return plan, receiver
+
+    async def _receive(self, request) -> common_pb2.EngineOutcome:
+        self._check_alive()
+        plan, receiver = self.validate_receive(request)
+        if not self.paused:
+            raise FailedPrecondition("receive needs a paused engine: call Pause first")
+        if self._receive_task is not None and not self._receive_task.done():
+            raise FailedPrecondition("a receive is already running on this engine")
+        if "weights" in self._asleep_tags():
+            await self._wake_tags(["weights"])
+        loop = asyncio.get_running_loop()
+        self._receive_task = loop.create_future()
+        timeout_s = request.timeout_s or DEFAULT_TIMEOUT_S
+        deadline_at = time.monotonic() + timeout_s
+        self._abort.clear()
+        self.record("transfer_started", version=request.version, bytes=plan.total_bytes)
+        started = time.monotonic()
+        error: BaseException | None = None
+        cancelled = False
+        try:
+            targets = self.adapter.load_targets(plan)
+            ctx = contextvars.copy_context()
+            transfer = loop.run_in_executor(
+                self._transfer, lambda: ctx.run(receiver.receive, request.rendezvous, request.rank, plan, targets,
+                                                deadline_at=deadline_at, abort=self._abort))
+            # Invariant 6 on the engine side: a cancelled RPC still waits for the bytes.
+            while not transfer.done():
+                try:
+                    await asyncio.wait({transfer})
+                except asyncio.CancelledError:
+                    cancelled = True
+            error = transfer.exception()
+            if error is None and request.weights_digest:
+                digest = await self._engine(self.adapter.weights_digest)
+                if digest != request.weights_digest:
+                    error = TransferError("received weights do not match the trainer's digest")
+        except Exception as exc:  # anything before or around the transfer: nothing trustworthy landed
+            error = exc
+        seconds = time.monotonic() - started
+        if error is None:
+            self.adapter.commit(request.version)
+            self.torn, self.torn_version = False, 0
+            self.record("transfer_done", version=request.version, seconds=f"{seconds:.4f}")
+        else:
+            self.torn, self.torn_version = True, request.version
+            self.record("transfer_failed", version=request.version, error=str(error))
+        self._receive_task.set_result(None)
+        if self._kv_offloaded_for_sync and "kv_cache" in self._asleep_tags():
+            await asyncio.shield(self._wake_tags(["kv_cache"]))
+        if cancelled:
+            raise asyncio.CancelledError() from error
+        if error is not None:
+            if isinstance(error, WeightSyncError):
+                raise error
+            raise TransferError(f"receive failed: {error!r}") from error
+        return self._outcome(bytes=plan.total_bytes, seconds=seconds, rank=request.rank)
+
+    # ----- RPCs: queries and generation -----------------------------------------------
+
+    async def GetState(self, request, context):
+        if request.include_digest:
+            return await self._engine(lambda: self.state(include_digest=True))
+        return self.state()
+
+    async def Generate(self, request, context):
+        async def submit() -> agent_pb2.GenerateResponse:
+            self._check_alive()
+            rid = await self._engine(self.adapter.submit, list(request.prompt), request.max_tokens)
+            return agent_pb2.GenerateResponse(request_id=rid)
+        return await self._handle(context, request.idempotency_key, "generate", request, submit,
+                                  agent_pb2.GenerateResponse)
+
+    async def GetGeneration(self, request, context):
+        try:
+            wait_s = min(max(request.wait_s, 0.0), 60.0)
+            # Waiting happens on a worker thread, not the control thread, so a long
+            # poll never delays a Pause.
+            req = await asyncio.to_thread(self.adapter.get, request.request_id, wait_s)
+        except WeightSyncError as exc:
+            await abort_with(context, exc)
+            return
+        return agent_pb2.Generation(request_id=req.request_id, status=req.status, tokens=list(req.tokens),
+                                    versions=list(req.versions), error=req.error)
+
+    async def GetEvents(self, request, context):
+        return agent_pb2.GetEventsResponse(events=[e for e in self._events if e.seq > request.after_seq])
+
+    # ----- lifecycle ------------------------------------------------------------------
+
+    async def drain(self, grace_s: float) -> None:
+        """Stops new work; lets a running receive finish within ``grace_s``, else abandons it
+        (the engine stays paused and torn, never resumed mid-transfer)."""
+        self.accepting = False
+        task = self._receive_task
+        if task is not None and not task.done():
+            done, _ = await asyncio.wait({task}, timeout=grace_s)
+            if not done:
+                self._abort.set()
+                await asyncio.wait({task}, timeout=grace_s)
+
+    def close(self, timeout_s: float = 10.0) -> list[BaseException]:
+        """Closes receivers, the engine and the threads; returns every failure (never raises)."""
+        errors: list[BaseException] = []
+        for receiver in self._receivers.values():
+            try:
+                receiver.close()
+            except Exception as exc:
+                errors.append(exc)
+        self._receivers.clear()
+        try:
+            self.adapter.close()
+        except Exception as exc:
+            errors.append(exc)
+        for executor in (self._control, self._transfer):
+            executor.shutdown(wait=False, cancel_futures=True)
+        return errors
+
+
+__all__ = ["AgentCore", "DEFAULT_TIMEOUT_S"]

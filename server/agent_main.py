@@ -1,0 +1,175 @@
+"""``weightsync agent``: runs one EngineAgent process until SIGTERM/SIGINT.
+
+Start-up: engine, gRPC server (EngineAgent + health + reflection), port file,
+registration with the coordinator (retried until a deadline), heartbeats.
+Shutdown (first signal; later ones are ignored so they cannot cut cleanup short):
+health NOT_SERVING, stop taking work, let a running receive finish within the grace
+period, deregister, stop the server, close the engine. Every step runs even if an
+earlier one failed; all failures are reported together and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from weightsync.server.agent import AgentCore
+from weightsync.server.serving import (
+    CHANNEL_OPTIONS,
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    bind,
+    set_not_serving,
+    write_port_file,
+)
+
+from weightsync.engine.adapter import ReferenceAdapter
+from weightsync.engine.model import resolve_config
+from weightsync.errors import InvalidArgument
+from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("weightsync.agent")
+SERVICE = agent_pb2.DESCRIPTOR.services_by_name["EngineAgent"].full_name
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """Options of ``weightsync agent``."""
+
+    coordinator: str
+    engine: str = "reference"
+    model: str = "tiny"
+    listen: str = "127.0.0.1:0"
+    engine_id: str = ""
+    port_file: str = ""
+    register_timeout_s: float = 30.0
+    shutdown_grace_s: float = 10.0
+    step_delay_s: float = 0.0
+
+
+async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
+    """Registers (one key for all attempts); returns the heartbeat interval."""
+    request = coordinator_pb2.RegisterEngineRequest(
+        idempotency_key=f"register-{core.engine_id}-{uuid.uuid4().hex}", engine_id=core.engine_id,
+        agent_address=core.address, model=options.model)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + options.register_timeout_s
+    delay = 0.1
+    while True:
+        try:
+            response = await stub.RegisterEngine(request, timeout=max(0.1, deadline - loop.time()))
+            return response.heartbeat_interval_s or 0.5
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                    or loop.time() + delay >= deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+async def _heartbeats(stub, core: AgentCore, options: AgentOptions, interval_s: float) -> None:
+    """Reports state every ``interval_s``; re-registers if the coordinator forgot us."""
+    while True:
+        try:
+            response = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(state=core.state()),
+                                            timeout=max(interval_s * 4, 1.0))
+            if not response.registered:
+                interval_s = await _register(stub, core, options)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("heartbeat failed: %s", exc.code().name)
+        await asyncio.sleep(interval_s)
+
+
+async def run_agent(options: AgentOptions) -> int:
+    """Runs the agent until a signal; returns the process exit code."""
+    if options.engine != "reference":
+        raise InvalidArgument(f"engine {options.engine!r} is not supported by this build; use 'reference'")
+    engine_id = options.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            log.warning("signal %d during shutdown ignored; cleanup continues", signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    core = server = channel = heartbeat = health = None
+    errors: list[BaseException] = []
+    try:
+        core = AgentCore(engine_id=engine_id,
+                         adapter=ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s))
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        agent_pb2_grpc.add_EngineAgentServicer_to_server(core, server)
+        health = add_health_and_reflection(server, [SERVICE])
+        core.address = bind(server, options.listen)
+        await server.start()
+        channel = grpc.aio.insecure_channel(options.coordinator, options=CHANNEL_OPTIONS)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        interval = await _register(stub, core, options)
+        if options.port_file:
+            write_port_file(options.port_file, core.address)
+        log.info("agent %s serving on %s, registered with %s", engine_id, core.address, options.coordinator)
+        heartbeat = asyncio.create_task(_heartbeats(stub, core, options, interval))
+        await stop.wait()
+    except Exception as exc:
+        errors.append(exc)
+    finally:
+        errors += await _shutdown(core, server, channel, heartbeat, health, options)
+    if errors:
+        log.error("agent %s stopped with errors: %r", engine_id, ExceptionGroup("agent shutdown", errors))
+        return 1
+    return 0
+
+
+async def _shutdown(core, server, channel, heartbeat, health, options: AgentOptions) -> list[BaseException]:
+    """Every step runs whatever failed before it; returns every failure."""
+    errors: list[BaseException] = []
+    grace = options.shutdown_grace_s
+
+    async def step(name: str, coro) -> None:
+        try:
+            await asyncio.wait_for(coro, timeout=grace)
+        except Exception as exc:
+            log.error("shutdown step %s failed: %r", name, exc)
+            errors.append(exc)
+
+    if health is not None:
+        set_not_serving(health, [SERVICE])
+    if core is not None:
+        await step("drain", core.drain(grace))
+    if heartbeat is not None:
+        heartbeat.cancel()
+        await asyncio.wait({heartbeat}, timeout=grace)
+    if channel is not None and core is not None:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        await step("deregister", _deregister(stub, core))
+    if server is not None:
+        await step("server", server.stop(grace))
+    if core is not None:
+        errors += await asyncio.to_thread(core.close)
+    if channel is not None:
+        await step("channel", channel.close(grace=None))
+    return errors
+
+
+async def _deregister(stub, core: AgentCore) -> None:
+    try:
+        await stub.DeregisterEngine(coordinator_pb2.DeregisterEngineRequest(
+            idempotency_key=f"deregister-{core.engine_id}-{uuid.uuid4().hex}", engine_id=core.engine_id), timeout=5.0)
+    except grpc.aio.AioRpcError as exc:
+        # A coordinator that is already gone cannot be told; that is not our failure.
+        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT):
+            raise
+
+
+__all__ = ["AgentOptions", "run_agent"]

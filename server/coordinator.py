@@ -1,0 +1,483 @@
+"""Coordinator: the control plane of sync rounds. It never touches tensor bytes.
+
+A round is ``Pause`` -> ``Broadcast`` -> ``Resume``:
+- ``Pause`` fixes the round's members (available engines; ``required_engines`` must
+  be among them) and pauses them concurrently.
+- ``Broadcast`` first asks every member to validate the request (``validate_only``),
+  so a plan one engine rejects changes nothing anywhere; then it streams the
+  ``Rendezvous`` to the trainer, fans ``Receive`` out to every member with a
+  deadline and streams the result. A failure bumps the group epoch, so the next
+  round builds a fresh data-plane group instead of reusing a broken one.
+- ``Resume`` resumes the members; engines holding torn weights refuse (they stay
+  paused) unless ``allow_torn``.
+
+Every mutating RPC runs through the SQLite-backed ``IdempotencyStore``; per-engine
+keys are derived from the trainer's key, so a retried Broadcast can never start a
+second receive on any engine. Round state and the weight version persist in SQLite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import grpc
+from weightsync.server.registry import EngineRecord, EngineRegistry
+
+from weightsync import transport as transports
+from weightsync.errors import (
+    EngineUnavailable,
+    FailedPrecondition,
+    InvalidArgument,
+    StepTimeoutError,
+    WeightSyncError,
+    abort_with,
+    from_rpc_error,
+)
+from weightsync.idempotency import IdempotencyStore, derive_key, validate_key
+from weightsync.plan import BucketPlan
+from weightsync.statedb import StateDB, get_meta, set_meta
+from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("weightsync.coordinator")
+
+DEFAULT_PAUSE_TIMEOUT_S = 60.0
+DEFAULT_TRANSFER_TIMEOUT_S = 300.0
+RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinator's RPC one
+MAX_EVENTS = 10_000
+MAX_ENGINE_ID_LEN = 128
+
+
+def _failed(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
+    return common_pb2.EngineOutcome(engine_id=engine_id, ok=False, error_reason=error.reason,
+                                    error_message=error.message)
+
+
+class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
+    """The Coordinator service (see the module docstring)."""
+
+    def __init__(self, db: StateDB, *, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
+                 idempotency_retention_s: float = 24 * 3600.0, idempotency_max_records: int = 100_000) -> None:
+        self.db = db
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.registry = EngineRegistry(heartbeat_timeout_s=heartbeat_timeout_s)
+        self.idempotency = IdempotencyStore(db, retention_s=idempotency_retention_s,
+                                            max_records=idempotency_max_records)
+        self._events: deque[common_pb2.Event] = deque(maxlen=MAX_EVENTS)
+        self._event_cond = asyncio.Condition()
+        self._seq = 0
+        self._round_lock = asyncio.Lock()
+        self.accepting = True
+        self._load()
+
+    # ----- persistent state -------------------------------------------------------------
+
+    def _load(self) -> None:
+        aborted = self.idempotency.recover()
+
+        def read(conn):
+            meta = {k: get_meta(conn, k, d) for k, d in
+                    (("weight_version", "0"), ("epoch", "0"), ("round_id", "0"), ("phase", "idle"),
+                     ("round_engines", "[]"), ("target_version", "0"))}
+            engines = conn.execute("SELECT engine_id, address, model FROM engines").fetchall()
+            if meta["phase"] == "broadcasting":
+                # A Broadcast was running when we died: its transfer did not complete
+                # here, so the next one must build a fresh group.
+                meta["phase"] = "failed"
+                meta["epoch"] = str(int(meta["epoch"]) + 1)
+                set_meta(conn, "phase", meta["phase"])
+                set_meta(conn, "epoch", meta["epoch"])
+            return meta, engines
+
+        meta, engines = self.db.run_sync(read)
+        self.weight_version = int(meta["weight_version"])
+        self.epoch = int(meta["epoch"])
+        self.round_id = int(meta["round_id"])
+        self.phase = meta["phase"]
+        self.round_engines: list[str] = json.loads(meta["round_engines"])
+        self.target_version = int(meta["target_version"])
+        self._persisted_engines = engines
+        if aborted:
+            log.warning("finished %d interrupted operation(s) as ABORTED", aborted)
+
+    def restore_engines(self) -> None:
+        """Recreates channels to the engines known before a restart (unavailable until they heartbeat)."""
+        for engine_id, address, model in self._persisted_engines:
+            self.registry.upsert(engine_id, address, model, heartbeat=False)
+
+    async def _save_round(self, **extra: object) -> None:
+        values = {"round_id": self.round_id, "phase": self.phase, "round_engines": json.dumps(self.round_engines),
+                  "epoch": self.epoch, "weight_version": self.weight_version,
+                  "target_version": self.target_version, **extra}
+
+        def save(conn):
+            for key, value in values.items():
+                set_meta(conn, key, value)
+
+        await self.db.run(save)
+
+    # ----- events -----------------------------------------------------------------------
+
+    async def emit(self, kind: str, engine_id: str = "", **fields: object) -> None:
+        """Adds an event to the stream WatchEvents serves."""
+        self._seq += 1
+        self._events.append(common_pb2.Event(seq=self._seq, unix_time=time.time(), kind=kind, engine_id=engine_id,
+                                             fields={k: str(v) for k, v in fields.items()}))
+        log.info("%s %s %s", kind, engine_id, fields or "")
+        async with self._event_cond:
+            self._event_cond.notify_all()
+
+    # ----- helpers ----------------------------------------------------------------------
+
+    async def _guard(self, context, coro_fn: Callable[[], Awaitable]):
+        try:
+            if not self.accepting:
+                raise EngineUnavailable("coordinator is shutting down", reason="SHUTTING_DOWN")
+            return await coro_fn()
+        except WeightSyncError as exc:
+            await abort_with(context, exc)
+
+    async def _fan_out(self, records: list[EngineRecord], call: Callable[[EngineRecord], Awaitable],
+                       *, operation: str) -> list[common_pb2.EngineOutcome]:
+        """Calls every engine concurrently; each failure becomes that engine's outcome."""
+        async def one(record: EngineRecord) -> common_pb2.EngineOutcome:
+            try:
+                outcome = await call(record)
+                outcome.engine_id = record.engine_id
+                return outcome
+            except grpc.aio.AioRpcError as exc:
+                error = from_rpc_error(exc, operation=operation)
+                if isinstance(error, StepTimeoutError):
+                    error.metadata["engine_id"] = record.engine_id
+                return _failed(record.engine_id, error)
+            except WeightSyncError as exc:
+                return _failed(record.engine_id, exc)
+        return list(await asyncio.gather(*(one(r) for r in records)))
+
+    def _members(self) -> list[EngineRecord]:
+        records = []
+        for engine_id in self.round_engines:
+            record = self.registry.get(engine_id)
+            if record is not None:
+                records.append(record)
+        return records
+
+    # ----- Pause ------------------------------------------------------------------------
+
+    async def Pause(self, request, context):
+        return await self._guard(context, lambda: self.idempotency.execute(
+            request.idempotency_key, "pause", request, lambda: self._pause(request), coordinator_pb2.PauseResponse))
+
+    async def _pause(self, request) -> coordinator_pb2.PauseResponse:
+        if request.mode not in (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT):
+            raise InvalidArgument(f"pause mode must be KEEP, ABORT or WAIT, got {request.mode}")
+        if request.timeout_s < 0:
+            raise InvalidArgument("timeout_s must not be negative")
+        async with self._round_lock:
+            if self.phase == "broadcasting":
+                raise FailedPrecondition("a broadcast is running; wait for its result")
+            available = {r.engine_id: r for r in self.registry.available()}
+            missing = [e for e in request.required_engines if e not in available]
+            if missing:
+                raise EngineUnavailable(f"required engines unavailable: {missing}",
+                                        metadata={"engines": ",".join(missing)})
+            members = list(available.values())
+            # Engines of an unfinished round (for example torn ones) stay members.
+            for engine_id in self.round_engines:
+                record = self.registry.get(engine_id)
+                if record is not None and engine_id not in available and self.registry.is_available(record):
+                    members.append(record)
+            if not members:
+                raise EngineUnavailable("no engine is available")
+            timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
+
+            def call(record: EngineRecord):
+                return record.stub.Pause(agent_pb2.AgentPauseRequest(
+                    idempotency_key=derive_key(request.idempotency_key, record.engine_id), mode=request.mode,
+                    offload_kv=request.offload_kv, timeout_s=timeout_s), timeout=timeout_s + RPC_MARGIN_S)
+
+            outcomes = await self._fan_out(members, call, operation="pause")
+            self.round_id += 1
+            self.round_engines = [o.engine_id for o in outcomes if o.ok]
+            self.phase = "paused" if self.round_engines else "idle"
+            await self._save_round()
+            await self.emit("paused", round_id=self.round_id, engines=",".join(self.round_engines),
+                            failed=",".join(o.engine_id for o in outcomes if not o.ok))
+            return coordinator_pb2.PauseResponse(round_id=self.round_id, engines=outcomes)
+
+    # ----- Broadcast --------------------------------------------------------------------
+
+    async def Broadcast(self, request, context):
+        try:
+            validate_key(request.idempotency_key)
+        except WeightSyncError as exc:
+            await abort_with(context, exc)
+        # Only the caller that starts the operation gets its progress events; a caller
+        # that attaches to a running or finished one gets just the result.
+        progress: asyncio.Queue[coordinator_pb2.BroadcastEvent] = asyncio.Queue()
+        operation = asyncio.ensure_future(self._guard_broadcast(request, progress))
+        while True:
+            getter = asyncio.ensure_future(progress.get())
+            try:
+                await asyncio.wait({operation, getter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if getter.done() and not getter.cancelled():
+                yield getter.result()
+                continue
+            break
+        while not progress.empty():
+            yield progress.get_nowait()
+        try:
+            # shield: a caller that goes away does not cancel the round; its retry attaches.
+            result = await asyncio.shield(operation)
+        except WeightSyncError as exc:
+            await abort_with(context, exc)
+            return
+        yield coordinator_pb2.BroadcastEvent(result=result)
+
+    async def _guard_broadcast(self, request, progress) -> coordinator_pb2.BroadcastResult:
+        if not self.accepting:
+            raise EngineUnavailable("coordinator is shutting down", reason="SHUTTING_DOWN")
+        return await self.idempotency.execute(request.idempotency_key, "broadcast", request,
+                                              lambda: self._broadcast(request, progress),
+                                              coordinator_pb2.BroadcastResult)
+
+    def _validate_broadcast(self, request) -> BucketPlan:
+        plan = BucketPlan.from_proto(request.plan)
+        if request.transport not in transports.KIND_NAMES:
+            raise InvalidArgument(f"unknown transport {request.transport}")
+        if not request.store_host or not 0 < request.store_port < 65536:
+            raise InvalidArgument("store_host and a store_port in 1..65535 are required")
+        if request.timeout_s < 0:
+            raise InvalidArgument("timeout_s must not be negative")
+        if request.version <= self.weight_version:
+            raise FailedPrecondition(f"version {request.version} is not newer than the current version "
+                                     f"{self.weight_version}", reason="VERSION_NOT_NEWER")
+        return plan
+
+    async def _broadcast(self, request, progress: asyncio.Queue) -> coordinator_pb2.BroadcastResult:
+        async with self._round_lock:
+            plan = self._validate_broadcast(request)
+            if self.phase not in ("paused", "failed", "broadcast_done"):
+                raise FailedPrecondition(f"no paused round (phase {self.phase!r}): call Pause first")
+            members = [r for r in self._members() if self.registry.is_available(r)]
+            gone = [e for e in self.round_engines if e not in {r.engine_id for r in members}]
+            if not members:
+                raise EngineUnavailable("no engine of the paused round is available")
+            timeout_s = request.timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
+            ranks = {r.engine_id: i + 1 for i, r in enumerate(members)}
+            membership = "|".join(f"{e}={ranks[e]}" for e in sorted(ranks))
+            group_hash = hashlib.blake2b(
+                f"{request.transport}|{request.store_host}:{request.store_port}|{membership}".encode(),
+                digest_size=8).hexdigest()
+            rendezvous = common_pb2.Rendezvous(
+                group_id=f"e{self.epoch}-{group_hash}", transport=request.transport,
+                store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
+                session_id=uuid.uuid4().hex)
+
+            def receive_request(record: EngineRecord, validate_only: bool) -> agent_pb2.ReceiveRequest:
+                return agent_pb2.ReceiveRequest(
+                    idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
+                    plan=request.plan, rendezvous=rendezvous, rank=ranks[record.engine_id],
+                    weights_digest=request.weights_digest, timeout_s=timeout_s, validate_only=validate_only)
+
+            # Phase 1: every engine checks the request; nothing changes anywhere yet.
+            checks = await self._fan_out(
+                members, lambda r: r.stub.Receive(receive_request(r, True), timeout=30.0), operation="validate")
+            rejected = [o for o in checks if not o.ok]
+            if rejected:
+                first = rejected[0]
+                detail = "; ".join(f"{o.engine_id}: {o.error_message}" for o in rejected)
+                if first.error_reason == InvalidArgument.reason:
+                    raise InvalidArgument(f"engine rejected the broadcast: {detail}",
+                                          metadata={"engine_id": first.engine_id})
+                raise FailedPrecondition(f"engine cannot take the broadcast: {detail}",
+                                         reason=first.error_reason or "FAILED_PRECONDITION",
+                                         metadata={"engine_id": first.engine_id})
+
+            # Phase 2: the transfer.
+            self.phase, self.target_version = "broadcasting", request.version
+            await self._save_round()
+            await self.emit("broadcast_started", version=request.version, bytes=plan.total_bytes,
+                            engines=",".join(ranks), transport=transports.KIND_NAMES[request.transport])
+            progress.put_nowait(coordinator_pb2.BroadcastEvent(rendezvous=rendezvous))
+            started = time.monotonic()
+
+            async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
+                try:
+                    return await record.stub.Receive(receive_request(record, False), timeout=timeout_s + RPC_MARGIN_S)
+                except grpc.aio.AioRpcError as exc:
+                    # Tell the trainer now, so it stops sending instead of waiting out
+                    # its deadline for an engine that will never acknowledge.
+                    error = from_rpc_error(exc, operation="broadcast")
+                    progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, error)))
+                    raise
+
+            outcomes = await self._fan_out(members, receive, operation="broadcast")
+            for o in outcomes:
+                o.rank = ranks[o.engine_id]
+            for engine_id in gone:
+                outcomes.append(_failed(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
+            seconds = time.monotonic() - started
+            ok = all(o.ok for o in outcomes)
+            if ok:
+                self.weight_version = request.version
+                self.phase = "broadcast_done"
+            else:
+                self.phase = "failed"
+                self.epoch += 1  # never reuse a group that saw a failure
+            await self._save_round()
+            for o in outcomes:
+                await self.emit("engine_received" if o.ok else "engine_failed", o.engine_id,
+                                version=request.version, reason=o.error_reason, message=o.error_message)
+            await self.emit("broadcast_done" if ok else "broadcast_failed", version=request.version,
+                            seconds=f"{seconds:.4f}")
+            return coordinator_pb2.BroadcastResult(version=request.version, ok=ok, engines=outcomes,
+                                                   bytes=plan.total_bytes, seconds=seconds)
+
+    # ----- Resume -----------------------------------------------------------------------
+
+    async def Resume(self, request, context):
+        return await self._guard(context, lambda: self.idempotency.execute(
+            request.idempotency_key, "resume", request, lambda: self._resume(request),
+            coordinator_pb2.ResumeResponse))
+
+    async def _resume(self, request) -> coordinator_pb2.ResumeResponse:
+        if request.timeout_s < 0:
+            raise InvalidArgument("timeout_s must not be negative")
+        async with self._round_lock:
+            if self.phase == "idle" or not self.round_engines:
+                return coordinator_pb2.ResumeResponse()
+            timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
+            members = self._members()
+
+            def call(record: EngineRecord):
+                return record.stub.Resume(agent_pb2.AgentResumeRequest(
+                    idempotency_key=derive_key(request.idempotency_key, record.engine_id),
+                    allow_torn=request.allow_torn, timeout_s=timeout_s), timeout=timeout_s + RPC_MARGIN_S)
+
+            outcomes = await self._fan_out(members, call, operation="resume")
+            still_paused = [o.engine_id for o in outcomes if not o.ok]
+            self.round_engines = still_paused  # they stay members until a good round
+            self.phase = "failed" if still_paused else "idle"
+            await self._save_round()
+            await self.emit("resumed", engines=",".join(o.engine_id for o in outcomes if o.ok),
+                            still_paused=",".join(still_paused))
+            return coordinator_pb2.ResumeResponse(engines=outcomes)
+
+    # ----- registry ---------------------------------------------------------------------
+
+    async def RegisterEngine(self, request, context):
+        return await self._guard(context, lambda: self.idempotency.execute(
+            request.idempotency_key, "register", request, lambda: self._register(request),
+            coordinator_pb2.RegisterEngineResponse))
+
+    async def _register(self, request) -> coordinator_pb2.RegisterEngineResponse:
+        engine_id = request.engine_id
+        if not engine_id or len(engine_id) > MAX_ENGINE_ID_LEN or not all(32 < ord(c) < 127 for c in engine_id):
+            raise InvalidArgument("engine_id must be 1-128 printable ASCII characters without spaces")
+        host, sep, port = request.agent_address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(f"agent_address must be HOST:PORT, got {request.agent_address!r}")
+        record, stale = self.registry.upsert(engine_id, request.agent_address, request.model, heartbeat=True)
+        if stale is not None:
+            await stale.close(grace=None)
+
+        def save(conn):
+            conn.execute("INSERT INTO engines(engine_id, address, model, registered_at) VALUES(?,?,?,?) "
+                         "ON CONFLICT(engine_id) DO UPDATE SET address=excluded.address, model=excluded.model",
+                         (engine_id, request.agent_address, request.model, time.time()))
+
+        await self.db.run(save)
+        await self.emit("engine_registered", engine_id, address=request.agent_address, model=request.model)
+        return coordinator_pb2.RegisterEngineResponse(heartbeat_interval_s=self.heartbeat_interval_s,
+                                                      weight_version=self.weight_version)
+
+    async def DeregisterEngine(self, request, context):
+        return await self._guard(context, lambda: self.idempotency.execute(
+            request.idempotency_key, "deregister", request, lambda: self._deregister(request),
+            coordinator_pb2.DeregisterEngineResponse))
+
+    async def _deregister(self, request) -> coordinator_pb2.DeregisterEngineResponse:
+        record = self.registry.remove(request.engine_id)
+        if record is None:
+            raise InvalidArgument(f"unknown engine {request.engine_id!r}")
+        await record.channel.close(grace=None)
+        await self.db.run(lambda conn: conn.execute("DELETE FROM engines WHERE engine_id=?", (request.engine_id,)))
+        await self.emit("engine_deregistered", request.engine_id)
+        return coordinator_pb2.DeregisterEngineResponse()
+
+    async def Heartbeat(self, request, context):
+        record = self.registry.get(request.state.engine_id)
+        if record is None:
+            return coordinator_pb2.HeartbeatResponse(registered=False)
+        was_available = self.registry.is_available(record)
+        record.last_heartbeat = time.monotonic()
+        record.state.CopyFrom(request.state)
+        if not was_available and self.registry.is_available(record):
+            await self.emit("engine_available", record.engine_id)
+        return coordinator_pb2.HeartbeatResponse(registered=True)
+
+    async def watch_liveness(self, stop: asyncio.Event) -> None:
+        """Emits an event when an engine's heartbeats stop (runs until ``stop``)."""
+        known: dict[str, bool] = {}
+        while not stop.is_set():
+            for record in self.registry.all():
+                now = self.registry.is_available(record)
+                if known.get(record.engine_id, False) and not now:
+                    await self.emit("engine_unavailable", record.engine_id,
+                                    heartbeat_age_s=f"{record.heartbeat_age():.2f}", fault=record.state.fault)
+                known[record.engine_id] = now
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=min(0.25, self.registry.heartbeat_timeout_s / 4))
+            except TimeoutError:
+                pass
+
+    # ----- queries ----------------------------------------------------------------------
+
+    async def GetState(self, request, context):
+        engines = [self.registry.view(r) for r in self.registry.all()]
+        if request.include_digests:
+            async def digest(record: EngineRecord, view: common_pb2.EngineState) -> None:
+                if not view.available:
+                    return
+                try:
+                    fresh = await record.stub.GetState(agent_pb2.AgentStateRequest(include_digest=True), timeout=30.0)
+                    view.weights_digest = fresh.weights_digest
+                    view.weight_version = fresh.weight_version
+                    view.torn = fresh.torn
+                except grpc.aio.AioRpcError as exc:
+                    view.available = False
+                    view.fault = f"GetState failed: {exc.code().name}"
+            await asyncio.gather(*(digest(r, v) for r, v in zip(self.registry.all(), engines, strict=True)))
+        return coordinator_pb2.GetStateResponse(
+            weight_version=self.weight_version, engines=engines,
+            round=coordinator_pb2.RoundState(round_id=self.round_id, phase=self.phase, engines=self.round_engines,
+                                             target_version=self.target_version))
+
+    async def WatchEvents(self, request, context):
+        after = request.after_seq
+        while True:
+            pending = [e for e in self._events if e.seq > after]
+            for event in pending:
+                yield event
+                after = event.seq
+            async with self._event_cond:
+                if not any(e.seq > after for e in self._events):
+                    try:
+                        await asyncio.wait_for(self._event_cond.wait(), timeout=1.0)
+                    except TimeoutError:
+                        pass
+            if not self.accepting:
+                return
+
+
+__all__ = ["CoordinatorCore"]

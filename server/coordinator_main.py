@@ -1,0 +1,103 @@
+"""``weightsync coordinator``: runs the Coordinator until SIGTERM/SIGINT.
+
+Shutdown (first signal; later ones are ignored): health NOT_SERVING, refuse new
+calls, let in-flight RPCs finish within the grace period (then they fail with
+UNAVAILABLE), close engine channels and the state database. All failures are
+reported together; any failure makes the exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from weightsync.server.coordinator import CoordinatorCore
+from weightsync.server.serving import (
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    bind,
+    set_not_serving,
+    write_port_file,
+)
+
+from weightsync.statedb import StateDB
+from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("weightsync.coordinator")
+SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """Options of ``weightsync coordinator``."""
+
+    listen: str = "127.0.0.1:50051"
+    state_db: str = "weightsync-state.db"
+    port_file: str = ""
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    shutdown_grace_s: float = 10.0
+    idempotency_retention_s: float = 24 * 3600.0
+    idempotency_max_records: int = 100_000
+
+
+async def run_coordinator(options: CoordinatorOptions) -> int:
+    """Runs the coordinator until a signal; returns the process exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)  # a second signal only sets it again
+    db = core = server = health = liveness = None
+    errors: list[BaseException] = []
+    try:
+        db = StateDB(options.state_db)
+        core = CoordinatorCore(db, heartbeat_interval_s=options.heartbeat_interval_s,
+                               heartbeat_timeout_s=options.heartbeat_timeout_s,
+                               idempotency_retention_s=options.idempotency_retention_s,
+                               idempotency_max_records=options.idempotency_max_records)
+        core.restore_engines()
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, server)
+        health = add_health_and_reflection(server, [SERVICE])
+        address = bind(server, options.listen)
+        await server.start()
+        if options.port_file:
+            write_port_file(options.port_file, address)
+        log.info("coordinator serving on %s (state %s, weight version %d)", address, options.state_db,
+                 core.weight_version)
+        liveness = asyncio.create_task(core.watch_liveness(stop))
+        await stop.wait()
+    except Exception as exc:
+        errors.append(exc)
+    finally:
+        grace = options.shutdown_grace_s
+        if health is not None:
+            set_not_serving(health, [SERVICE])
+        if core is not None:
+            core.accepting = False
+        stop.set()
+        for name, coro_fn in (("liveness", lambda: asyncio.wait({liveness}, timeout=grace) if liveness else None),
+                              ("server", lambda: server.stop(grace) if server else None),
+                              ("channels", lambda: core.registry.close() if core else None)):
+            try:
+                coro = coro_fn()
+                if coro is not None:
+                    await asyncio.wait_for(coro, timeout=grace + 1)
+            except Exception as exc:
+                log.error("shutdown step %s failed: %r", name, exc)
+                errors.append(exc)
+        if db is not None:
+            try:
+                await asyncio.to_thread(db.close)
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        log.error("coordinator stopped with errors: %r", ExceptionGroup("coordinator shutdown", errors))
+        return 1
+    return 0
+
+
+__all__ = ["CoordinatorOptions", "run_coordinator"]

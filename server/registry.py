@@ -1,0 +1,92 @@
+"""The coordinator's engine registry: who is registered, who is alive, how to reach them.
+
+Liveness is heartbeat age: an engine is available while its last heartbeat is newer
+than ``heartbeat_timeout_s`` and it does not report a fault. Registrations persist in
+the state database; after a coordinator restart every engine counts as unavailable
+until its agent heartbeats again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from weightsync.server.serving import CHANNEL_OPTIONS
+
+from weightsync.v1 import agent_pb2_grpc, common_pb2
+
+
+@dataclass
+class EngineRecord:
+    """One registered engine and the channel to its agent."""
+
+    engine_id: str
+    address: str
+    model: str
+    channel: grpc.aio.Channel
+    stub: agent_pb2_grpc.EngineAgentStub
+    last_heartbeat: float = 0.0                       # time.monotonic(); 0 = never
+    state: common_pb2.EngineState = field(default_factory=common_pb2.EngineState)
+
+    def heartbeat_age(self) -> float:
+        return float("inf") if not self.last_heartbeat else time.monotonic() - self.last_heartbeat
+
+
+class EngineRegistry:
+    """Engines by id (in memory; persisted by the coordinator)."""
+
+    def __init__(self, *, heartbeat_timeout_s: float) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._engines: dict[str, EngineRecord] = {}
+
+    def upsert(self, engine_id: str, address: str, model: str, *, heartbeat: bool) -> tuple[EngineRecord, grpc.aio.Channel | None]:
+        """Adds or updates an engine; returns it and a replaced channel to close, if any."""
+        old = self._engines.get(engine_id)
+        stale_channel = None
+        if old is not None and old.address == address:
+            record = old
+            record.model = model
+        else:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            record = EngineRecord(engine_id, address, model, channel, agent_pb2_grpc.EngineAgentStub(channel))
+            stale_channel = old.channel if old is not None else None
+            self._engines[engine_id] = record
+        if heartbeat:
+            record.last_heartbeat = time.monotonic()
+        return record, stale_channel
+
+    def remove(self, engine_id: str) -> EngineRecord | None:
+        return self._engines.pop(engine_id, None)
+
+    def get(self, engine_id: str) -> EngineRecord | None:
+        return self._engines.get(engine_id)
+
+    def all(self) -> list[EngineRecord]:
+        return sorted(self._engines.values(), key=lambda r: r.engine_id)
+
+    def is_available(self, record: EngineRecord) -> bool:
+        return record.heartbeat_age() < self.heartbeat_timeout_s and not record.state.faulted
+
+    def available(self) -> list[EngineRecord]:
+        return [r for r in self.all() if self.is_available(r)]
+
+    def view(self, record: EngineRecord) -> common_pb2.EngineState:
+        """The engine's last reported state, with the coordinator's liveness view."""
+        state = common_pb2.EngineState()
+        state.CopyFrom(record.state)
+        state.engine_id = record.engine_id
+        state.address = record.address
+        state.model = state.model or record.model
+        state.available = self.is_available(record)
+        age = record.heartbeat_age()
+        state.heartbeat_age_s = age if age != float("inf") else -1.0
+        return state
+
+    async def close(self) -> None:
+        for record in self._engines.values():
+            await record.channel.close(grace=None)
+        self._engines.clear()
+
+
+__all__ = ["EngineRecord", "EngineRegistry"]

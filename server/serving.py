@@ -1,0 +1,69 @@
+"""What every weightsync gRPC server has: health checking, reflection, bound address.
+
+Servers bind ``HOST:0`` for an ephemeral port; ``write_port_file`` publishes the
+bound address atomically so a parent (the demo, a test) can find it without races.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # plans of ~1M tensors fit; tensor bytes never ride gRPC
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 0),  # retries are ours: keyed, bounded, transient-only
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:
+    """Adds gRPC health checking (every service SERVING) and reflection."""
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in [*service_names, ""]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    return servicer
+
+
+def set_not_serving(servicer: health.HealthServicer, service_names: list[str]) -> None:
+    """Marks every service NOT_SERVING (called when shutdown starts)."""
+    for name in [*service_names, ""]:
+        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def bind(server: grpc.aio.Server, listen: str) -> str:
+    """Binds ``listen`` (``HOST:PORT``, port 0 = ephemeral); returns ``HOST:bound_port``."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--listen must be HOST:PORT, got {listen!r}")
+    bound = server.add_insecure_port(listen)
+    if bound == 0:
+        raise OSError(f"cannot bind {listen}")
+    return f"{host}:{bound}"
+
+
+def write_port_file(path: str, address: str) -> None:
+    """Writes ``address`` to ``path`` atomically."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".port-")
+    with os.fdopen(fd, "w") as f:
+        f.write(address)
+    os.replace(tmp, path)
+
+
+__all__ = ["SERVER_OPTIONS", "CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "add_health_and_reflection",
+           "set_not_serving", "bind", "write_port_file"]

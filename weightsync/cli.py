@@ -1,0 +1,118 @@
+"""``weightsync coordinator | agent | demo | status`` — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from weightsync.errors import WeightSyncError
+
+
+def _add_coordinator(sub) -> None:
+    p = sub.add_parser("coordinator", help="run the coordinator service")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve on (port 0 = ephemeral)")
+    p.add_argument("--state-db", default="weightsync-state.db", help="SQLite state file (survives restarts)")
+    p.add_argument("--port-file", default="", help="write the bound HOST:PORT here once serving")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between agent heartbeats")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                   help="an engine silent this long is unavailable")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight RPCs get at shutdown")
+    p.add_argument("--idempotency-retention", type=float, default=24 * 3600.0,
+                   help="seconds idempotency records are kept")
+    p.add_argument("--idempotency-max-records", type=int, default=100_000,
+                   help="most idempotency records kept")
+
+
+def _add_agent(sub) -> None:
+    p = sub.add_parser("agent", help="run an engine agent (sidecar)")
+    p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
+    p.add_argument("--engine", default="reference", choices=["reference"], help="engine kind")
+    p.add_argument("--model", default="tiny", help="reference model preset (tiny|small|medium) or JSON config")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (port 0 = ephemeral)")
+    p.add_argument("--engine-id", default="", help="engine id (default: random)")
+    p.add_argument("--port-file", default="", help="write the bound HOST:PORT here once registered")
+    p.add_argument("--register-timeout", type=float, default=30.0, help="seconds to keep trying to register")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds a running transfer gets to finish at shutdown")
+    p.add_argument("--step-delay", type=float, default=0.0, help="reference engine: sleep between steps (s)")
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="coordinator + 2 reference engines + a short training run, synced every step")
+    p.add_argument("--steps", type=int, default=8, help="training steps (one sync each)")
+    p.add_argument("--engines", type=int, default=2, help="number of agents")
+    p.add_argument("--transport", default="gloo", choices=["gloo", "shm"], help="data plane")
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="show engines and the current round")
+    p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_coordinator(sub)
+    _add_agent(sub)
+    _add_demo(sub)
+    _add_status(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``weightsync`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "coordinator":
+            from weightsync.server.coordinator_main import CoordinatorOptions, run_coordinator
+            return asyncio.run(run_coordinator(CoordinatorOptions(
+                listen=args.listen, state_db=args.state_db, port_file=args.port_file,
+                heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
+                shutdown_grace_s=args.shutdown_grace, idempotency_retention_s=args.idempotency_retention,
+                idempotency_max_records=args.idempotency_max_records)))
+        if args.command == "agent":
+            from weightsync.server.agent_main import AgentOptions, run_agent
+            return asyncio.run(run_agent(AgentOptions(
+                coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
+                engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout,
+                shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay)))
+        if args.command == "demo":
+            from weightsync.demo import run_demo
+            return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)
+        if args.command == "status":
+            return asyncio.run(_status(args.coordinator, as_json=args.json))
+    except WeightSyncError as exc:
+        print(f"weightsync {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+async def _status(coordinator: str, *, as_json: bool) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from weightsync.client import TrainerClient
+
+    async with TrainerClient(coordinator) as client:
+        state = await client.get_state()
+    if as_json:
+        print(json.dumps(MessageToDict(state, preserving_proto_field_name=True), indent=2))
+        return 0
+    print(f"weight version {state.weight_version}; round {state.round.round_id} ({state.round.phase})")
+    print(f"{'engine':<20} {'address':<22} {'avail':<6} {'paused':<7} {'version':>8} {'torn':<5} heartbeat")
+    for e in state.engines:
+        age = f"{e.heartbeat_age_s:.1f}s ago" if e.heartbeat_age_s >= 0 else "never"
+        print(f"{e.engine_id:<20} {e.address:<22} {e.available!s:<6} {e.paused!s:<7} {e.weight_version:>8} "
+              f"{e.torn!s:<5} {age}")
+    return 0
+
+
+__all__ = ["main", "build_parser"]

@@ -1,0 +1,183 @@
+"""Typed errors and their translation to and from gRPC status details.
+
+Every error that crosses a process boundary is a ``google.rpc.Status`` carrying an
+``ErrorInfo`` (reason, domain, metadata). Servers raise ``WeightSyncError`` subclasses
+and ``abort_with`` turns them into a status; clients call ``from_rpc_error`` to get the
+same typed exception back. The reason string is the contract, not the class name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "weightsync.dev"
+
+
+class WeightSyncError(Exception):
+    """Base class of every weightsync error.
+
+    Attributes:
+        reason: stable machine-readable reason (UPPER_SNAKE_CASE).
+        code: the gRPC status code this error maps to.
+        metadata: extra string fields (engine id, operation, ...).
+    """
+
+    reason = "INTERNAL"
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, reason: str | None = None,
+                 code: grpc.StatusCode | None = None,
+                 metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = reason
+        if code is not None:
+            self.code = code
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+    def __str__(self) -> str:
+        return f"[{self.reason}] {self.message}"
+
+
+class InvalidArgument(WeightSyncError):
+    """A request is malformed or names something that does not exist."""
+
+    reason = "INVALID_ARGUMENT"
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class IdempotencyConflict(WeightSyncError):
+    """The idempotency key was already used for a different request."""
+
+    reason = "IDEMPOTENCY_KEY_REUSED"
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(WeightSyncError):
+    """The system is not in a state where the operation can run."""
+
+    reason = "FAILED_PRECONDITION"
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class EngineUnavailable(WeightSyncError):
+    """An engine (or its agent) cannot be reached or stopped heartbeating."""
+
+    reason = "ENGINE_UNAVAILABLE"
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class EngineFault(WeightSyncError):
+    """The engine hit a hard fault (for example a step with its KV cache asleep)."""
+
+    reason = "ENGINE_FAULT"
+    code = grpc.StatusCode.INTERNAL
+
+
+class TornWeightsError(WeightSyncError):
+    """A transfer failed part-way; the engine holds partially updated weights."""
+
+    reason = "TORN_WEIGHTS"
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class TransferError(WeightSyncError):
+    """The data-plane transfer failed (peer died, bytes did not arrive, ...)."""
+
+    reason = "TRANSFER_FAILED"
+    code = grpc.StatusCode.ABORTED
+
+
+class OperationAborted(WeightSyncError):
+    """The operation was running when its server died; it was not re-run."""
+
+    reason = "OPERATION_ABORTED"
+    code = grpc.StatusCode.ABORTED
+
+
+class StepTimeoutError(WeightSyncError, TimeoutError):
+    """A deadline expired; ``operation`` names what was running."""
+
+    reason = "DEADLINE_EXCEEDED"
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def __init__(self, message: str, *, operation: str, **kwargs) -> None:
+        metadata = dict(kwargs.pop("metadata", None) or {})
+        metadata.setdefault("operation", operation)
+        super().__init__(message, metadata=metadata, **kwargs)
+        self.operation = operation
+
+
+_BY_REASON: dict[str, type[WeightSyncError]] = {
+    cls.reason: cls
+    for cls in (InvalidArgument, IdempotencyConflict, FailedPrecondition, EngineUnavailable,
+                EngineFault, TornWeightsError, TransferError, OperationAborted)
+}
+
+
+def to_status(error: WeightSyncError) -> status_pb2.Status:
+    """Encodes an error as a google.rpc.Status with an ErrorInfo detail."""
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return status_pb2.Status(code=error.code.value[0], message=error.message, details=[detail])
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: WeightSyncError) -> None:
+    """Aborts the current RPC with ``error`` (never returns)."""
+    await context.abort_with_status(rpc_status.to_status(to_status(error)))
+
+
+def from_status(code: int, message: str, details: list[any_pb2.Any] | None = None) -> WeightSyncError:
+    """Builds the typed exception described by a status code, message and details."""
+    reason, metadata = None, {}
+    for detail in details or []:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason, metadata = info.reason, dict(info.metadata)
+    status_code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    if reason == StepTimeoutError.reason or (reason is None and status_code == grpc.StatusCode.DEADLINE_EXCEEDED):
+        return StepTimeoutError(message, operation=metadata.get("operation", "unknown"), metadata=metadata)
+    if reason in _BY_REASON:
+        return _BY_REASON[reason](message, metadata=metadata, code=status_code)
+    if reason is None and status_code == grpc.StatusCode.UNAVAILABLE:
+        return EngineUnavailable(message, reason="UNAVAILABLE", code=status_code, metadata=metadata)
+    if reason is None and status_code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(message, metadata=metadata)
+    return WeightSyncError(message, reason=reason or status_code.name, code=status_code, metadata=metadata)
+
+
+def from_rpc_error(error: grpc.RpcError, *, operation: str | None = None) -> WeightSyncError:
+    """Turns a failed gRPC call into the matching typed ``WeightSyncError``."""
+    status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    message = error.details() if hasattr(error, "details") else str(error)
+    details = list(status.details) if status is not None else []
+    result = from_status(code.value[0], message or code.name, details)
+    if operation and isinstance(result, StepTimeoutError) and result.operation == "unknown":
+        result = StepTimeoutError(result.message, operation=operation, metadata=result.metadata)
+    return result
+
+
+def outcome_error(reason: str, message: str) -> WeightSyncError:
+    """Rebuilds the typed error recorded in an ``EngineOutcome``."""
+    if reason == StepTimeoutError.reason:
+        return StepTimeoutError(message, operation="unknown")
+    cls = _BY_REASON.get(reason, WeightSyncError)
+    if cls is WeightSyncError:
+        return WeightSyncError(message, reason=reason or "UNKNOWN")
+    return cls(message)
+
+
+__all__ = [
+    "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
+    "EngineUnavailable", "EngineFault", "TornWeightsError", "TransferError", "OperationAborted",
+    "StepTimeoutError", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
+]

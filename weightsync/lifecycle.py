@@ -1,0 +1,105 @@
+"""Starting and stopping local processes so that none outlives its owner.
+
+``spawn`` starts a child in its own process group with a parent-death signal
+(Linux ``PR_SET_PDEATHSIG``), so it dies even if its owner is SIGKILLed.
+``terminate_tree`` stops a process and all its descendants: SIGTERM, a grace
+period, then SIGKILL for whatever is left, and it waits (bounded) until they are gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, stdout=None, stderr=None,
+          cwd: str | None = None) -> subprocess.Popen:
+    """Starts ``args`` in a new process group; it gets SIGKILL if this process dies."""
+    return subprocess.Popen(list(args), env=env, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+
+def weightsync_command(*args: str) -> list[str]:
+    """The command line that runs ``weightsync ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "weightsync", *args]
+
+
+def terminate_tree(pid: int, *, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM ``pid`` and its descendants, SIGKILL survivors after ``grace_s``.
+
+    Returns the pids that had to be killed. Never waits longer than about 2 x grace_s.
+    """
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    # Children forked during the grace period are descendants too.
+    try:
+        alive += [c for c in root.children(recursive=True) if c not in alive]
+    except psutil.NoSuchProcess:
+        pass
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [p.pid for p in alive]
+
+
+def stop_process(proc: subprocess.Popen, *, grace_s: float = 10.0) -> int | None:
+    """Stops a process started with ``spawn`` and reaps it; returns its exit code."""
+    if proc.poll() is None:
+        terminate_tree(proc.pid, grace_s=grace_s)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=grace_s)
+
+
+def wait_for_file(path: str, *, timeout_s: float, proc: subprocess.Popen | None = None) -> str:
+    """Waits until ``path`` exists and is non-empty; returns its content.
+
+    Raises:
+        RuntimeError: ``proc`` exited first.
+        TimeoutError: nothing appeared within ``timeout_s``.
+    """
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if os.path.exists(path):
+            with open(path) as f:
+                content = f.read().strip()
+            if content:
+                return content
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args} exited with {proc.returncode} before writing {path}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} did not appear within {timeout_s}s")
+
+
+__all__ = ["spawn", "weightsync_command", "terminate_tree", "stop_process", "wait_for_file"]

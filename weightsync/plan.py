@@ -1,0 +1,251 @@
+"""The bucket plan: where every tensor's bytes sit in the transfer stream.
+
+All tensors are laid end to end (each start aligned to 8 bytes) in one logical byte
+stream; bucket ``b`` is the fixed window ``[b * bucket_bytes, (b + 1) * bucket_bytes)``.
+A tensor larger than a bucket simply spans several buckets, so buffers never grow with
+the model and a 1 GiB tensor streams through 2 x bucket_bytes of memory. The plan is
+built once from names, dtypes and shapes and replayed every step (``plan_id`` says
+whether two plans are the same); the per-bucket piece lists are computed once here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from weightsync.errors import InvalidArgument
+from weightsync.v1 import common_pb2
+
+ALIGN = 8
+DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+MAX_NAME_LEN = 512
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Returns the torch dtype called ``name``; InvalidArgument if unknown."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Returns the wire name of a torch dtype; InvalidArgument if unsupported."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidArgument(f"unsupported dtype {dtype}") from None
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One tensor's place in the stream."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one tensor that lies in one bucket (all offsets in bytes)."""
+
+    tensor_index: int
+    tensor_start: int   # byte offset inside the tensor
+    bucket_start: int   # byte offset inside the bucket
+    length: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Immutable transfer plan; see the module docstring."""
+
+    slots: tuple[TensorSlot, ...]
+    bucket_bytes: int
+    total_bytes: int
+    plan_id: str = field(default="")
+
+    @classmethod
+    def build(cls, specs: Iterable[tuple[str, torch.dtype, Sequence[int]]], *,
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BucketPlan:
+        """Lays out ``(name, dtype, shape)`` specs in order.
+
+        Raises:
+            InvalidArgument: duplicate or empty names, a bad shape or dtype, or a
+                bucket size that is not a positive multiple of 8.
+        """
+        if bucket_bytes <= 0 or bucket_bytes % ALIGN:
+            raise InvalidArgument(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
+        slots: list[TensorSlot] = []
+        seen: set[str] = set()
+        offset = 0
+        for name, dtype, shape in specs:
+            _check_name(name, seen)
+            shape = tuple(int(d) for d in shape)
+            if any(d < 0 for d in shape):
+                raise InvalidArgument(f"tensor {name!r}: negative dimension in shape {shape}")
+            dtype_name(dtype)
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            slots.append(TensorSlot(name, dtype, shape, offset, nbytes))
+            offset = _align(offset + nbytes)
+            if len(slots) > MAX_TENSORS:
+                raise InvalidArgument(f"more than {MAX_TENSORS} tensors")
+        plan = cls(tuple(slots), bucket_bytes, offset)
+        return cls(plan.slots, bucket_bytes, offset, plan._fingerprint())
+
+    @classmethod
+    def from_tensors(cls, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     wire_dtype: torch.dtype | None = None) -> BucketPlan:
+        """Plans ``named_tensors``; ``wire_dtype`` casts floating tensors on the way."""
+        def spec(t: torch.Tensor) -> torch.dtype:
+            if wire_dtype is not None and t.dtype.is_floating_point:
+                return wire_dtype
+            return t.dtype
+        return cls.build(((n, spec(t), tuple(t.shape)) for n, t in named_tensors),
+                         bucket_bytes=bucket_bytes)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.WeightPlan) -> BucketPlan:
+        """Rebuilds and validates a plan received over the wire.
+
+        Raises:
+            InvalidArgument: any inconsistency (layout, fingerprint, dtype, ...).
+        """
+        if len(msg.tensors) == 0:
+            raise InvalidArgument("plan has no tensors")
+        plan = cls.build(((t.name, dtype_from_name(t.dtype), tuple(t.shape)) for t in msg.tensors),
+                         bucket_bytes=int(msg.bucket_bytes))
+        for mine, theirs in zip(plan.slots, msg.tensors, strict=True):
+            if mine.offset != theirs.offset or mine.nbytes != theirs.nbytes:
+                raise InvalidArgument(f"tensor {mine.name!r}: offset/nbytes do not match its dtype and shape")
+        if plan.total_bytes != msg.total_bytes:
+            raise InvalidArgument(f"plan total_bytes {msg.total_bytes} != laid out {plan.total_bytes}")
+        if msg.plan_id and msg.plan_id != plan.plan_id:
+            raise InvalidArgument("plan_id does not match the plan's contents")
+        return plan
+
+    def to_proto(self) -> common_pb2.WeightPlan:
+        """The wire form (protobuf; never pickle)."""
+        return common_pb2.WeightPlan(
+            tensors=[common_pb2.TensorSpec(name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape),
+                                           offset=s.offset, nbytes=s.nbytes) for s in self.slots],
+            bucket_bytes=self.bucket_bytes, total_bytes=self.total_bytes, plan_id=self.plan_id)
+
+    @property
+    def num_buckets(self) -> int:
+        return max(1, -(-self.total_bytes // self.bucket_bytes))
+
+    def bucket_size(self, bucket: int) -> int:
+        """Used bytes of ``bucket`` (the last one may be short)."""
+        start = bucket * self.bucket_bytes
+        return max(0, min(self.bucket_bytes, self.total_bytes - start))
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data (the stream without alignment padding)."""
+        return sum(s.nbytes for s in self.slots)
+
+    @cached_property
+    def pieces(self) -> tuple[tuple[Piece, ...], ...]:
+        """For each bucket, the tensor pieces it carries, in stream order."""
+        out: list[list[Piece]] = [[] for _ in range(self.num_buckets)]
+        for index, slot in enumerate(self.slots):
+            done = 0
+            while done < slot.nbytes:
+                pos = slot.offset + done
+                bucket, in_bucket = divmod(pos, self.bucket_bytes)
+                length = min(slot.nbytes - done, self.bucket_bytes - in_bucket)
+                out[bucket].append(Piece(index, done, in_bucket, length))
+                done += length
+        return tuple(tuple(p) for p in out)
+
+    def _fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{self.bucket_bytes}|{self.total_bytes}".encode())
+        for s in self.slots:
+            h.update(f"|{s.name}|{dtype_name(s.dtype)}|{s.shape}|{s.offset}".encode())
+        return h.hexdigest()
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _check_name(name: str, seen: set[str]) -> None:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or not name.isprintable():
+        raise InvalidArgument(f"bad tensor name {name!r}: 1-{MAX_NAME_LEN} printable characters")
+    if name in seen:
+        raise InvalidArgument(f"duplicate tensor name {name!r}")
+    seen.add(name)
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (no copy)."""
+    if not tensor.is_contiguous():
+        raise InvalidArgument("tensor must be contiguous")
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def pack_bucket(plan: BucketPlan, bucket: int, sources: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copies (casting where the plan's dtype differs) bucket ``bucket`` into ``out`` (uint8)."""
+    for p in plan.pieces[bucket]:
+        slot = plan.slots[p.tensor_index]
+        src = sources[p.tensor_index].reshape(-1)
+        dst = out[p.bucket_start:p.bucket_start + p.length]
+        if src.dtype == slot.dtype:
+            dst.copy_(byte_view(src)[p.tensor_start:p.tensor_start + p.length])
+        else:
+            first = p.tensor_start // slot.itemsize
+            count = p.length // slot.itemsize
+            dst.view(slot.dtype).copy_(src[first:first + count])
+
+
+def unpack_bucket(plan: BucketPlan, bucket: int, data: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    """Copies bucket ``bucket`` from ``data`` (uint8) into ``targets`` (same dtypes as the plan)."""
+    for p in plan.pieces[bucket]:
+        dst = byte_view(targets[p.tensor_index])
+        dst[p.tensor_start:p.tensor_start + p.length].copy_(data[p.bucket_start:p.bucket_start + p.length])
+
+
+def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A digest of names, dtypes, shapes and exact bytes; equal iff bitwise equal."""
+    h = hashlib.blake2b(digest_size=20)
+    for name, tensor in sorted(named_tensors, key=lambda nt: nt[0]):
+        t = tensor.detach().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(byte_view(t).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+__all__ = ["BucketPlan", "TensorSlot", "Piece", "DTYPES", "DEFAULT_BUCKET_BYTES", "dtype_from_name",
+           "dtype_name", "byte_view", "pack_bucket", "unpack_bucket", "weights_digest"]

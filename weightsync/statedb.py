@@ -1,0 +1,97 @@
+"""SQLite (WAL) state of a server, accessed from one dedicated thread.
+
+SQLite calls block, so none runs on the event loop: every statement goes through a
+single-thread executor, which also serialises writes. WAL + ``synchronous=NORMAL``
+keeps a committed transaction across a process crash (SIGKILL), which is what
+restart recovery relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS engines (
+    engine_id TEXT PRIMARY KEY, address TEXT NOT NULL, model TEXT NOT NULL,
+    weight_version INTEGER NOT NULL DEFAULT 0, registered_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS idempotency (
+    key TEXT PRIMARY KEY, operation TEXT NOT NULL, fingerprint TEXT NOT NULL,
+    state TEXT NOT NULL, response BLOB, error_code INTEGER, error_reason TEXT,
+    error_message TEXT, error_metadata TEXT, created_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency(created_at);
+"""
+
+
+class StateDB:
+    """One SQLite file, one thread. ``await db.run(fn)`` calls ``fn(connection)`` there."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="weightsync-sqlite")
+        self._conn: sqlite3.Connection | None = self._executor.submit(self._open).result(timeout=30)
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.executescript(SCHEMA)
+        return conn
+
+    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs ``fn(connection)`` on the database thread, inside a transaction."""
+        if self._executor is None or self._conn is None:
+            raise RuntimeError("state database is closed")
+        conn = self._conn
+
+        def in_transaction() -> T:
+            with conn:  # commits, or rolls back on error
+                conn.execute("BEGIN IMMEDIATE")
+                return fn(conn)
+
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.copy_context()
+        return await loop.run_in_executor(self._executor, ctx.run, in_transaction)
+
+    def run_sync(self, fn: Callable[[sqlite3.Connection], T], timeout_s: float = 30.0) -> T:
+        """Blocking variant for start-up and shutdown paths (never call from the loop)."""
+        if self._executor is None or self._conn is None:
+            raise RuntimeError("state database is closed")
+        conn = self._conn
+
+        def in_transaction() -> T:
+            with conn:
+                conn.execute("BEGIN IMMEDIATE")
+                return fn(conn)
+
+        return self._executor.submit(in_transaction).result(timeout=timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Closes the connection and the thread (bounded). Idempotent."""
+        executor, conn = self._executor, self._conn
+        self._executor, self._conn = None, None
+        if executor is None:
+            return
+        if conn is not None:
+            executor.submit(conn.close).result(timeout=timeout_s)
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+def get_meta(conn: sqlite3.Connection, key: str, default: str) -> str:
+    row = conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+    return row[0] if row else default
+
+
+def set_meta(conn: sqlite3.Connection, key: str, value: Any) -> None:
+    conn.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                 (key, str(value)))
+
+
+__all__ = ["StateDB", "get_meta", "set_meta"]

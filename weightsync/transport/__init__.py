@@ -1,0 +1,90 @@
+"""Data-plane transports and their availability probes.
+
+``available(kind)`` says whether a backend can run here; a missing library makes a
+backend unavailable, never an import error. nccl and cuda-ipc need cupy and a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch.distributed as dist
+
+from weightsync.errors import FailedPrecondition, InvalidArgument
+from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.v1 import common_pb2
+
+NAMES: dict[str, common_pb2.TransportKind.ValueType] = {
+    "gloo": common_pb2.TRANSPORT_KIND_GLOO,
+    "shm": common_pb2.TRANSPORT_KIND_SHM,
+    "nccl": common_pb2.TRANSPORT_KIND_NCCL,
+    "cuda-ipc": common_pb2.TRANSPORT_KIND_CUDA_IPC,
+}
+KIND_NAMES = {v: k for k, v in NAMES.items()}
+
+
+def kind_from_name(name: str) -> common_pb2.TransportKind.ValueType:
+    """``"gloo"`` -> TRANSPORT_KIND_GLOO; InvalidArgument for unknown names."""
+    try:
+        return NAMES[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown transport {name!r}; choose from {sorted(NAMES)}") from None
+
+
+def unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
+    """None when ``kind`` can run on this machine, else why not."""
+    if kind == common_pb2.TRANSPORT_KIND_GLOO:
+        return None if dist.is_available() and dist.is_gloo_available() else "torch has no gloo backend"
+    if kind == common_pb2.TRANSPORT_KIND_SHM:
+        from weightsync.transport.shm import SHM_DIR
+        return None if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else f"{SHM_DIR} is not writable"
+    if kind in (common_pb2.TRANSPORT_KIND_NCCL, common_pb2.TRANSPORT_KIND_CUDA_IPC):
+        if importlib.util.find_spec("cupy") is None:
+            return "cupy is not installed (pip install 'weightsync[cuda]')"
+        try:
+            import cupy
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                return "no CUDA device"
+        except Exception as exc:
+            return f"CUDA unavailable: {exc}"
+        return f"{KIND_NAMES[kind]} transport is not implemented in this release"
+    if kind == common_pb2.TRANSPORT_KIND_UNSPECIFIED:
+        return "transport not specified"
+    return f"unknown transport kind {kind}"
+
+
+def available(kind: common_pb2.TransportKind.ValueType) -> bool:
+    """Whether ``kind`` can run here."""
+    return unavailable_reason(kind) is None
+
+
+def _require(kind) -> None:
+    reason = unavailable_reason(kind)
+    if reason is not None:
+        raise FailedPrecondition(f"transport {KIND_NAMES.get(kind, kind)} unavailable: {reason}",
+                                 reason="TRANSPORT_UNAVAILABLE")
+
+
+def make_sender(kind: common_pb2.TransportKind.ValueType, store: dist.Store) -> Sender:
+    """A sender for ``kind`` on the trainer's store."""
+    _require(kind)
+    if kind == common_pb2.TRANSPORT_KIND_GLOO:
+        from weightsync.transport.gloo import GlooSender
+        return GlooSender(store)
+    from weightsync.transport.shm import ShmSender
+    return ShmSender(store)
+
+
+def make_receiver(kind: common_pb2.TransportKind.ValueType) -> Receiver:
+    """A receiver for ``kind``."""
+    _require(kind)
+    if kind == common_pb2.TRANSPORT_KIND_GLOO:
+        from weightsync.transport.gloo import GlooReceiver
+        return GlooReceiver()
+    from weightsync.transport.shm import ShmReceiver
+    return ShmReceiver()
+
+
+__all__ = ["Sender", "Receiver", "TransferStats", "NAMES", "KIND_NAMES", "kind_from_name",
+           "available", "unavailable_reason", "make_sender", "make_receiver"]

@@ -1,0 +1,62 @@
+"""The transport interface: a sender on the trainer, a receiver in each agent.
+
+A transport moves one ``BucketPlan``'s byte stream from rank 0 (the trainer) to
+ranks 1..N (the engines). Implementations keep their group and buffers between calls
+while the rendezvous ``group_id`` and the plan stay the same ("plan once, replay
+every step"), and drop them after any failure so the next round starts clean.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.plan import BucketPlan
+from weightsync.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one transfer moved."""
+
+    bytes: int
+    seconds: float
+    buckets: int
+
+
+class Sender(abc.ABC):
+    """Trainer side of a transport (rank 0). Runs on the client's transfer thread."""
+
+    kind: common_pb2.TransportKind.ValueType
+
+    @abc.abstractmethod
+    def send(self, rendezvous: common_pb2.Rendezvous, plan: BucketPlan, sources: Sequence[torch.Tensor],
+             *, deadline_at: float, abort: threading.Event) -> TransferStats:
+        """Streams ``sources`` (in plan order) to every receiver; blocks until all have it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the group and buffers. Idempotent."""
+
+
+class Receiver(abc.ABC):
+    """Engine side of a transport (rank >= 1). Runs on the agent's transfer thread."""
+
+    kind: common_pb2.TransportKind.ValueType
+
+    @abc.abstractmethod
+    def receive(self, rendezvous: common_pb2.Rendezvous, rank: int, plan: BucketPlan,
+                targets: Sequence[torch.Tensor], *, deadline_at: float,
+                abort: threading.Event) -> TransferStats:
+        """Receives the stream and writes it into ``targets`` (in plan order)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the group and buffers. Idempotent."""
+
+
+__all__ = ["Sender", "Receiver", "TransferStats"]

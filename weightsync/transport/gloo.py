@@ -1,0 +1,159 @@
+"""gloo transport: torch.distributed gloo broadcast over TCP, CPU, works across hosts.
+
+The group is a ``ProcessGroupGloo`` built directly on a ``PrefixStore`` of the
+trainer's TCPStore, never ``init_process_group``: the trainer's own default world is
+left alone. Two bucket buffers alternate so the sender packs bucket k+1 while k is on
+the wire and each receiver unpacks bucket k while k+1 arrives (gloo runs queued ops
+in order, so posting k+1 before waiting on k is safe).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from weightsync.errors import StepTimeoutError, TransferError
+from weightsync.plan import BucketPlan, pack_bucket, unpack_bucket
+from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.transport.store import connect_store
+from weightsync.v1 import common_pb2
+
+
+class _Group:
+    """A gloo group plus its two bucket buffers, reused while the group id stays."""
+
+    def __init__(self, store: dist.Store, rendezvous: common_pb2.Rendezvous, rank: int,
+                 bucket_bytes: int, timeout_s: float) -> None:
+        self.group_id = rendezvous.group_id
+        self.bucket_bytes = bucket_bytes
+        prefixed = dist.PrefixStore(f"ws/{rendezvous.group_id}/gloo", store)
+        try:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, rendezvous.world_size,
+                                            timedelta(seconds=max(timeout_s, 0.001)))
+        except Exception as exc:
+            raise _as_transfer_error(exc, "gloo group setup") from exc
+        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+
+    def fit(self, bucket_bytes: int) -> None:
+        """Reallocates the buffers only when the plan's bucket size changed."""
+        if bucket_bytes != self.bucket_bytes:
+            self.bucket_bytes = bucket_bytes
+            self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+
+
+def _as_transfer_error(exc: Exception, operation: str) -> Exception:
+    text = str(exc)
+    if "timeout" in text.lower() or "timed out" in text.lower():
+        return StepTimeoutError(f"deadline exceeded during {operation}: {text}", operation=operation)
+    return TransferError(f"{operation} failed: {text}")
+
+
+def _broadcast(pg: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return pg.broadcast([buf], opts)
+
+
+def _wait(work: dist.Work, deadline_at: float, operation: str) -> None:
+    left = deadline_at - time.monotonic()
+    if left <= 0:
+        raise StepTimeoutError(f"deadline exceeded during {operation}", operation=operation)
+    try:
+        work.wait(timedelta(seconds=left))
+    except Exception as exc:
+        raise _as_transfer_error(exc, operation) from exc
+
+
+class GlooSender(Sender):
+    """Rank 0 of a gloo group on the trainer's store."""
+
+    kind = common_pb2.TRANSPORT_KIND_GLOO
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self._group: _Group | None = None
+
+    def send(self, rendezvous, plan, sources, *, deadline_at, abort):
+        start = time.monotonic()
+        try:
+            group = self._ensure_group(rendezvous, plan, deadline_at)
+            works: list[dist.Work | None] = [None, None]
+            for bucket in range(plan.num_buckets):
+                if abort.is_set():
+                    raise TransferError("send aborted")
+                slot = bucket % 2
+                if works[slot] is not None:
+                    _wait(works[slot], deadline_at, "broadcast")
+                buf = group.buffers[slot][:plan.bucket_size(bucket)]
+                pack_bucket(plan, bucket, sources, buf)
+                works[slot] = _broadcast(group.pg, buf)
+            for work in works:
+                if work is not None:
+                    _wait(work, deadline_at, "broadcast")
+        except BaseException:
+            self.close()  # a failed group is never reused: peers may be mid-op
+            raise
+        return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _ensure_group(self, rendezvous, plan: BucketPlan, deadline_at: float) -> _Group:
+        g = self._group
+        if g is None or g.group_id != rendezvous.group_id:
+            self.close()
+            self._group = _Group(self._store, rendezvous, 0, plan.bucket_bytes, deadline_at - time.monotonic())
+        self._group.fit(plan.bucket_bytes)
+        return self._group
+
+    def close(self) -> None:
+        self._group = None
+
+
+class GlooReceiver(Receiver):
+    """Rank >= 1 of a gloo group; connects to the trainer's store."""
+
+    kind = common_pb2.TRANSPORT_KIND_GLOO
+
+    def __init__(self) -> None:
+        self._store: tuple[tuple[str, int], dist.Store] | None = None
+        self._group: _Group | None = None
+
+    def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort):
+        start = time.monotonic()
+        try:
+            group = self._ensure_group(rendezvous, rank, plan, deadline_at)
+            n = plan.num_buckets
+            works: list[dist.Work | None] = [None, None]
+            works[0] = _broadcast(group.pg, group.buffers[0][:plan.bucket_size(0)])
+            for bucket in range(n):
+                if bucket + 1 < n:
+                    nxt = (bucket + 1) % 2
+                    works[nxt] = _broadcast(group.pg, group.buffers[nxt][:plan.bucket_size(bucket + 1)])
+                slot = bucket % 2
+                _wait(works[slot], deadline_at, "receive")
+                unpack_bucket(plan, bucket, group.buffers[slot], targets)
+        except BaseException:
+            self.close()
+            raise
+        return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _ensure_group(self, rendezvous, rank: int, plan: BucketPlan, deadline_at: float) -> _Group:
+        g = self._group
+        if g is not None and g.group_id == rendezvous.group_id:
+            g.fit(plan.bucket_bytes)
+            return g
+        self._group = None
+        left = deadline_at - time.monotonic()
+        where = (rendezvous.store_host, rendezvous.store_port)
+        if self._store is None or self._store[0] != where:
+            self._store = (where, connect_store(*where, timeout_s=max(left, 0.001)))
+        self._group = _Group(self._store[1], rendezvous, rank, plan.bucket_bytes, left)
+        return self._group
+
+    def close(self) -> None:
+        self._group = None
+        self._store = None
+
+
+__all__ = ["GlooSender", "GlooReceiver"]
