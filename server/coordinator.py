@@ -451,9 +451,10 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     return
                 try:
                     fresh = await record.stub.GetState(agent_pb2.AgentStateRequest(include_digest=True), timeout=30.0)
-                    view.weights_digest = fresh.weights_digest
-                    view.weight_version = fresh.weight_version
-                    view.torn = fresh.torn
+                    # Fresh from the agent, with the coordinator's liveness view kept.
+                    available, age = view.available, view.heartbeat_age_s
+                    view.CopyFrom(fresh)
+                    view.available, view.heartbeat_age_s = available, age
                 except grpc.aio.AioRpcError as exc:
                     view.available = False
                     view.fault = f"GetState failed: {exc.code().name}"

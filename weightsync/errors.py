@@ -121,6 +121,15 @@ _BY_REASON: dict[str, type[WeightSyncError]] = {
 }
 
 
+_BY_CODE: dict[grpc.StatusCode, type[WeightSyncError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: EngineUnavailable,
+    grpc.StatusCode.ALREADY_EXISTS: IdempotencyConflict,
+    grpc.StatusCode.ABORTED: OperationAborted,
+}
+
+
 def to_status(error: WeightSyncError) -> status_pb2.Status:
     """Encodes an error as a google.rpc.Status with an ErrorInfo detail."""
     info = error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata)
@@ -147,11 +156,9 @@ def from_status(code: int, message: str, details: list[any_pb2.Any] | None = Non
         return StepTimeoutError(message, operation=metadata.get("operation", "unknown"), metadata=metadata)
     if reason in _BY_REASON:
         return _BY_REASON[reason](message, metadata=metadata, code=status_code)
-    if reason is None and status_code == grpc.StatusCode.UNAVAILABLE:
-        return EngineUnavailable(message, reason="UNAVAILABLE", code=status_code, metadata=metadata)
-    if reason is None and status_code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(message, metadata=metadata)
-    return WeightSyncError(message, reason=reason or status_code.name, code=status_code, metadata=metadata)
+    # An unknown (or absent) reason still gets the class its status code implies.
+    cls = _BY_CODE.get(status_code, WeightSyncError)
+    return cls(message, reason=reason or status_code.name, code=status_code, metadata=metadata)
 
 
 def from_rpc_error(error: grpc.RpcError, *, operation: str | None = None) -> WeightSyncError:

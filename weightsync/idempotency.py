@@ -9,7 +9,8 @@
 - same key, different request -> ``IdempotencyConflict`` (``IDEMPOTENCY_KEY_REUSED``).
 
 The request fingerprint is the operation name plus the request's deterministic
-protobuf serialisation with the key field cleared. Records live in memory (agents:
+protobuf serialisation with the key and ``timeout_s`` cleared: a retry naturally
+carries less of its deadline, and that does not make it a different request. Records live in memory (agents:
 for the life of the process) or in the coordinator's SQLite state, where an operation
 that was running when the process died is finished as ``OPERATION_ABORTED`` on the
 next start, never re-run. Retention is bounded by age and by count.
@@ -63,12 +64,16 @@ def derive_key(key: str, scope: str) -> str:
     return f"d-{digest}"
 
 
+CALL_SCOPED_FIELDS = ("idempotency_key", "timeout_s")
+
+
 def fingerprint(operation: str, request: Message) -> str:
-    """Operation + request contents, ignoring the ``idempotency_key`` field."""
+    """Operation + request contents, ignoring the call-scoped fields (key, timeout)."""
     copy = type(request)()
     copy.CopyFrom(request)
-    if "idempotency_key" in copy.DESCRIPTOR.fields_by_name:
-        copy.ClearField("idempotency_key")  # type: ignore[arg-type]
+    for name in CALL_SCOPED_FIELDS:
+        if name in copy.DESCRIPTOR.fields_by_name:
+            copy.ClearField(name)  # type: ignore[arg-type]
     h = hashlib.sha256(operation.encode() + b"\0" + copy.SerializeToString(deterministic=True))
     return h.hexdigest()
 

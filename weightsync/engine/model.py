@@ -90,8 +90,8 @@ def config_for_size(total_bytes: int, tensors: int, *, seed: int = 0) -> ModelCo
     # per layer ~ 12 d^2 (+ small terms); embeddings 2 * 256 * d
     d = max(16, int(math.sqrt(max(params - 512 * 64, 1) / (12 * n_layers))))
     d = max(16, d // 16 * 16)
-    return replace(ModelConfig(), d_model=d, n_layers=n_layers, n_heads=max(1, d // 64) if d >= 64 else 1,
-                   d_ff=4 * d, max_seq_len=64, seed=seed)
+    return replace(ModelConfig(), d_model=d, n_layers=n_layers, n_heads=d // 16, d_ff=4 * d, max_seq_len=64,
+                   seed=seed)
 
 
 class _Block(nn.Module):

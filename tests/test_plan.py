@@ -1,0 +1,98 @@
+"""BucketPlan layout, wire round-trip and packing (unit + property-based)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync.errors import InvalidArgument
+from weightsync.plan import DTYPES, BucketPlan, pack_bucket, unpack_bucket, weights_digest
+
+
+def roundtrip(plan: BucketPlan, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    targets = [torch.empty(s.shape, dtype=s.dtype) for s in plan.slots]
+    buf = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
+    for b in range(plan.num_buckets):
+        buf.zero_()
+        pack_bucket(plan, b, sources, buf)
+        unpack_bucket(plan, b, buf, targets)
+    return targets
+
+
+def test_layout_spans_buckets_and_aligns():
+    plan = BucketPlan.build([("a", torch.float32, (3,)), ("b", torch.float64, (10,)), ("c", torch.int8, (5,))],
+                            bucket_bytes=32)
+    assert [s.offset for s in plan.slots] == [0, 16, 96]
+    assert plan.total_bytes == 104 and plan.num_buckets == 4
+    assert sum(p.length for ps in plan.pieces for p in ps) == plan.payload_bytes == 12 + 80 + 5
+    b_pieces = [p for ps in plan.pieces for p in ps if p.tensor_index == 1]
+    assert len(b_pieces) == 3  # 80 bytes from offset 16 across 32-byte buckets
+
+
+def test_proto_roundtrip_and_tamper_detection():
+    plan = BucketPlan.build([("w", torch.float32, (4, 4)), ("b", torch.bfloat16, (4,))], bucket_bytes=64)
+    again = BucketPlan.from_proto(plan.to_proto())
+    assert again == plan and again.plan_id == plan.plan_id
+    msg = plan.to_proto()
+    msg.tensors[1].offset += 8
+    with pytest.raises(InvalidArgument, match="offset"):
+        BucketPlan.from_proto(msg)
+    msg = plan.to_proto()
+    msg.tensors[0].dtype = "complex64"
+    with pytest.raises(InvalidArgument, match="unknown dtype"):
+        BucketPlan.from_proto(msg)
+    msg = plan.to_proto()
+    msg.plan_id = "0" * 32
+    with pytest.raises(InvalidArgument, match="plan_id"):
+        BucketPlan.from_proto(msg)
+
+
+@pytest.mark.parametrize("specs,match", [
+    ([("a", torch.float32, (1,)), ("a", torch.float32, (1,))], "duplicate"),
+    ([("", torch.float32, (1,))], "bad tensor name"),
+    ([("a", torch.float32, (-1,))], "negative"),
+    ([("a", torch.complex64, (1,))], "unsupported dtype"),
+])
+def test_bad_specs_are_rejected(specs, match):
+    with pytest.raises(InvalidArgument, match=match):
+        BucketPlan.build(specs, bucket_bytes=64)
+
+
+def test_bad_bucket_size():
+    with pytest.raises(InvalidArgument):
+        BucketPlan.build([("a", torch.float32, (1,))], bucket_bytes=12)
+
+
+def test_cast_on_the_sender():
+    src = [torch.randn(7, 3), torch.arange(5)]
+    plan = BucketPlan.from_tensors([("w", src[0]), ("i", src[1])], bucket_bytes=16, wire_dtype=torch.bfloat16)
+    assert plan.slots[0].dtype == torch.bfloat16 and plan.slots[1].dtype == torch.int64
+    out = roundtrip(plan, src)
+    assert torch.equal(out[0], src[0].to(torch.bfloat16))
+    assert torch.equal(out[1], src[1])
+
+
+shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple)
+dtypes = st.sampled_from(sorted(DTYPES))
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs=st.lists(st.tuples(dtypes, shapes), min_size=1, max_size=8),
+       bucket=st.integers(1, 40).map(lambda n: n * 8), seed=st.integers(0, 2**16))
+def test_pack_unpack_roundtrip_is_bitwise(specs, bucket, seed):
+    g = torch.Generator().manual_seed(seed)
+    sources = []
+    for dtype_name, shape in specs:
+        raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * 8,), generator=g, dtype=torch.uint8)
+        dtype = DTYPES[dtype_name]
+        size = torch.empty((), dtype=dtype).element_size()
+        t = raw[: torch.Size(shape).numel() * size].view(dtype).reshape(shape) if dtype != torch.bool else \
+            (raw[: torch.Size(shape).numel()] % 2).bool().reshape(shape)
+        sources.append(t.clone())
+    named = [(f"t{i}", t) for i, t in enumerate(sources)]
+    plan = BucketPlan.from_tensors(named, bucket_bytes=bucket)
+    out = roundtrip(plan, sources)
+    assert weights_digest(zip([n for n, _ in named], out, strict=True)) == weights_digest(named)
+    assert BucketPlan.from_proto(plan.to_proto()) == plan

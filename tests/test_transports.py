@@ -1,0 +1,144 @@
+"""gloo and shm transports: sender and receivers in threads of one process, real sockets
+and real shared memory (the cross-process path is covered by test_e2e)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from weightsync import transport as transports
+from weightsync.errors import StepTimeoutError, TransferError
+from weightsync.plan import BucketPlan
+from weightsync.transport.shm import SHM_DIR
+from weightsync.transport.store import host_store
+from weightsync.v1 import common_pb2
+
+KINDS = {"gloo": common_pb2.TRANSPORT_KIND_GLOO, "shm": common_pb2.TRANSPORT_KIND_SHM}
+
+
+def rendezvous(store, kind, world, group="g1"):
+    return common_pb2.Rendezvous(group_id=group, transport=kind, store_host="127.0.0.1", store_port=store.port,
+                                 world_size=world, session_id=uuid.uuid4().hex)
+
+
+def run_round(sender, receivers, rdzv, plan, sources, *, timeout_s=20.0, fail_rank=None):
+    targets = [[torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots] for _ in receivers]
+    errors: dict[int, BaseException] = {}
+
+    def receive(rank):
+        try:
+            if rank == fail_rank:
+                raise RuntimeError("injected receiver failure")
+            receivers[rank - 1].receive(rdzv, rank, plan, targets[rank - 1], deadline_at=time.monotonic() + timeout_s,
+                                        abort=threading.Event())
+        except BaseException as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in range(1, len(receivers) + 1)]
+    for t in threads:
+        t.start()
+    try:
+        sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + timeout_s, abort=threading.Event())
+    finally:
+        for t in threads:
+            t.join(timeout_s + 5)
+    return targets, errors
+
+
+@pytest.mark.parametrize("name", ["gloo", "shm"])
+def test_rounds_are_bitwise_and_reuse_the_group(name):
+    kind = KINDS[name]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    receivers = [transports.make_receiver(kind) for _ in range(2)]
+    sources = [torch.randn(33, 17), torch.randn(1000), torch.arange(77, dtype=torch.int64)]
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=1024)
+    assert plan.num_buckets > 4
+    try:
+        first_state = None
+        for step in range(3):
+            for s in sources:
+                s.add_(1) if s.dtype != torch.int64 else s.add_(step)
+            targets, errors = run_round(sender, receivers, rendezvous(store, kind, 3), plan, sources)
+            assert errors == {}
+            for out in targets:
+                for a, b in zip(out, sources, strict=True):
+                    assert torch.equal(a, b)
+            state = sender._group if name == "gloo" else sender._segment
+            first_state = first_state or state
+            assert state is first_state, "the group/segment must be set up once and reused"
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()
+
+
+@pytest.mark.parametrize("name", ["gloo", "shm"])
+def test_missing_receiver_times_out_with_named_operation(name):
+    kind = KINDS[name]
+    store = host_store("127.0.0.1", timeout_s=5)
+    sender = transports.make_sender(kind, store)
+    plan = BucketPlan.from_tensors([("t", torch.randn(4096))], bucket_bytes=1024)
+    rdzv = rendezvous(store, kind, 2, group=f"lonely-{name}")
+    started = time.monotonic()
+    with pytest.raises((StepTimeoutError, TransferError)) as info:
+        sender.send(rdzv, plan, [torch.randn(4096)], deadline_at=time.monotonic() + 1.0, abort=threading.Event())
+    assert time.monotonic() - started < 15, "a dead peer must become an error within the deadline"
+    if isinstance(info.value, StepTimeoutError):
+        assert info.value.operation in ("broadcast", "gloo group setup")
+    sender.close()
+
+
+def test_shm_receiver_failure_stops_the_sender_at_once():
+    kind = KINDS["shm"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    receivers = [transports.make_receiver(kind) for _ in range(2)]
+    sources = [torch.randn(64 * 1024)]
+    plan = BucketPlan.from_tensors([("t", sources[0])], bucket_bytes=4096)
+    started = time.monotonic()
+
+    class Failing:
+        def receive(self, rdzv, rank, plan, targets, *, deadline_at, abort):
+            # acknowledge nothing and report failure, as a crashing engine's agent would
+            from weightsync.transport.store import connect_store
+            s = connect_store(rdzv.store_host, rdzv.store_port, timeout_s=5)
+            s.set(f"ws/{rdzv.group_id}/{rdzv.session_id}/err/{rank}", "boom")
+
+        def close(self):
+            pass
+
+    with pytest.raises(TransferError, match="boom"):
+        run_round(sender, [receivers[0], Failing()], rendezvous(store, kind, 3), plan, sources, timeout_s=30)
+    assert time.monotonic() - started < 10
+    sender.close()
+    receivers[0].close()
+
+
+def test_shm_segment_is_removed_on_close():
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(KINDS["shm"], store)
+    receiver = transports.make_receiver(KINDS["shm"])
+    sources = [torch.randn(100)]
+    plan = BucketPlan.from_tensors([("t", sources[0])], bucket_bytes=128)
+    run_round(sender, [receiver], rendezvous(store, KINDS["shm"], 2), plan, sources)
+    path = sender._segment.path
+    assert os.path.exists(path) and path.startswith(SHM_DIR)
+    sender.close()
+    receiver.close()
+    assert not os.path.exists(path)
+
+
+def test_availability_probes():
+    assert transports.available(common_pb2.TRANSPORT_KIND_GLOO)
+    assert transports.available(common_pb2.TRANSPORT_KIND_SHM)
+    reason = transports.unavailable_reason(common_pb2.TRANSPORT_KIND_NCCL)
+    if reason is not None:
+        assert isinstance(reason, str) and reason
+    with pytest.raises(Exception, match="unknown transport"):
+        transports.kind_from_name("carrier-pigeon")

@@ -1,0 +1,108 @@
+"""Bad input changes nothing and gets a clear, typed error (real processes, real gRPC)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from weightsync.client import TrainerClient
+from weightsync.engine.model import PRESETS, ReferenceLM
+from weightsync.errors import FailedPrecondition, InvalidArgument
+from weightsync.plan import BucketPlan, weights_digest
+from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+
+def named(model):
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def extra_tensor(tensors):
+    return tensors + [("not.a.weight", torch.zeros(3))]
+
+
+def wrong_dtype(tensors):
+    name, t = tensors[1]
+    return tensors[:1] + [(name, t.double())] + tensors[2:]
+
+
+def wrong_shape(tensors):
+    name, t = tensors[1]
+    return tensors[:1] + [(name, t.reshape(-1)[:-1].clone())] + tensors[2:]
+
+
+def missing_tensor(tensors):
+    return tensors[1:]
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (extra_tensor, "not.a.weight"),
+    (wrong_dtype, "dtype"),
+    (wrong_shape, "shape"),
+    (missing_tensor, "lacks"),
+])
+async def test_bad_plan_is_rejected_and_changes_nothing(cluster, mutate, expected):
+    model = ReferenceLM(PRESETS["tiny"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # so a wrongly accepted transfer would be visible
+    async with TrainerClient(cluster.address) as client:
+        before = await client.get_state(include_digests=True)
+        await client.pause()
+        with pytest.raises(InvalidArgument) as info:
+            await client.broadcast(mutate(named(model)), version=1, timeout_s=30)
+        assert expected in str(info.value)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        await client.resume()
+        after = await client.get_state(include_digests=True)
+    assert after.weight_version == before.weight_version == 0
+    for b, a in zip(before.engines, after.engines, strict=True):
+        assert a.weights_digest == b.weights_digest
+        assert a.weight_version == 0 and not a.torn and not a.paused
+
+
+async def test_missing_or_malformed_idempotency_key_is_invalid_argument(cluster):
+    plan = BucketPlan.from_tensors(named(ReferenceLM(PRESETS["tiny"])))
+    async with grpc.aio.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for key in ("", "x" * 129, "bad\nkey"):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Pause(coordinator_pb2.PauseRequest(idempotency_key=key, mode=common_pb2.PAUSE_MODE_KEEP),
+                                 timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "idempotency_key" in info.value.details()
+            call = stub.Broadcast(coordinator_pb2.BroadcastRequest(
+                idempotency_key=key, version=1, plan=plan.to_proto(), transport=common_pb2.TRANSPORT_KIND_GLOO,
+                store_host="127.0.0.1", store_port=1234), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        state = await stub.GetState(coordinator_pb2.GetStateRequest(), timeout=10)
+        assert state.round.phase == "idle" and not any(e.paused for e in state.engines)
+
+
+async def test_version_must_increase(cluster):
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address) as client:
+        await client.update_weights(model.named_parameters(), version=5, timeout_s=60)
+        await client.pause()
+        for stale in (5, 3):
+            with pytest.raises(FailedPrecondition) as info:
+                await client.broadcast(model.named_parameters(), version=stale, timeout_s=30)
+            assert info.value.reason == "VERSION_NOT_NEWER"
+        await client.resume()
+        state = await client.get_state(include_digests=True)
+    assert state.weight_version == 5
+    assert {e.weight_version for e in state.engines} == {5}
+    assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+
+
+async def test_broadcast_without_pause_is_refused(cluster):
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address) as client:
+        with pytest.raises(FailedPrecondition) as info:
+            await client.broadcast(model.named_parameters(), version=1, timeout_s=30)
+        assert "Pause" in str(info.value)
+        state = await client.get_state()
+    assert state.weight_version == 0
