@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -29,7 +30,7 @@ def test_demo_syncs_every_step_bitwise_and_cleans_up():
         assert f"engine-0: v{step} equal" in row and f"engine-1: v{step} equal" in row
     assert "OK: every engine served exactly the trainer's weights" in proc.stdout
     tokens = re.search(r"tokens generated per weight version: (\{.*\})", proc.stdout)
-    assert tokens and len(eval(tokens.group(1))) >= 3  # generation went on across syncs
+    assert tokens and len(ast.literal_eval(tokens.group(1))) >= 3  # generation went on across syncs
     assert weightsync_children_alive() == []
 
 
