@@ -33,6 +33,7 @@ from weightsync import deadline
 from weightsync import transport as transports
 from weightsync.errors import (
     InvalidArgument,
+    StepTimeoutError,
     TransferError,
     WeightSyncError,
     from_rpc_error,
@@ -204,7 +205,11 @@ class TrainerClient:
 
     async def pause(self, *, mode: str = "keep", offload_kv: bool = False, required_engines: Iterable[str] = (),
                     key: str | None = None, timeout_s: float | None = None) -> coordinator_pb2.PauseResponse:
-        """Pauses every available engine (a new round). ``mode``: keep | abort | wait."""
+        """Pauses every available engine (a new round). ``mode``: keep | abort | wait.
+
+        Returns each engine's outcome; engines that failed to pause are left out of
+        the round. Raises the (typed) failure when no engine paused at all.
+        """
         if mode not in PAUSE_MODES:
             raise InvalidArgument(f"pause mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
         stub = self._ready()
@@ -214,7 +219,14 @@ class TrainerClient:
             async def attempt(left):
                 request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
                 return await stub.Pause(request, timeout=left)
-            return await call_with_retry(self.retry, attempt, operation="pause")
+            response = await call_with_retry(self.retry, attempt, operation="pause")
+        if response.engines and not any(o.ok for o in response.engines):
+            first = response.engines[0]
+            error = outcome_error(first.error_reason, f"no engine paused: {first.engine_id}: {first.error_message}",
+                                  operation="pause")
+            error.response = response  # type: ignore[attr-defined]
+            raise error
+        return response
 
     async def resume(self, *, allow_torn: bool = False, key: str | None = None,
                      timeout_s: float | None = None) -> coordinator_pb2.ResumeResponse:
@@ -249,7 +261,15 @@ class TrainerClient:
             request = coordinator_pb2.BroadcastRequest(
                 idempotency_key=key, version=version, plan=prepared.plan.to_proto(), transport=kind,
                 store_host=self.host, store_port=self._store.port, weights_digest=prepared.digest)
-            return await self._broadcast(stub, request, prepared, kind)
+            # Once the Broadcast is sent, engines may already be waiting for bytes: a
+            # cancellation from here on waits for the round (bounded by the deadline),
+            # then propagates chained to its error, so nothing is resumed mid-transfer
+            # and no engine is left waiting for a sender that never came.
+            round_task = asyncio.ensure_future(self._broadcast(stub, request, prepared, kind))
+            if await _wait_through_cancellation(round_task):
+                cause = None if round_task.cancelled() else round_task.exception()
+                raise asyncio.CancelledError("broadcast cancelled") from cause
+            return round_task.result()
 
     async def _broadcast(self, stub, request, prepared: _Prepared, kind) -> SyncResult:
         self._abort.clear()
@@ -280,11 +300,6 @@ class TrainerClient:
                         await asyncio.sleep(delay)
                         continue
                     raise from_rpc_error(exc, operation="broadcast") from exc
-        except asyncio.CancelledError:
-            if transfer is not None:
-                await _wait_through_cancellation(transfer)
-                raise asyncio.CancelledError("broadcast cancelled") from transfer.exception()
-            raise
         except BaseException:
             if transfer is not None:
                 self._abort.set()
@@ -292,9 +307,7 @@ class TrainerClient:
             raise
         send_seconds = 0.0
         if transfer is not None:
-            cancelled = await _wait_through_cancellation(transfer)
-            if cancelled:
-                raise asyncio.CancelledError("broadcast cancelled") from transfer.exception()
+            await _wait_through_cancellation(transfer)
             if transfer.exception() is None:
                 send_seconds = transfer.result().seconds
         sync = SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
@@ -304,6 +317,12 @@ class TrainerClient:
             failed = "; ".join(f"{e.engine_id}: [{e.error_reason}] {e.error_message}" for e in sync.failed)
             error = SyncFailed(f"broadcast of version {result.version} failed on {len(sync.failed)} "
                                f"engine(s): {failed}", result=sync)
+            if all(e.error_reason == StepTimeoutError.reason for e in sync.failed):
+                # The engines' deadline fired first; the caller sees the same error as
+                # if its own had: a timeout naming the operation.
+                timeout = StepTimeoutError(f"deadline exceeded during broadcast: {failed}", operation="broadcast")
+                timeout.result = sync  # type: ignore[attr-defined]
+                raise timeout from error
             if transfer is not None and transfer.exception() is not None:
                 raise error from transfer.exception()
             raise error
@@ -380,11 +399,12 @@ class TrainerClient:
                           resumed=tuple(resumed))
 
     async def _resume_after(self, primary: BaseException | None) -> list[str]:
-        """Resume that always runs; its own budget if the sync's one is spent."""
+        """Resume that always runs, with at least ``resume_grace_s`` even if the sync's
+        deadline is spent: engines must not stay paused because the trainer ran late."""
         left = deadline.remaining()
-        budget = self.resume_grace_s if left is None or left < 1.0 else left
+        budget = max(left or 0.0, self.resume_grace_s)
         try:
-            with deadline.scope(budget, operation="resume"), deadline.operation("resume"):
+            with deadline.fresh(budget, operation="resume"), deadline.operation("resume"):
                 response = await self.resume()
         except WeightSyncError as exc:
             if primary is None:

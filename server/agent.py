@@ -42,6 +42,7 @@ from weightsync.errors import (
     WeightSyncError,
     abort_with,
 )
+from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore
 from weightsync.plan import BucketPlan, dtype_name
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -56,9 +57,10 @@ MAX_EVENTS = 10_000
 class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     """The agent's state machine and RPC handlers (see the module docstring)."""
 
-    def __init__(self, *, engine_id: str, adapter: EngineAdapter) -> None:
+    def __init__(self, *, engine_id: str, adapter: EngineAdapter, faults: FaultInjector | None = None) -> None:
         self.engine_id = engine_id
         self.adapter = adapter
+        self.faults = faults
         self.address = ""
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
@@ -282,10 +284,16 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         cancelled = False
         try:
             targets = self.adapter.load_targets(plan)
+            on_bucket = None
+            if self.faults is not None:
+                faults, version = self.faults, request.version
+
+                def on_bucket(bucket: int) -> None:
+                    faults.on_bucket("receive", version, bucket, deadline_at=deadline_at)
             ctx = contextvars.copy_context()
             transfer = loop.run_in_executor(
                 self._transfer, lambda: ctx.run(receiver.receive, request.rendezvous, request.rank, plan, targets,
-                                                deadline_at=deadline_at, abort=self._abort))
+                                                deadline_at=deadline_at, abort=self._abort, on_bucket=on_bucket))
             # Invariant 6 on the engine side: a cancelled RPC still waits for the bytes.
             while not transfer.done():
                 try:

@@ -30,6 +30,7 @@ from weightsync.server.serving import (
 from weightsync.engine.adapter import ReferenceAdapter
 from weightsync.engine.model import resolve_config
 from weightsync.errors import InvalidArgument
+from weightsync.faults import FaultInjector
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("weightsync.agent")
@@ -49,6 +50,7 @@ class AgentOptions:
     register_timeout_s: float = 30.0
     shutdown_grace_s: float = 10.0
     step_delay_s: float = 0.0
+    enable_fault_injection: bool = False
 
 
 async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
@@ -106,8 +108,10 @@ async def run_agent(options: AgentOptions) -> int:
     core = server = channel = heartbeat = health = None
     errors: list[BaseException] = []
     try:
+        faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
         core = AgentCore(engine_id=engine_id,
-                         adapter=ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s))
+                         adapter=ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s),
+                         faults=faults)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         agent_pb2_grpc.add_EngineAgentServicer_to_server(core, server)
         health = add_health_and_reflection(server, [SERVICE])

@@ -444,21 +444,27 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     # ----- queries ----------------------------------------------------------------------
 
     async def GetState(self, request, context):
-        engines = [self.registry.view(r) for r in self.registry.all()]
-        if request.include_digests:
-            async def digest(record: EngineRecord, view: common_pb2.EngineState) -> None:
-                if not view.available:
-                    return
-                try:
-                    fresh = await record.stub.GetState(agent_pb2.AgentStateRequest(include_digest=True), timeout=30.0)
-                    # Fresh from the agent, with the coordinator's liveness view kept.
-                    available, age = view.available, view.heartbeat_age_s
-                    view.CopyFrom(fresh)
-                    view.available, view.heartbeat_age_s = available, age
-                except grpc.aio.AioRpcError as exc:
-                    view.available = False
-                    view.fault = f"GetState failed: {exc.code().name}"
-            await asyncio.gather(*(digest(r, v) for r, v in zip(self.registry.all(), engines, strict=True)))
+        records = self.registry.all()
+        engines = [self.registry.view(r) for r in records]
+
+        async def refresh(record: EngineRecord, view: common_pb2.EngineState) -> None:
+            # Ask the agent itself: a heartbeat can be up to one interval old, and a
+            # caller that just resumed expects to see it resumed.
+            if not view.available:
+                return
+            try:
+                fresh = await record.stub.GetState(
+                    agent_pb2.AgentStateRequest(include_digest=request.include_digests),
+                    timeout=30.0 if request.include_digests else 2.0)
+            except grpc.aio.AioRpcError as exc:
+                view.available = False
+                view.fault = f"GetState failed: {exc.code().name}"
+                return
+            available, age = view.available, view.heartbeat_age_s
+            view.CopyFrom(fresh)
+            view.available, view.heartbeat_age_s = available, age
+
+        await asyncio.gather(*(refresh(r, v) for r, v in zip(records, engines, strict=True)))
         return coordinator_pb2.GetStateResponse(
             weight_version=self.weight_version, engines=engines,
             round=coordinator_pb2.RoundState(round_id=self.round_id, phase=self.phase, engines=self.round_engines,

@@ -7,7 +7,13 @@ import time
 import pytest
 import torch
 
-from weightsync.engine.model import PRESETS, ModelConfig, ReferenceLM, config_for_size, resolve_config
+from weightsync.engine.model import (
+    PRESETS,
+    ModelConfig,
+    ReferenceLM,
+    config_for_size,
+    resolve_config,
+)
 from weightsync.engine.reference import ReferenceEngine
 from weightsync.errors import EngineFault, FailedPrecondition, InvalidArgument, StepTimeoutError
 from weightsync.v1 import common_pb2

@@ -38,6 +38,8 @@ def _add_agent(sub) -> None:
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds a running transfer gets to finish at shutdown")
     p.add_argument("--step-delay", type=float, default=0.0, help="reference engine: sleep between steps (s)")
+    # Tests only: honour WEIGHTSYNC_FAULTS. Hidden so nobody turns it on from --help.
+    p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
 
 
 def _add_demo(sub) -> None:
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(run_agent(AgentOptions(
                 coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
                 engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout,
-                shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay)))
+                shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay,
+                enable_fault_injection=args.enable_fault_injection)))
         if args.command == "demo":
             from weightsync.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)

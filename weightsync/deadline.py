@@ -47,6 +47,20 @@ def scope(seconds: float | None, *, operation: str = "sync") -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def fresh(seconds: float, *, operation: str) -> Iterator[None]:
+    """A new deadline ``seconds`` from now that replaces (not nests in) the current one.
+
+    For cleanup that must run even after the caller's deadline is spent.
+    """
+    token = _current.set(None)
+    try:
+        with scope(seconds, operation=operation):
+            yield
+    finally:
+        _current.reset(token)
+
+
+@contextlib.contextmanager
 def operation(name: str) -> Iterator[None]:
     """Names the operation running under the current deadline."""
     outer = _current.get()
@@ -83,4 +97,4 @@ def expired() -> StepTimeoutError:
     return StepTimeoutError(f"deadline exceeded during {current_operation()}", operation=current_operation())
 
 
-__all__ = ["scope", "operation", "current_operation", "remaining", "check", "expired"]
+__all__ = ["scope", "fresh", "operation", "current_operation", "remaining", "check", "expired"]

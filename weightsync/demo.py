@@ -15,7 +15,6 @@ import asyncio
 import os
 import sys
 import tempfile
-import time
 from collections import Counter
 
 import torch

@@ -173,10 +173,10 @@ def from_rpc_error(error: grpc.RpcError, *, operation: str | None = None) -> Wei
     return result
 
 
-def outcome_error(reason: str, message: str) -> WeightSyncError:
+def outcome_error(reason: str, message: str, *, operation: str = "unknown") -> WeightSyncError:
     """Rebuilds the typed error recorded in an ``EngineOutcome``."""
     if reason == StepTimeoutError.reason:
-        return StepTimeoutError(message, operation="unknown")
+        return StepTimeoutError(message, operation=operation)
     cls = _BY_REASON.get(reason, WeightSyncError)
     if cls is WeightSyncError:
         return WeightSyncError(message, reason=reason or "UNKNOWN")

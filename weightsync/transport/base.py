@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +51,11 @@ class Receiver(abc.ABC):
     @abc.abstractmethod
     def receive(self, rendezvous: common_pb2.Rendezvous, rank: int, plan: BucketPlan,
                 targets: Sequence[torch.Tensor], *, deadline_at: float,
-                abort: threading.Event) -> TransferStats:
-        """Receives the stream and writes it into ``targets`` (in plan order)."""
+                abort: threading.Event, on_bucket: Callable[[int], None] | None = None) -> TransferStats:
+        """Receives the stream and writes it into ``targets`` (in plan order).
+
+        ``on_bucket(b)`` runs after bucket ``b`` is loaded (progress, fault injection).
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

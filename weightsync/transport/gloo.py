@@ -119,7 +119,7 @@ class GlooReceiver(Receiver):
         self._store: tuple[tuple[str, int], dist.Store] | None = None
         self._group: _Group | None = None
 
-    def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort):
+    def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
         try:
             group = self._ensure_group(rendezvous, rank, plan, deadline_at)
@@ -133,6 +133,8 @@ class GlooReceiver(Receiver):
                 slot = bucket % 2
                 _wait(works[slot], deadline_at, "receive")
                 unpack_bucket(plan, bucket, group.buffers[slot], targets)
+                if on_bucket is not None:
+                    on_bucket(bucket)
         except BaseException:
             self.close()
             raise

@@ -141,7 +141,7 @@ class ShmReceiver(Receiver):
         self._store: tuple[tuple[str, int], dist.Store] | None = None
         self._segment: _Segment | None = None
 
-    def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort):
+    def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
@@ -159,6 +159,8 @@ class ShmReceiver(Receiver):
                 wait_for_keys(store, [_key(rendezvous, "ready", bucket)], deadline_at=deadline_at,
                               operation="receive", abort=abort, fail_keys=stop)
                 unpack_bucket(plan, bucket, seg.slots[bucket % 2], targets)
+                if on_bucket is not None:
+                    on_bucket(bucket)
                 store.set(_key(rendezvous, "ack", bucket, rank), b"1")
         except BaseException as exc:
             try:

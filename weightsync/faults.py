@@ -1,0 +1,91 @@
+"""Deterministic fault injection for tests: off by default, hard to turn on by accident.
+
+An agent honours ``WEIGHTSYNC_FAULTS`` (a JSON list of rules) only when it was also
+started with the ``--enable-fault-injection`` flag; the variable alone is ignored
+with a warning, and an enabled injector logs loudly at start. Rules are keyed by
+(operation, version, bucket), like torchft's EventInjector, and every firing is
+counted so tests can check what actually happened.
+
+Rule fields: ``op`` ("receive"), ``action`` ("delay" or "fail"), optional
+``version`` and ``bucket`` to match (absent = any), ``seconds`` for delays, and
+``times`` (how often it may fire; default 1, 0 = always).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from weightsync.errors import InvalidArgument, StepTimeoutError, TransferError
+
+log = logging.getLogger("weightsync.faults")
+ENV = "WEIGHTSYNC_FAULTS"
+
+
+@dataclass
+class FaultRule:
+    op: str
+    action: str
+    version: int | None = None
+    bucket: int | None = None
+    seconds: float = 0.0
+    times: int = 1
+    fired: int = 0
+
+    def matches(self, op: str, version: int, bucket: int) -> bool:
+        return (self.op == op and (self.version is None or self.version == version)
+                and (self.bucket is None or self.bucket == bucket) and (self.times == 0 or self.fired < self.times))
+
+
+class FaultInjector:
+    """Applies matching rules at hook points (see ``on_bucket``)."""
+
+    def __init__(self, rules: list[FaultRule]) -> None:
+        self.rules = rules
+
+    @classmethod
+    def from_env(cls, *, enabled: bool) -> FaultInjector | None:
+        """The injector described by ``WEIGHTSYNC_FAULTS``, or None.
+
+        Raises:
+            InvalidArgument: the variable is set, enabled, and malformed.
+        """
+        text = os.environ.get(ENV, "")
+        if not text:
+            return None
+        if not enabled:
+            log.warning("%s is set but fault injection is not enabled; ignoring it", ENV)
+            return None
+        try:
+            raw = json.loads(text)
+            rules = [FaultRule(**r) for r in raw]
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise InvalidArgument(f"{ENV} must be a JSON list of rules: {exc}") from None
+        for rule in rules:
+            if rule.action not in ("delay", "fail") or rule.op != "receive":
+                raise InvalidArgument(f"unsupported fault rule {rule}")
+        log.warning("FAULT INJECTION ENABLED: %s", rules)
+        return cls(rules)
+
+    def on_bucket(self, op: str, version: int, bucket: int, *, deadline_at: float) -> None:
+        """Hook called after bucket ``bucket`` of ``version`` was loaded."""
+        for rule in self.rules:
+            if not rule.matches(op, version, bucket):
+                continue
+            rule.fired += 1
+            if rule.action == "delay":
+                left = deadline_at - time.monotonic()
+                time.sleep(max(0.0, min(rule.seconds, left)))
+                if time.monotonic() >= deadline_at:
+                    raise StepTimeoutError(f"deadline exceeded during {op} (injected delay)", operation=op)
+            else:
+                raise TransferError(f"injected failure in {op} of version {version} at bucket {bucket}")
+
+    def fired(self) -> int:
+        return sum(r.fired for r in self.rules)
+
+
+__all__ = ["FaultInjector", "FaultRule", "ENV"]
