@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 from weightsync.server.agent import AgentCore
+from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.serving import (
     CHANNEL_OPTIONS,
     SERVER_OPTIONS,
@@ -112,7 +113,8 @@ async def run_agent(options: AgentOptions) -> int:
         core = AgentCore(engine_id=engine_id,
                          adapter=ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s),
                          faults=faults)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS,
+                                 interceptors=[FaultInterceptor(faults)] if faults is not None else None)
         agent_pb2_grpc.add_EngineAgentServicer_to_server(core, server)
         health = add_health_and_reflection(server, [SERVICE])
         core.address = bind(server, options.listen)

@@ -52,6 +52,7 @@ DEFAULT_TRANSFER_TIMEOUT_S = 300.0
 RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinator's RPC one
 MAX_EVENTS = 10_000
 MAX_ENGINE_ID_LEN = 128
+AGENT_ATTEMPTS = 3          # coordinator -> agent retries of UNAVAILABLE (keyed, so safe)
 
 
 def _failed(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
@@ -144,11 +145,11 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             await abort_with(context, exc)
 
     async def _fan_out(self, records: list[EngineRecord], call: Callable[[EngineRecord], Awaitable],
-                       *, operation: str) -> list[common_pb2.EngineOutcome]:
+                       *, operation: str, retry: bool = True) -> list[common_pb2.EngineOutcome]:
         """Calls every engine concurrently; each failure becomes that engine's outcome."""
         async def one(record: EngineRecord) -> common_pb2.EngineOutcome:
             try:
-                outcome = await call(record)
+                outcome = await (self._call_with_retry(record, call) if retry else call(record))
                 outcome.engine_id = record.engine_id
                 return outcome
             except grpc.aio.AioRpcError as exc:
@@ -159,6 +160,18 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             except WeightSyncError as exc:
                 return _failed(record.engine_id, exc)
         return list(await asyncio.gather(*(one(r) for r in records)))
+
+    @staticmethod
+    async def _call_with_retry(record: EngineRecord, call: Callable[[EngineRecord], Awaitable]):
+        """A few quick retries of UNAVAILABLE. Safe because every agent call carries a
+        key derived from the trainer's: a retry attaches to, or replays, the first."""
+        for attempt in range(1, AGENT_ATTEMPTS + 1):
+            try:
+                return await call(record)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == AGENT_ATTEMPTS:
+                    raise
+                await asyncio.sleep(0.1 * attempt)
 
     def _members(self) -> list[EngineRecord]:
         records = []
@@ -313,7 +326,8 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
 
             async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
                 try:
-                    return await record.stub.Receive(receive_request(record, False), timeout=timeout_s + RPC_MARGIN_S)
+                    return await self._call_with_retry(record, lambda r: r.stub.Receive(
+                        receive_request(r, False), timeout=timeout_s + RPC_MARGIN_S))
                 except grpc.aio.AioRpcError as exc:
                     # Tell the trainer now, so it stops sending instead of waiting out
                     # its deadline for an engine that will never acknowledge.
@@ -321,7 +335,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, error)))
                     raise
 
-            outcomes = await self._fan_out(members, receive, operation="broadcast")
+            outcomes = await self._fan_out(members, receive, operation="broadcast", retry=False)
             for o in outcomes:
                 o.rank = ranks[o.engine_id]
             for engine_id in gone:

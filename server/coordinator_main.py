@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 from weightsync.server.coordinator import CoordinatorCore
+from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.serving import (
     SERVER_OPTIONS,
     add_health_and_reflection,
@@ -23,6 +24,7 @@ from weightsync.server.serving import (
     write_port_file,
 )
 
+from weightsync.faults import FaultInjector
 from weightsync.statedb import StateDB
 from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -42,6 +44,7 @@ class CoordinatorOptions:
     shutdown_grace_s: float = 10.0
     idempotency_retention_s: float = 24 * 3600.0
     idempotency_max_records: int = 100_000
+    enable_fault_injection: bool = False
 
 
 async def run_coordinator(options: CoordinatorOptions) -> int:
@@ -59,7 +62,9 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
                                idempotency_retention_s=options.idempotency_retention_s,
                                idempotency_max_records=options.idempotency_max_records)
         core.restore_engines()
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
+        server = grpc.aio.server(options=SERVER_OPTIONS,
+                                 interceptors=[FaultInterceptor(faults)] if faults is not None else None)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, server)
         health = add_health_and_reflection(server, [SERVICE])
         address = bind(server, options.listen)

@@ -24,6 +24,7 @@ def _add_coordinator(sub) -> None:
                    help="seconds idempotency records are kept")
     p.add_argument("--idempotency-max-records", type=int, default=100_000,
                    help="most idempotency records kept")
+    p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
 
 
 def _add_agent(sub) -> None:
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 listen=args.listen, state_db=args.state_db, port_file=args.port_file,
                 heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                 shutdown_grace_s=args.shutdown_grace, idempotency_retention_s=args.idempotency_retention,
-                idempotency_max_records=args.idempotency_max_records)))
+                idempotency_max_records=args.idempotency_max_records,
+                enable_fault_injection=args.enable_fault_injection)))
         if args.command == "agent":
             from weightsync.server.agent_main import AgentOptions, run_agent
             return asyncio.run(run_agent(AgentOptions(

@@ -6,9 +6,15 @@ with a warning, and an enabled injector logs loudly at start. Rules are keyed by
 (operation, version, bucket), like torchft's EventInjector, and every firing is
 counted so tests can check what actually happened.
 
-Rule fields: ``op`` ("receive"), ``action`` ("delay" or "fail"), optional
-``version`` and ``bucket`` to match (absent = any), ``seconds`` for delays, and
+Rule fields: ``op``, ``action``, optional matchers, ``seconds`` for delays, and
 ``times`` (how often it may fire; default 1, 0 = always).
+
+- ``op: "receive"`` (agents' data plane), matched by ``version`` and ``bucket``:
+  ``delay`` or ``fail`` after that bucket is loaded.
+- ``op: "rpc"`` (any server, see ``server/fault_interceptor.py``), matched by
+  ``method`` (e.g. "Broadcast"): ``drop_response`` (the handler runs, the caller
+  gets UNAVAILABLE instead of the answer), ``duplicate`` (the request is delivered
+  twice, concurrently), ``delay`` (the hop takes ``seconds`` longer).
 """
 
 from __future__ import annotations
@@ -31,13 +37,17 @@ class FaultRule:
     action: str
     version: int | None = None
     bucket: int | None = None
+    method: str | None = None
     seconds: float = 0.0
     times: int = 1
     fired: int = 0
 
-    def matches(self, op: str, version: int, bucket: int) -> bool:
+    def matches(self, op: str, version: int | None = None, bucket: int | None = None,
+                method: str | None = None) -> bool:
         return (self.op == op and (self.version is None or self.version == version)
-                and (self.bucket is None or self.bucket == bucket) and (self.times == 0 or self.fired < self.times))
+                and (self.bucket is None or self.bucket == bucket)
+                and (self.method is None or self.method == method)
+                and (self.times == 0 or self.fired < self.times))
 
 
 class FaultInjector:
@@ -65,15 +75,24 @@ class FaultInjector:
         except (json.JSONDecodeError, TypeError) as exc:
             raise InvalidArgument(f"{ENV} must be a JSON list of rules: {exc}") from None
         for rule in rules:
-            if rule.action not in ("delay", "fail") or rule.op != "receive":
+            allowed = {"receive": ("delay", "fail"), "rpc": ("drop_response", "duplicate", "delay")}
+            if rule.action not in allowed.get(rule.op, ()):
                 raise InvalidArgument(f"unsupported fault rule {rule}")
         log.warning("FAULT INJECTION ENABLED: %s", rules)
         return cls(rules)
 
+    def take(self, op: str, **match) -> FaultRule | None:
+        """The first matching rule, counted as fired; None if none matches."""
+        for rule in self.rules:
+            if rule.matches(op, **match):
+                rule.fired += 1
+                return rule
+        return None
+
     def on_bucket(self, op: str, version: int, bucket: int, *, deadline_at: float) -> None:
         """Hook called after bucket ``bucket`` of ``version`` was loaded."""
         for rule in self.rules:
-            if not rule.matches(op, version, bucket):
+            if not rule.matches(op, version=version, bucket=bucket):
                 continue
             rule.fired += 1
             if rule.action == "delay":
