@@ -7,10 +7,10 @@ what an agent did, in order.
 from __future__ import annotations
 
 import grpc
-from weightsync.client.retry import new_key
-from weightsync.server.serving import CHANNEL_OPTIONS
 
+from weightsync.client.retry import new_key
 from weightsync.errors import from_rpc_error
+from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 

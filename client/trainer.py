@@ -26,11 +26,10 @@ from typing import TypeVar
 
 import grpc
 import torch
-from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
-from weightsync.server.serving import CHANNEL_OPTIONS
 
 from weightsync import deadline
 from weightsync import transport as transports
+from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
 from weightsync.errors import (
     InvalidArgument,
     StepTimeoutError,
@@ -40,6 +39,7 @@ from weightsync.errors import (
     outcome_error,
 )
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, dtype_name, weights_digest
+from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.transport.store import host_store
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 

@@ -17,6 +17,11 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+
+from weightsync.engine.adapter import ReferenceAdapter
+from weightsync.engine.model import resolve_config
+from weightsync.errors import InvalidArgument
+from weightsync.faults import FaultInjector
 from weightsync.server.agent import AgentCore
 from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.serving import (
@@ -27,11 +32,6 @@ from weightsync.server.serving import (
     set_not_serving,
     write_port_file,
 )
-
-from weightsync.engine.adapter import ReferenceAdapter
-from weightsync.engine.model import resolve_config
-from weightsync.errors import InvalidArgument
-from weightsync.faults import FaultInjector
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("weightsync.agent")

@@ -28,7 +28,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 import grpc
-from weightsync.server.registry import EngineRecord, EngineRegistry
 
 from weightsync import transport as transports
 from weightsync.errors import (
@@ -42,6 +41,7 @@ from weightsync.errors import (
 )
 from weightsync.idempotency import IdempotencyStore, derive_key, validate_key
 from weightsync.plan import BucketPlan
+from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 

@@ -14,6 +14,8 @@ import signal
 from dataclasses import dataclass
 
 import grpc
+
+from weightsync.faults import FaultInjector
 from weightsync.server.coordinator import CoordinatorCore
 from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.serving import (
@@ -23,8 +25,6 @@ from weightsync.server.serving import (
     set_not_serving,
     write_port_file,
 )
-
-from weightsync.faults import FaultInjector
 from weightsync.statedb import StateDB
 from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from weightsync.server.serving import CHANNEL_OPTIONS
 
+from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.v1 import agent_pb2_grpc, common_pb2
 
 

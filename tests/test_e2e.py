@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import torch
-from weightsync.client import EngineClient, TrainerClient
 
+from weightsync.client import EngineClient, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.plan import weights_digest
 

@@ -9,9 +9,9 @@ import time
 
 import grpc
 import pytest
-from weightsync.client import EngineClient, TrainerClient
 
 from weightsync import transport as transports
+from weightsync.client import EngineClient, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import IdempotencyConflict, InvalidArgument, OperationAborted, TransferError
 from weightsync.idempotency import IdempotencyStore, derive_key, validate_key

@@ -13,8 +13,8 @@ import time
 import uuid
 
 import pytest
-from weightsync.client import EngineClient, SyncFailed, TrainerClient
 
+from weightsync.client import EngineClient, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import StepTimeoutError, TornWeightsError, TransferError
 from weightsync.plan import weights_digest

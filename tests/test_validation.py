@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from weightsync.client import TrainerClient
 
+from weightsync.client import TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.plan import BucketPlan, weights_digest
