@@ -79,6 +79,7 @@ class SyncResult:
     resume_seconds: float = 0.0
     total_seconds: float = 0.0
     resumed: tuple[str, ...] = ()   # engines serving again after the sync
+    skipped: tuple[EngineResult, ...] = ()  # registered engines left out (unavailable, pause failed)
 
     @property
     def failed(self) -> tuple[EngineResult, ...]:
@@ -377,8 +378,13 @@ class TrainerClient:
         with deadline.scope(budget, operation="sync"):
             with deadline.operation("pause"):
                 t0 = time.monotonic()
-                await self.pause(mode=mode, offload_kv=offload_kv, required_engines=required_engines)
+                try:
+                    paused = await self.pause(mode=mode, offload_kv=offload_kv, required_engines=required_engines)
+                except WeightSyncError as exc:
+                    await self._resume_after(exc)  # release the engines that did pause
+                    raise
                 pause_s = time.monotonic() - t0
+                skipped = tuple(EngineResult.from_proto(o) for o in paused.engines if not o.ok)
             primary: BaseException | None = None
             result: SyncResult | None = None
             try:
@@ -396,7 +402,7 @@ class TrainerClient:
         return SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
                           transfer_seconds=result.transfer_seconds, engines=result.engines, pause_seconds=pause_s,
                           resume_seconds=resume_s, total_seconds=time.monotonic() - started,
-                          resumed=tuple(resumed))
+                          resumed=tuple(resumed), skipped=skipped)
 
     async def _resume_after(self, primary: BaseException | None) -> list[str]:
         """Resume that always runs, with at least ``resume_grace_s`` even if the sync's

@@ -45,6 +45,7 @@ from weightsync.errors import (
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore
 from weightsync.plan import BucketPlan, dtype_name
+from weightsync.server.launcher import EngineLauncher
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger("weightsync.agent")
@@ -57,10 +58,12 @@ MAX_EVENTS = 10_000
 class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     """The agent's state machine and RPC handlers (see the module docstring)."""
 
-    def __init__(self, *, engine_id: str, adapter: EngineAdapter, faults: FaultInjector | None = None) -> None:
+    def __init__(self, *, engine_id: str, adapter: EngineAdapter, faults: FaultInjector | None = None,
+                 launcher: EngineLauncher | None = None) -> None:
         self.engine_id = engine_id
         self.adapter = adapter
         self.faults = faults
+        self.launcher = launcher
         self.address = ""
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
@@ -91,8 +94,12 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         ctx = contextvars.copy_context()
         return await loop.run_in_executor(self._control, lambda: ctx.run(fn, *args, **kwargs))
 
+    def fault(self) -> str | None:
+        """Why this engine cannot serve: the engine's own fault or its launched process's."""
+        return self.adapter.fault() or (self.launcher.fault() if self.launcher is not None else None)
+
     def _check_alive(self) -> None:
-        fault = self.adapter.fault()
+        fault = self.fault()
         if fault:
             raise EngineFault(f"engine {self.engine_id} is dead: {fault}", metadata={"engine_id": self.engine_id})
 
@@ -120,7 +127,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     def state(self, *, include_digest: bool = False) -> common_pb2.EngineState:
         """This engine's state as reported to the coordinator and to GetState."""
         running, queued = self.adapter.counts()
-        fault = self.adapter.fault() or ""
+        fault = self.fault() or ""
         return common_pb2.EngineState(
             engine_id=self.engine_id, address=self.address, available=not fault, paused=self.paused,
             receiving=self._receive_task is not None and not self._receive_task.done(),

@@ -2,10 +2,13 @@
 
 Start-up: engine, gRPC server (EngineAgent + health + reflection), port file,
 registration with the coordinator (retried until a deadline), heartbeats.
+With ``launch``, the engine command is started first (under the reaper, see
+``server/launcher.py``) and must become healthy before the agent registers.
 Shutdown (first signal; later ones are ignored so they cannot cut cleanup short):
 health NOT_SERVING, stop taking work, let a running receive finish within the grace
-period, deregister, stop the server, close the engine. Every step runs even if an
-earlier one failed; all failures are reported together and the exit code is 1.
+period (else abandon it: the engine stays paused and torn), deregister, stop the
+server, close the engine, stop the launched process tree. Every step runs even if
+an earlier one failed; all failures are reported together and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from weightsync.errors import InvalidArgument
 from weightsync.faults import FaultInjector
 from weightsync.server.agent import AgentCore
 from weightsync.server.fault_interceptor import FaultInterceptor
+from weightsync.server.launcher import EngineLauncher
 from weightsync.server.serving import (
     CHANNEL_OPTIONS,
     SERVER_OPTIONS,
@@ -52,6 +56,9 @@ class AgentOptions:
     shutdown_grace_s: float = 10.0
     step_delay_s: float = 0.0
     enable_fault_injection: bool = False
+    launch: tuple[str, ...] = ()
+    health_url: str = ""
+    launch_timeout_s: float = 120.0
 
 
 async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
@@ -106,13 +113,19 @@ async def run_agent(options: AgentOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    core = server = channel = heartbeat = health = None
+    core = server = channel = heartbeat = health = launcher = monitor = faults = None
     errors: list[BaseException] = []
     try:
         faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
+        if options.launch:
+            launcher = EngineLauncher(options.launch, health_url=options.health_url,
+                                      ready_timeout_s=options.launch_timeout_s, grace_s=options.shutdown_grace_s)
+            launcher.start()
+            await launcher.wait_ready()
+            monitor = asyncio.create_task(launcher.monitor())
         core = AgentCore(engine_id=engine_id,
                          adapter=ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s),
-                         faults=faults)
+                         faults=faults, launcher=launcher)
         server = grpc.aio.server(options=SERVER_OPTIONS,
                                  interceptors=[FaultInterceptor(faults)] if faults is not None else None)
         agent_pb2_grpc.add_EngineAgentServicer_to_server(core, server)
@@ -128,23 +141,28 @@ async def run_agent(options: AgentOptions) -> int:
         heartbeat = asyncio.create_task(_heartbeats(stub, core, options, interval))
         await stop.wait()
     except Exception as exc:
+        log.error("agent failed: %r", exc)
         errors.append(exc)
     finally:
-        errors += await _shutdown(core, server, channel, heartbeat, health, options)
+        errors += await _shutdown(core, server, channel, [heartbeat, monitor], health, launcher, faults, options)
     if errors:
         log.error("agent %s stopped with errors: %r", engine_id, ExceptionGroup("agent shutdown", errors))
         return 1
     return 0
 
 
-async def _shutdown(core, server, channel, heartbeat, health, options: AgentOptions) -> list[BaseException]:
-    """Every step runs whatever failed before it; returns every failure."""
+async def _shutdown(core, server, channel, tasks, health, launcher, faults,
+                    options: AgentOptions) -> list[BaseException]:
+    """Every step runs whatever failed before it; returns every failure. Each step is
+    bounded, so a stuck component cannot hang the shutdown."""
     errors: list[BaseException] = []
     grace = options.shutdown_grace_s
 
-    async def step(name: str, coro) -> None:
+    async def step(name: str, make_coro) -> None:
         try:
-            await asyncio.wait_for(coro, timeout=grace)
+            if faults is not None and faults.take("shutdown", method=name) is not None:
+                raise RuntimeError(f"injected failure in shutdown step {name!r}")
+            await asyncio.wait_for(make_coro(), timeout=3 * grace + 5)
         except Exception as exc:
             log.error("shutdown step %s failed: %r", name, exc)
             errors.append(exc)
@@ -152,19 +170,26 @@ async def _shutdown(core, server, channel, heartbeat, health, options: AgentOpti
     if health is not None:
         set_not_serving(health, [SERVICE])
     if core is not None:
-        await step("drain", core.drain(grace))
-    if heartbeat is not None:
-        heartbeat.cancel()
-        await asyncio.wait({heartbeat}, timeout=grace)
+        await step("drain", lambda: core.drain(grace))
+    for task in tasks:
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=grace)
     if channel is not None and core is not None:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        await step("deregister", _deregister(stub, core))
+        await step("deregister", lambda: _deregister(stub, core))
     if server is not None:
-        await step("server", server.stop(grace))
+        await step("server", lambda: server.stop(grace))
     if core is not None:
-        errors += await asyncio.to_thread(core.close)
+        async def close_core() -> None:
+            failures = await asyncio.to_thread(core.close)
+            if failures:
+                raise ExceptionGroup("closing the engine", failures)
+        await step("engine", close_core)
+    if launcher is not None:
+        await step("launched-engine", lambda: asyncio.to_thread(launcher.stop))
     if channel is not None:
-        await step("channel", channel.close(grace=None))
+        await step("channel", lambda: channel.close(grace=None))
     return errors
 
 

@@ -34,7 +34,6 @@ from weightsync.errors import (
     EngineUnavailable,
     FailedPrecondition,
     InvalidArgument,
-    StepTimeoutError,
     WeightSyncError,
     abort_with,
     from_rpc_error,
@@ -58,6 +57,15 @@ AGENT_ATTEMPTS = 3          # coordinator -> agent retries of UNAVAILABLE (keyed
 def _failed(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
     return common_pb2.EngineOutcome(engine_id=engine_id, ok=False, error_reason=error.reason,
                                     error_message=error.message)
+
+
+def _engine_error(record: EngineRecord, exc: grpc.aio.AioRpcError, operation: str) -> WeightSyncError:
+    """The typed error of a failed agent call; an unreachable agent is ENGINE_UNAVAILABLE."""
+    error = from_rpc_error(exc, operation=operation)
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and error.reason == "UNAVAILABLE":
+        error = EngineUnavailable(f"engine {record.engine_id} unreachable during {operation}: {exc.details()}")
+    error.metadata["engine_id"] = record.engine_id
+    return error
 
 
 class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
@@ -153,10 +161,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 outcome.engine_id = record.engine_id
                 return outcome
             except grpc.aio.AioRpcError as exc:
-                error = from_rpc_error(exc, operation=operation)
-                if isinstance(error, StepTimeoutError):
-                    error.metadata["engine_id"] = record.engine_id
-                return _failed(record.engine_id, error)
+                return _failed(record.engine_id, _engine_error(record, exc, operation))
             except WeightSyncError as exc:
                 return _failed(record.engine_id, exc)
         return list(await asyncio.gather(*(one(r) for r in records)))
@@ -216,12 +221,25 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     offload_kv=request.offload_kv, timeout_s=timeout_s), timeout=timeout_s + RPC_MARGIN_S)
 
             outcomes = await self._fan_out(members, call, operation="pause")
+            member_ids = {r.engine_id for r in members}
+            # Registered engines that are down are reported, not silently skipped.
+            for record in self.registry.all():
+                if record.engine_id not in member_ids:
+                    why = record.state.fault or f"no heartbeat for {record.heartbeat_age():.1f}s"
+                    outcomes.append(_failed(record.engine_id, EngineUnavailable(
+                        f"engine {record.engine_id} is unavailable: {why}")))
             self.round_id += 1
             self.round_engines = [o.engine_id for o in outcomes if o.ok]
             self.phase = "paused" if self.round_engines else "idle"
             await self._save_round()
             await self.emit("paused", round_id=self.round_id, engines=",".join(self.round_engines),
                             failed=",".join(o.engine_id for o in outcomes if not o.ok))
+            unpaused = [o for o in outcomes if not o.ok and o.engine_id in request.required_engines]
+            if unpaused:
+                # The engines that did pause stay members, so a Resume releases them.
+                raise EngineUnavailable("required engines did not pause: " + "; ".join(
+                    f"{o.engine_id}: {o.error_message}" for o in unpaused),
+                    metadata={"engines": ",".join(o.engine_id for o in unpaused)})
             return coordinator_pb2.PauseResponse(round_id=self.round_id, engines=outcomes)
 
     # ----- Broadcast --------------------------------------------------------------------
@@ -331,7 +349,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 except grpc.aio.AioRpcError as exc:
                     # Tell the trainer now, so it stops sending instead of waiting out
                     # its deadline for an engine that will never acknowledge.
-                    error = from_rpc_error(exc, operation="broadcast")
+                    error = _engine_error(record, exc, "broadcast")
                     progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, error)))
                     raise
 

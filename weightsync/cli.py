@@ -39,8 +39,13 @@ def _add_agent(sub) -> None:
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds a running transfer gets to finish at shutdown")
     p.add_argument("--step-delay", type=float, default=0.0, help="reference engine: sleep between steps (s)")
+    p.add_argument("--health-url", default="", help="launched engine's health URL (e.g. http://127.0.0.1:8000/health)")
+    p.add_argument("--launch-timeout", type=float, default=120.0, help="seconds the launched engine gets to be healthy")
     # Tests only: honour WEIGHTSYNC_FAULTS. Hidden so nobody turns it on from --help.
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--launch", action="store_true",
+                   help="-- CMD [ARGS...]: start this engine command, own it and its whole process tree "
+                        "(must come last; everything after it is the command)")
 
 
 def _add_demo(sub) -> None:
@@ -69,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``weightsync`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launch: list[str] = []
+    if "--launch" in argv:  # everything after it is the engine command, never our options
+        index = argv.index("--launch")
+        argv, launch = argv[:index + 1], argv[index + 1:]
+        if launch[:1] == ["--"]:
+            launch = launch[1:]
+        if not launch:
+            print("weightsync: --launch needs a command: --launch -- CMD [ARGS...]", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -87,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                 coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
                 engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout,
                 shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay,
-                enable_fault_injection=args.enable_fault_injection)))
+                enable_fault_injection=args.enable_fault_injection,
+                launch=tuple(launch),
+                health_url=args.health_url, launch_timeout_s=args.launch_timeout)))
         if args.command == "demo":
             from weightsync.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)

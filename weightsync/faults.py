@@ -15,6 +15,8 @@ Rule fields: ``op``, ``action``, optional matchers, ``seconds`` for delays, and
   ``method`` (e.g. "Broadcast"): ``drop_response`` (the handler runs, the caller
   gets UNAVAILABLE instead of the answer), ``duplicate`` (the request is delivered
   twice, concurrently), ``delay`` (the hop takes ``seconds`` longer).
+- ``op: "shutdown"``, matched by ``method`` (a shutdown step's name): ``fail``
+  makes that cleanup step raise, to prove the other steps still run.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class FaultInjector:
         except (json.JSONDecodeError, TypeError) as exc:
             raise InvalidArgument(f"{ENV} must be a JSON list of rules: {exc}") from None
         for rule in rules:
-            allowed = {"receive": ("delay", "fail"), "rpc": ("drop_response", "duplicate", "delay")}
+            allowed = {"receive": ("delay", "fail"), "rpc": ("drop_response", "duplicate", "delay"),
+                       "shutdown": ("fail",)}
             if rule.action not in allowed.get(rule.op, ()):
                 raise InvalidArgument(f"unsupported fault rule {rule}")
         log.warning("FAULT INJECTION ENABLED: %s", rules)

@@ -21,19 +21,20 @@ import psutil
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+def _parent_death_signal(sig: int):
+    def arm() -> None:  # runs in the child between fork and exec
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+        except OSError:
+            pass
+    return arm
 
 
 def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, stdout=None, stderr=None,
-          cwd: str | None = None) -> subprocess.Popen:
-    """Starts ``args`` in a new process group; it gets SIGKILL if this process dies."""
+          cwd: str | None = None, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
+    """Starts ``args`` in a new process group; it gets ``death_signal`` if this process dies."""
     return subprocess.Popen(list(args), env=env, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                            preexec_fn=_parent_death_signal(death_signal) if sys.platform.startswith("linux") else None)
 
 
 def weightsync_command(*args: str) -> list[str]:

@@ -127,6 +127,8 @@ class GlooReceiver(Receiver):
             works: list[dist.Work | None] = [None, None]
             works[0] = _broadcast(group.pg, group.buffers[0][:plan.bucket_size(0)])
             for bucket in range(n):
+                if abort.is_set():
+                    raise TransferError("receive aborted")
                 if bucket + 1 < n:
                     nxt = (bucket + 1) % 2
                     works[nxt] = _broadcast(group.pg, group.buffers[nxt][:plan.bucket_size(bucket + 1)])

@@ -1,0 +1,128 @@
+"""EngineLauncher: starts the engine an agent owns, watches it, and stops its whole tree.
+
+The command runs under ``weightsync.reaper`` (see there for why), in a process group
+of its own, with a parent-death signal: if the agent is SIGKILLed, the reaper still
+takes the engine's entire tree down. Readiness and liveness come from the engine's
+HTTP health URL when one is given (vLLM: ``/health``), else from the process being
+alive. A fault (exit, or health failing for ``unhealthy_after_s``) is reported in
+the agent's heartbeats, so the coordinator marks the engine unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+from weightsync.errors import EngineUnavailable, StepTimeoutError
+from weightsync.lifecycle import spawn, terminate_tree
+
+log = logging.getLogger("weightsync.launcher")
+
+
+class EngineLauncher:
+    """Owns one launched engine process tree."""
+
+    def __init__(self, command: Sequence[str], *, health_url: str = "", ready_timeout_s: float = 120.0,
+                 grace_s: float = 10.0, check_interval_s: float = 1.0, unhealthy_after_s: float = 5.0,
+                 log_path: str = "") -> None:
+        if not command:
+            raise ValueError("--launch needs a command")
+        self.command = list(command)
+        self.health_url = health_url
+        self.ready_timeout_s = ready_timeout_s
+        self.grace_s = grace_s
+        self.check_interval_s = check_interval_s
+        self.unhealthy_after_s = unhealthy_after_s
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._last_healthy = time.monotonic()
+        self._fault: str | None = None
+
+    def start(self) -> None:
+        """Starts the reaper and, under it, the engine command."""
+        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - owned by the child
+        try:
+            self.proc = spawn([sys.executable, "-m", "weightsync.reaper", "--parent", str(os.getpid()),
+                               "--grace", str(self.grace_s), "--", *self.command],
+                              stdout=out, stderr=out, death_signal=signal.SIGTERM)
+        finally:
+            if out is not None:
+                out.close()
+        log.info("launched engine (reaper pid %d): %s", self.proc.pid, " ".join(self.command))
+
+    def _healthy_once(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=min(2.0, self.check_interval_s * 2)) as r:
+                return 200 <= r.status < 300
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    async def wait_ready(self) -> None:
+        """Waits until the engine answers its health check (or, without one, is still alive
+        after a moment). Raises EngineUnavailable if it exits, StepTimeoutError on the deadline."""
+        end = time.monotonic() + self.ready_timeout_s
+        while True:
+            code = self.proc.poll() if self.proc else -1
+            if code is not None:
+                raise EngineUnavailable(f"engine exited with code {code} before it was ready")
+            if not self.health_url:
+                await asyncio.sleep(min(0.5, self.ready_timeout_s))
+                if self.proc.poll() is None:
+                    break
+                continue
+            if await asyncio.to_thread(self._healthy_once):
+                break
+            if time.monotonic() > end:
+                raise StepTimeoutError(f"engine not healthy at {self.health_url} within {self.ready_timeout_s}s",
+                                       operation="launch")
+            await asyncio.sleep(0.2)
+        self._last_healthy = time.monotonic()
+
+    async def monitor(self) -> None:
+        """Runs until cancelled, keeping ``fault()`` current."""
+        while True:
+            code = self.proc.poll() if self.proc else None
+            if code is not None:
+                self._fault = f"engine process exited with code {code}"
+            elif self.health_url:
+                if await asyncio.to_thread(self._healthy_once):
+                    self._last_healthy = time.monotonic()
+                elif time.monotonic() - self._last_healthy > self.unhealthy_after_s:
+                    self._fault = f"engine stopped answering {self.health_url}"
+            await asyncio.sleep(self.check_interval_s)
+
+    def fault(self) -> str | None:
+        """Why the launched engine is unusable, or None."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"engine process exited with code {self.proc.returncode}"
+        return self._fault
+
+    def stop(self) -> None:
+        """Stops the engine tree: the reaper TERMs, waits ``grace_s``, KILLs; a backstop
+        kills whatever is left. Blocking and bounded (about 3 x grace_s at most)."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=2 * self.grace_s + 5)
+            except subprocess.TimeoutExpired:
+                log.error("reaper did not finish in time; killing the tree directly")
+        terminate_tree(proc.pid, grace_s=min(self.grace_s, 5.0))
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+__all__ = ["EngineLauncher"]

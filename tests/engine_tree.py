@@ -1,0 +1,68 @@
+"""A multi-process stand-in for an engine such as vLLM (a test helper, not a fake of our code).
+
+The top process forks two workers; each worker forks a grandchild; one grandchild
+ignores SIGTERM, like a stuck worker. All pids go to PIDS_FILE. The top process
+serves an HTTP health check on an ephemeral port written to PORT_FILE.
+
+    python engine_tree.py PIDS_FILE PORT_FILE
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import signal
+import socketserver
+import sys
+import threading
+import time
+
+
+def sleeper(ignore_term: bool) -> None:
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+
+
+def worker(index: int, pids: list[int], write) -> None:
+    pid = os.fork()
+    if pid == 0:
+        sleeper(ignore_term=index == 1)
+    write(pid)
+    sleeper(ignore_term=False)
+
+
+def main() -> None:
+    pids_file, port_file = sys.argv[1], sys.argv[2]
+    lock = threading.Lock()
+
+    def write(pid: int) -> None:
+        with lock, open(pids_file, "a") as f:
+            f.write(f"{pid}\n")
+
+    write(os.getpid())
+    for i in range(2):
+        pid = os.fork()
+        if pid == 0:
+            worker(i, [], write)
+            os._exit(0)
+        write(pid)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Health) as server:
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(server.server_address[1]))
+        os.replace(port_file + ".tmp", port_file)
+        server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

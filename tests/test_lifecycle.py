@@ -1,0 +1,229 @@
+"""Process lifecycle with real processes and real signals (invariants 7, 8, 9).
+
+The launched "engine" is ``tests/engine_tree.py``: a real multi-process tree (workers,
+grandchildren, one that ignores SIGTERM) with an HTTP health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.conftest import start_coordinator, wait_available
+from tests.test_sync_safety import BUCKET, slow, wait_for_event
+from weightsync.client import RetryPolicy, TrainerClient
+from weightsync.engine.model import PRESETS, ReferenceLM
+from weightsync.errors import EngineUnavailable, WeightSyncError
+from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.plan import weights_digest
+
+TREE = str(Path(__file__).with_name("engine_tree.py"))
+GRACE = "1.5"
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    end = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    return alive(pids)
+
+
+@pytest.fixture
+def launched(tmp_path, request):
+    """A coordinator plus one agent that launched engine_tree.py; yields (agent proc, pids, address, tmp)."""
+    tmp = str(tmp_path)
+    procs = []
+    coordinator, address, _ = start_coordinator(tmp)
+    procs.append(coordinator)
+    extra_env = getattr(request, "param", {}) or {}
+    pids_file, port_file = os.path.join(tmp, "pids"), os.path.join(tmp, "engine.port")
+
+    def make(*agent_flags: str, env: dict | None = None):
+        log = open(os.path.join(tmp, "agent.log"), "a")
+        agent = spawn(weightsync_command(
+            "agent", "--coordinator", address, "--engine-id", "engine-0", "--port-file",
+            os.path.join(tmp, "agent.addr"), "--shutdown-grace", GRACE, *agent_flags,
+            "--launch", "--", sys.executable, TREE, pids_file, port_file),
+            env={**os.environ, **(env or {})}, stdout=log, stderr=log)
+        log.close()
+        procs.append(agent)
+        wait_for_file(os.path.join(tmp, "agent.addr"), timeout_s=60, proc=agent)
+        wait_for_file(port_file, timeout_s=30)
+        end = time.monotonic() + 10
+        while True:  # 1 top + 2 workers + 2 grandchildren
+            pids = [int(x) for x in Path(pids_file).read_text().split()]
+            if len(pids) >= 5 or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        assert len(pids) == 5, pids
+        reaper = psutil.Process(agent.pid).children()[0].pid
+        return agent, pids + [reaper], address
+
+    yield make, tmp
+    for proc in reversed(procs):
+        stop_process(proc, grace_s=10)
+
+
+def test_sigterm_reaps_the_whole_engine_tree(launched):
+    make, tmp = launched
+    agent, pids, address = make()
+    assert alive(pids) == pids
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 0, Path(tmp, "agent.log").read_text()[-3000:]
+    assert wait_gone(pids, 5) == []
+
+
+def test_sigkill_of_the_agent_still_takes_the_tree_down(launched):
+    make, _ = launched
+    agent, pids, _ = make()
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(timeout=10)
+    # reaper gets its parent-death signal, TERMs, waits the grace, KILLs the stuck one
+    assert wait_gone(pids, 10) == []
+
+
+def test_second_sigterm_does_not_cut_cleanup_short(launched):
+    make, tmp = launched
+    agent, pids, _ = make()
+    agent.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # cleanup is now waiting out the stuck grandchild's grace period
+    agent.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    agent.send_signal(signal.SIGINT)
+    assert agent.wait(timeout=30) == 0, Path(tmp, "agent.log").read_text()[-3000:]
+    assert wait_gone(pids, 5) == []
+    assert "ignored; cleanup continues" in Path(tmp, "agent.log").read_text()
+
+
+def test_failing_cleanup_step_does_not_stop_the_others(launched):
+    make, tmp = launched
+    rules = [{"op": "shutdown", "action": "fail", "method": "deregister"}]
+    agent, pids, address = make("--enable-fault-injection", env={"WEIGHTSYNC_FAULTS": json.dumps(rules)})
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 1
+    assert wait_gone(pids, 5) == [], "the engine tree must be stopped even though deregister failed"
+    log = Path(tmp, "agent.log").read_text()
+    assert "injected failure in shutdown step 'deregister'" in log
+    assert "stopped with errors" in log
+
+
+def test_engine_that_crashes_is_reported_unavailable(launched):
+    make, tmp = launched
+    agent, pids, address = make()
+    wait_available(address, ["engine-0"])
+    os.kill(pids[0], signal.SIGKILL)  # the engine's top process dies on its own
+
+    async def check():
+        async with TrainerClient(address) as client:
+            end = time.monotonic() + 10
+            while True:
+                state = await client.get_state()
+                engine = state.engines[0]
+                if not engine.available:
+                    break
+                assert time.monotonic() < end, engine
+                await asyncio.sleep(0.1)
+            assert "exited" in engine.fault
+            with pytest.raises(EngineUnavailable):
+                await client.pause(required_engines=["engine-0"])
+
+    asyncio.run(check())
+    assert wait_gone(pids[1:5], 10) == [], "the rest of the crashed engine's tree is reaped"
+    assert agent.poll() is None, "the agent stays up and reports the fault"
+
+
+async def test_dead_agent_is_left_out_and_reported(cluster_factory):
+    cluster = cluster_factory(2)
+    os.kill(cluster.agents[1].proc.pid, signal.SIGKILL)
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address) as client:
+        end = time.monotonic() + 10
+        while any(e.available for e in (await client.get_state()).engines if e.engine_id == "engine-1"):
+            assert time.monotonic() < end
+            await asyncio.sleep(0.1)
+        result = await client.update_weights(model.named_parameters(), version=1, timeout_s=60)
+        assert [e.engine_id for e in result.engines] == ["engine-0"]
+        assert [(e.engine_id, e.error_reason) for e in result.skipped] == [("engine-1", "ENGINE_UNAVAILABLE")]
+        with pytest.raises(EngineUnavailable, match="engine-1"):
+            await client.update_weights(model.named_parameters(), version=2, required_engines=["engine-1"])
+
+
+async def test_coordinator_sigterm_during_a_sync_then_restart(cluster_factory):
+    cluster = cluster_factory(2, agent_args=("--enable-fault-injection",),
+                              agent_env={"WEIGHTSYNC_FAULTS": json.dumps([slow(1, 0.2)])},
+                              coordinator_args=("--shutdown-grace", "1"))
+    model = ReferenceLM(PRESETS["tiny"])
+    port = cluster.address.rsplit(":", 1)[1]
+    async with TrainerClient(cluster.address, bucket_bytes=BUCKET,
+                             retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.1)) as client:
+        sync = asyncio.create_task(client.update_weights(model.named_parameters(), version=1, timeout_s=30))
+        await wait_for_event(cluster.agents[0].address, "transfer_started")
+        started = time.monotonic()
+        cluster.coordinator.send_signal(signal.SIGTERM)
+        try:
+            await sync
+        except WeightSyncError as exc:  # a typed error, not a hang
+            assert exc.reason in ("UNAVAILABLE", "SHUTTING_DOWN", "ENGINE_UNAVAILABLE", "DEADLINE_EXCEEDED",
+                                  "OPERATION_ABORTED", "TRANSFER_FAILED"), exc
+        assert time.monotonic() - started < 30
+        assert await asyncio.to_thread(cluster.coordinator.wait, 30) == 0
+    log = open(os.path.join(cluster.tmp, "coordinator2.log"), "w")
+    restarted = spawn(weightsync_command("coordinator", "--listen", f"127.0.0.1:{port}", "--state-db",
+                                         cluster.state_db, "--port-file", os.path.join(cluster.tmp, "c2.addr"),
+                                         "--heartbeat-interval", "0.2"), stdout=log, stderr=log)
+    log.close()
+    try:
+        wait_for_file(os.path.join(cluster.tmp, "c2.addr"), timeout_s=60, proc=restarted)
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
+        async with TrainerClient(cluster.address) as client:
+            result = await client.update_weights(model.named_parameters(), version=2, timeout_s=60)
+            assert result.ok
+            state = await client.get_state(include_digests=True)
+        assert state.weight_version == 2
+        assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(restarted.wait, 30) == 0
+
+
+async def test_health_and_reflection_on_both_servers(cluster):
+    from weightsync.v1 import agent_pb2, coordinator_pb2
+    targets = [(cluster.address, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name),
+               (cluster.agents[0].address, agent_pb2.DESCRIPTOR.services_by_name["EngineAgent"].full_name)]
+    for address, service in targets:
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", service):
+                response = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert response.status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+            async def requests():
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            async for response in stub.ServerReflectionInfo(requests(), timeout=5):
+                names = {s.name for s in response.list_services_response.service}
+                assert service in names and "grpc.health.v1.Health" in names
+                break
