@@ -2,9 +2,9 @@
 
 The top process forks two workers; each worker forks a grandchild; one grandchild
 ignores SIGTERM, like a stuck worker. All pids go to PIDS_FILE. The top process
-serves an HTTP health check on an ephemeral port written to PORT_FILE.
+serves an HTTP health check on PORT (default: ephemeral), written to PORT_FILE.
 
-    python engine_tree.py PIDS_FILE PORT_FILE
+    python engine_tree.py PIDS_FILE PORT_FILE [PORT]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def worker(index: int, pids: list[int], write) -> None:
 
 def main() -> None:
     pids_file, port_file = sys.argv[1], sys.argv[2]
+    port = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     lock = threading.Lock()
 
     def write(pid: int) -> None:
@@ -57,7 +58,8 @@ def main() -> None:
         def log_message(self, *args):
             pass
 
-    with socketserver.TCPServer(("127.0.0.1", 0), Health) as server:
+    socketserver.TCPServer.allow_reuse_address = True
+    with socketserver.TCPServer(("127.0.0.1", port), Health) as server:
         with open(port_file + ".tmp", "w") as f:
             f.write(str(server.server_address[1]))
         os.replace(port_file + ".tmp", port_file)

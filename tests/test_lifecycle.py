@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -50,22 +51,29 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return alive(pids)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
-def launched(tmp_path, request):
+def launched(tmp_path):
     """A coordinator plus one agent that launched engine_tree.py; yields (agent proc, pids, address, tmp)."""
     tmp = str(tmp_path)
     procs = []
     coordinator, address, _ = start_coordinator(tmp)
     procs.append(coordinator)
-    extra_env = getattr(request, "param", {}) or {}
     pids_file, port_file = os.path.join(tmp, "pids"), os.path.join(tmp, "engine.port")
 
     def make(*agent_flags: str, env: dict | None = None):
         log = open(os.path.join(tmp, "agent.log"), "a")
+        port = free_port()
         agent = spawn(weightsync_command(
             "agent", "--coordinator", address, "--engine-id", "engine-0", "--port-file",
-            os.path.join(tmp, "agent.addr"), "--shutdown-grace", GRACE, *agent_flags,
-            "--launch", "--", sys.executable, TREE, pids_file, port_file),
+            os.path.join(tmp, "agent.addr"), "--shutdown-grace", GRACE, "--health-url",
+            f"http://127.0.0.1:{port}/health", "--launch-timeout", "30", *agent_flags,
+            "--launch", "--", sys.executable, TREE, pids_file, port_file, str(port)),
             env={**os.environ, **(env or {})}, stdout=log, stderr=log)
         log.close()
         procs.append(agent)
