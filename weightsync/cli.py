@@ -1,4 +1,4 @@
-"""``weightsync coordinator | agent | demo | status`` — the command line."""
+"""``weightsync coordinator | agent | demo | bench | status`` — the command line."""
 
 from __future__ import annotations
 
@@ -55,6 +55,21 @@ def _add_demo(sub) -> None:
     p.add_argument("--transport", default="gloo", choices=["gloo", "shm"], help="data plane")
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="measure transfer time against the alternatives, in one run")
+    p.add_argument("--size", default="256MiB", help="payload size, e.g. 1GiB, 256MiB")
+    p.add_argument("--tensors", type=int, default=64, help="about how many tensors the payload is split into")
+    p.add_argument("--engines", type=int, default=2, help="receiving engines (agent processes)")
+    p.add_argument("--transport", action="append", choices=["gloo", "shm", "nccl", "cuda-ipc"],
+                   help="weightsync transport to measure (repeatable; default gloo and shm)")
+    p.add_argument("--steps", type=int, default=3, help="timed rounds per method")
+    p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
+    p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run per-tensor-gloo, flat-gloo, disk, grpc-stream, memcpy")
+    p.add_argument("--json", default="", help="write the report here")
+    p.add_argument("--plot", default="", help="write a PNG of throughput per method here")
+
+
 def _add_status(sub) -> None:
     p = sub.add_parser("status", help="show engines and the current round")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
@@ -68,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coordinator(sub)
     _add_agent(sub)
     _add_demo(sub)
+    _add_bench(sub)
     _add_status(sub)
     return parser
 
@@ -108,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from weightsync.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "status":
             return asyncio.run(_status(args.coordinator, as_json=args.json))
     except WeightSyncError as exc:
@@ -116,6 +134,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 2
+
+
+def _bench(args) -> int:
+    from weightsync import transport as transports
+    from weightsync.bench.runner import parse_size, run_bench, table
+
+    chosen = args.transport or ["gloo", "shm"]
+    for name in chosen:
+        reason = transports.unavailable_reason(transports.kind_from_name(name))
+        if reason is not None:
+            print(f"weightsync bench: transport {name} unavailable here: {reason}", file=sys.stderr)
+            return 2
+    try:
+        report = run_bench(size=args.size, tensors=args.tensors, engines=args.engines, transports=chosen,
+                           steps=args.steps, baselines=args.baselines, json_path=args.json, plot_path=args.plot,
+                           bucket_bytes=parse_size(args.bucket_bytes))
+    except ValueError as exc:
+        print(f"weightsync bench: {exc}", file=sys.stderr)
+        return 2
+    print(table(report))
+    return 0
 
 
 async def _status(coordinator: str, *, as_json: bool) -> int:

@@ -1,0 +1,53 @@
+"""``weightsync bench`` runs the real stack and every baseline, and reports as documented.
+(Its numbers are measured, never asserted: performance is the benchmark's job.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from weightsync.bench.runner import parse_size
+
+METHODS = {"weightsync", "per-tensor-gloo", "flat-gloo", "disk", "grpc-stream", "memcpy"}
+
+
+def test_parse_size():
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("256MiB") == 256 << 20
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size("1000") == 1000
+    for bad in ("0", "-1MiB", "lots", ""):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_bench_small_run_reports_every_method(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--size", "4MiB", "--tensors", "12",
+                           "--engines", "2", "--steps", "1", "--bucket-bytes", "1MiB", "--json", str(out),
+                           "--plot", str(png)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert {"platform", "cpus", "torch"} <= set(report["machine"])
+    results = report["results"]
+    assert {r["method"] for r in results} == METHODS
+    assert {r["transport"] for r in results if r["method"] == "weightsync"} == {"gloo", "shm"}
+    for r in results:
+        assert set(r) == {"method", "transport", "bytes", "tensors", "engines", "seconds", "gbps", "loop_lag_ms"}
+        assert r["engines"] == 2 and r["bytes"] > 3 * 2**20
+        assert 0 < r["seconds"]["min"] <= r["seconds"]["median"] <= r["seconds"]["max"]
+        assert r["gbps"] > 0
+        assert (r["loop_lag_ms"] is None) == (r["method"] != "weightsync")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "weightsync" in proc.stdout and "memcpy" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["--size", "0"], ["--transport", "nccl"], ["--engines", "0"]])
+def test_bench_bad_arguments_exit_2(args):
+    proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", *args, "--no-baselines"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "weightsync bench:" in proc.stderr

@@ -1,0 +1,1 @@
+"""``weightsync bench``: transfer time of weightsync against the alternatives, in one run."""

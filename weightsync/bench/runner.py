@@ -1,0 +1,198 @@
+"""``weightsync bench``: runs weightsync on the real stack, then the baselines, and reports.
+
+weightsync runs: a coordinator and N agents as processes, whose reference engines
+hold a model of ``--size`` bytes in ``--tensors`` tensors; the trainer client does
+real Pause/Broadcast/Resume rounds. The first round per transport is a warm-up (it
+builds the group and the plan); the timed figure is the Broadcast, from the
+trainer's call to every engine having loaded the bytes. After the last step every
+engine's digest must equal the trainer's. Loop lag is sampled during each Broadcast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import psutil
+import torch
+
+from weightsync.bench.baselines import METHODS, Baselines
+from weightsync.client import LoopLagProbe, TrainerClient
+from weightsync.engine.model import ReferenceLM, config_for_size
+from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
+
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """``1GiB``, ``256MiB``, ``1000000`` -> bytes; ValueError otherwise."""
+    text = text.strip()
+    unit = next((u for u in UNITS if text.endswith(u)), "")  # longest units come first
+    size = int(float(text[: len(text) - len(unit)]) * UNITS.get(unit, 1))
+    if size <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return size
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / max(1, self.total))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label:<40}")
+        sys.stderr.flush()
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+
+
+def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engines: int, seconds: list[float],
+             lag: dict | None) -> dict:
+    median = statistics.median(seconds)
+    return {"method": method, "transport": transport, "bytes": nbytes, "tensors": tensors, "engines": engines,
+            "seconds": {"min": min(seconds), "median": median, "max": max(seconds)},
+            "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag}
+
+
+def _perturb(model: ReferenceLM) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+
+
+async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list[str], steps: int,
+                           bucket_bytes: int, engines: int, progress: Progress) -> list[dict]:
+    results = []
+    version = 0
+    tensors = sum(1 for _ in model.parameters())
+    for transport in transports:
+        async with TrainerClient(address, transport=transport, bucket_bytes=bucket_bytes) as client:
+            version += 1
+            await client.update_weights(model.named_parameters(), version=version, timeout_s=600)  # warm-up
+            progress.step(f"weightsync/{transport} warm-up")
+            seconds, lags = [], []
+            nbytes = 0
+            for _ in range(steps):
+                await asyncio.to_thread(_perturb, model)
+                version += 1
+                await client.pause()
+                async with LoopLagProbe(interval_s=0.002) as lag:
+                    start = time.perf_counter()
+                    result = await client.broadcast(model.named_parameters(), version=version, timeout_s=600)
+                    seconds.append(time.perf_counter() - start)
+                await client.resume()
+                nbytes = result.bytes
+                lags.append(lag)
+                progress.step(f"weightsync/{transport}")
+            state = await client.get_state(include_digests=True)
+            local = await asyncio.to_thread(weights_digest, model.named_parameters())
+            if len(state.engines) != engines or any(e.weights_digest != local for e in state.engines):
+                raise RuntimeError(f"weightsync/{transport}: engines do not hold the bytes that were sent")
+            lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags)}
+            results.append(_summary("weightsync", transport, nbytes, tensors, engines, seconds, lag))
+    return results
+
+
+def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], steps: int, baselines: bool,
+              json_path: str = "", plot_path: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+    """Runs the benchmark; returns (and optionally writes) the JSON report."""
+    if engines < 1 or steps < 1 or tensors < 1:
+        raise ValueError("engines, steps and tensors must be >= 1")
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'weightsync[bench]'") from None
+    cfg = config_for_size(parse_size(size), tensors)
+    model = ReferenceLM(cfg)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    total_steps = len(transports) * (steps + 1) + (len(METHODS) * steps if baselines else 0)
+    progress = Progress(total_steps)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
+        procs = []
+        try:
+            procs.append(spawn(weightsync_command("--log-level", "WARNING", "coordinator", "--listen",
+                                                  "127.0.0.1:0", "--state-db", os.path.join(tmp, "s.db"),
+                                                  "--port-file", os.path.join(tmp, "c"))))
+            address = wait_for_file(os.path.join(tmp, "c"), timeout_s=60, proc=procs[0])
+            files = []
+            for i in range(engines):
+                f = os.path.join(tmp, f"e{i}")
+                procs.append(spawn(weightsync_command("--log-level", "WARNING", "agent", "--coordinator", address,
+                                                      "--model", cfg.to_json(), "--engine-id", f"engine-{i}",
+                                                      "--port-file", f)))
+                files.append((f, procs[-1]))
+            for f, p in files:
+                wait_for_file(f, timeout_s=600, proc=p)
+            time.sleep(1.0)  # first heartbeats
+            results += asyncio.run(_weightsync_runs(address, model, transports=transports, steps=steps,
+                                                    bucket_bytes=bucket_bytes, engines=engines, progress=progress))
+        finally:
+            for p in reversed(procs):
+                stop_process(p, grace_s=10)
+        if baselines:
+            nbytes = sum(t.numel() * t.element_size() for _, t in named)
+            with Baselines(named, engines=engines, steps=steps, tmp=tmp) as runs:
+                for method in METHODS:
+                    seconds = runs.run(method, progress=lambda _s, m=method: progress.step(m))
+                    results.append(_summary(method, None, nbytes, len(named), engines, seconds, None))
+    report = {"machine": machine(), "results": results,
+              "config": {"size": size, "tensors_requested": tensors, "bucket_bytes": bucket_bytes, "steps": steps}}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    if plot_path:
+        plot(report, plot_path)
+    return report
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
+            "processor": platform.processor() or platform.machine()}
+
+
+def table(report: dict) -> str:
+    """The report as a fixed-width table."""
+    rows = [f"{'method':<16} {'transport':<9} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
+            f"{'min s':>8} {'Gbit/s':>7} {'lag p99/max ms':>15}"]
+    for r in report["results"]:
+        lag = f"{r['loop_lag_ms']['p99']:.1f}/{r['loop_lag_ms']['max']:.1f}" if r["loop_lag_ms"] else "-"
+        rows.append(f"{r['method']:<16} {r['transport'] or '-':<9} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
+                    f"{r['engines']:>7} {r['seconds']['median']:>9.3f} {r['seconds']['min']:>8.3f} "
+                    f"{r['gbps']:>7.2f} {lag:>15}")
+    return "\n".join(rows)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["method"] + (f"\n{r['transport']}" if r["transport"] else "") for r in report["results"]]
+    values = [r["gbps"] for r in report["results"]]
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.3), 4))
+    bars = ax.bar(labels, values, color=["tab:blue" if r["method"] == "weightsync" else "tab:gray"
+                                         for r in report["results"]])
+    ax.bar_label(bars, fmt="%.2f")
+    r0 = report["results"][0]
+    ax.set_ylabel("Gbit/s of payload to every engine")
+    ax.set_title(f"{r0['bytes'] / 2**20:.0f} MiB, {r0['tensors']} tensors, {r0['engines']} engines")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["run_bench", "parse_size", "table", "plot", "machine"]
