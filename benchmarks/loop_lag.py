@@ -98,14 +98,14 @@ def main() -> int:
         try:
             procs.append(spawn([sys.executable, "-c", HTTP_SERVER, os.path.join(tmp, "http")]))
             port = int(wait_for_file(os.path.join(tmp, "http"), timeout_s=30, proc=procs[-1]))
-            procs.append(spawn(weightsync_command("--log-level", "WARNING", "coordinator", "--listen", "127.0.0.1:0",
+            procs.append(spawn(weightsync_command("--log-level", "WARNING", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
                                                   "--state-db", os.path.join(tmp, "s.db"),
                                                   "--port-file", os.path.join(tmp, "c"))))
             address = wait_for_file(os.path.join(tmp, "c"), timeout_s=60, proc=procs[-1])
             files = []
             for i in range(args.engines):
                 f = os.path.join(tmp, f"e{i}")
-                procs.append(spawn(weightsync_command("--log-level", "WARNING", "agent", "--coordinator", address,
+                procs.append(spawn(weightsync_command("--log-level", "WARNING", "agent", "--insecure", "--coordinator", address,
                                                       "--model", cfg.to_json(), "--engine-id", f"engine-{i}",
                                                       "--port-file", f)))
                 files.append((f, procs[-1]))

@@ -10,6 +10,7 @@ import grpc
 
 from weightsync.client.retry import new_key
 from weightsync.errors import from_rpc_error
+from weightsync.security import Security
 from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
@@ -17,9 +18,9 @@ from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 class EngineClient:
     """Async client of one EngineAgent. ``async with EngineClient(addr) as e: ...``"""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, security: Security | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (security or Security()).channel(address, options=CHANNEL_OPTIONS)
         self.stub = agent_pb2_grpc.EngineAgentStub(self._channel)
 
     async def __aenter__(self) -> EngineClient:

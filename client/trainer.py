@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -27,8 +28,9 @@ from typing import TypeVar
 import grpc
 import torch
 
-from weightsync import deadline
+from weightsync import deadline, metrics
 from weightsync import transport as transports
+from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
 from weightsync.errors import (
     InvalidArgument,
@@ -39,6 +41,7 @@ from weightsync.errors import (
     outcome_error,
 )
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, dtype_name, weights_digest
+from weightsync.security import Security
 from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.transport.store import host_store
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -80,6 +83,7 @@ class SyncResult:
     total_seconds: float = 0.0
     resumed: tuple[str, ...] = ()   # engines serving again after the sync
     skipped: tuple[EngineResult, ...] = ()  # registered engines left out (unavailable, pause failed)
+    loop_lag_ms: dict[str, float] | None = None  # {"max", "p99"} when measure_loop_lag is on
 
     @property
     def failed(self) -> tuple[EngineResult, ...]:
@@ -113,13 +117,19 @@ class TrainerClient:
         default_timeout_s: deadline of one ``update_weights`` when none is given.
         resume_grace_s: budget of the resume that follows a failed or expired sync.
         retry: retry policy for transient control-plane failures.
+        security: TLS material and token (default: plaintext, no token).
+        measure_loop_lag: run a LoopLagProbe during every update_weights; the result
+            carries it and the ``weightsync_trainer_loop_lag_ms`` gauge exports it.
     """
 
     def __init__(self, coordinator: str, *, transport: str = "gloo", host: str = "127.0.0.1",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, wire_dtype: torch.dtype | None = None,
                  default_timeout_s: float = 300.0, resume_grace_s: float = 30.0,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, security: Security | None = None,
+                 measure_loop_lag: bool = False) -> None:
         self.coordinator = coordinator
+        self.security = security or Security()
+        self.measure_loop_lag = measure_loop_lag
         self.transport = transports.kind_from_name(transport)
         self.host = host
         if bucket_bytes <= 0 or bucket_bytes % 8:
@@ -150,7 +160,7 @@ class TrainerClient:
             raise RuntimeError("TrainerClient is closed")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-transfer")
-            self._channel = grpc.aio.insecure_channel(self.coordinator, options=CHANNEL_OPTIONS)
+            self._channel = self.security.channel(self.coordinator, options=CHANNEL_OPTIONS)
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         return self
 
@@ -373,6 +383,25 @@ class TrainerClient:
 
         Do not modify the tensors until this returns: they are read on the worker thread.
         """
+        started = time.monotonic()
+        probe = LoopLagProbe().start() if self.measure_loop_lag else None
+        try:
+            result = await self._update_weights(named_tensors, version=version, transport=transport, mode=mode,
+                                                offload_kv=offload_kv, timeout_s=timeout_s,
+                                                verify_digest=verify_digest, required_engines=required_engines)
+        finally:
+            if probe is not None:
+                await probe.stop()
+        metrics.CLIENT_SYNC_SECONDS.observe(time.monotonic() - started)
+        if probe is None:
+            return result
+        lag = {"max": probe.max_ms, "p99": probe.p99_ms}
+        for stat, value in lag.items():
+            metrics.CLIENT_LOOP_LAG_MS.labels(stat).set(value)
+        return dataclasses.replace(result, loop_lag_ms=lag)
+
+    async def _update_weights(self, named_tensors, *, version, transport, mode, offload_kv, timeout_s,
+                              verify_digest, required_engines) -> SyncResult:
         started = time.monotonic()
         budget = timeout_s if timeout_s is not None else self.default_timeout_s
         with deadline.scope(budget, operation="sync"):

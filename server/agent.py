@@ -41,6 +41,7 @@ from weightsync.errors import (
     TransferError,
     WeightSyncError,
     abort_with,
+    check_timeout,
 )
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore
@@ -146,7 +147,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._check_alive()
         if request.mode not in (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT):
             raise InvalidArgument(f"pause mode must be KEEP, ABORT or WAIT, got {request.mode}")
-        timeout_s = request.timeout_s or DEFAULT_TIMEOUT_S
+        timeout_s = check_timeout(request.timeout_s) or DEFAULT_TIMEOUT_S
         await self._engine(self.adapter.pause, request.mode, timeout_s=timeout_s)
         self.paused = True
         self.record("paused", mode=common_pb2.PauseMode.Name(request.mode))
@@ -197,7 +198,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     async def _resume(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
-        timeout_s = request.timeout_s or DEFAULT_TIMEOUT_S
+        timeout_s = check_timeout(request.timeout_s) or DEFAULT_TIMEOUT_S
         task = self._receive_task
         if task is not None and not task.done():
             # Invariant 2: never resume while bytes are still landing in the engine.
@@ -234,6 +235,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     def validate_receive(self, request) -> tuple[BucketPlan, transports.Receiver]:
         """Checks everything about a Receive before anything changes."""
+        check_timeout(request.timeout_s)
         plan = BucketPlan.from_proto(request.plan)
         specs = self.adapter.tensor_specs()
         names = [s.name for s in plan.slots]
@@ -350,7 +352,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     async def GetGeneration(self, request, context):
         try:
-            wait_s = min(max(request.wait_s, 0.0), 60.0)
+            wait_s = min(check_timeout(request.wait_s, "wait_s"), 60.0)
             # Waiting happens on a worker thread, not the control thread, so a long
             # poll never delays a Pause.
             req = await asyncio.to_thread(self.adapter.get, request.request_id, wait_s)

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import signal
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -25,6 +25,7 @@ from weightsync.engine.adapter import ReferenceAdapter
 from weightsync.engine.model import resolve_config
 from weightsync.errors import InvalidArgument
 from weightsync.faults import FaultInjector
+from weightsync.security import Security
 from weightsync.server.agent import AgentCore
 from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.launcher import EngineLauncher
@@ -59,6 +60,7 @@ class AgentOptions:
     launch: tuple[str, ...] = ()
     health_url: str = ""
     launch_timeout_s: float = 120.0
+    security: Security = field(default_factory=Security)
 
 
 async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
@@ -116,6 +118,7 @@ async def run_agent(options: AgentOptions) -> int:
     core = server = channel = heartbeat = health = launcher = monitor = faults = None
     errors: list[BaseException] = []
     try:
+        options.security.require_server_mode()
         faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
         if options.launch:
             launcher = EngineLauncher(options.launch, health_url=options.health_url,
@@ -126,13 +129,15 @@ async def run_agent(options: AgentOptions) -> int:
         core = AgentCore(engine_id=engine_id,
                          adapter=ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s),
                          faults=faults, launcher=launcher)
-        server = grpc.aio.server(options=SERVER_OPTIONS,
-                                 interceptors=[FaultInterceptor(faults)] if faults is not None else None)
+        interceptors = options.security.server_interceptors()
+        if faults is not None:
+            interceptors.append(FaultInterceptor(faults))
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
         agent_pb2_grpc.add_EngineAgentServicer_to_server(core, server)
         health = add_health_and_reflection(server, [SERVICE])
-        core.address = bind(server, options.listen)
+        core.address = bind(server, options.listen, options.security)
         await server.start()
-        channel = grpc.aio.insecure_channel(options.coordinator, options=CHANNEL_OPTIONS)
+        channel = options.security.channel(options.coordinator, options=CHANNEL_OPTIONS)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         interval = await _register(stub, core, options)
         if options.port_file:

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from weightsync import metrics
 from weightsync import transport as transports
 from weightsync.errors import (
     EngineUnavailable,
@@ -36,10 +37,12 @@ from weightsync.errors import (
     InvalidArgument,
     WeightSyncError,
     abort_with,
+    check_timeout,
     from_rpc_error,
 )
 from weightsync.idempotency import IdempotencyStore, derive_key, validate_key
 from weightsync.plan import BucketPlan
+from weightsync.security import INSECURE, Security
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -72,10 +75,11 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     """The Coordinator service (see the module docstring)."""
 
     def __init__(self, db: StateDB, *, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
-                 idempotency_retention_s: float = 24 * 3600.0, idempotency_max_records: int = 100_000) -> None:
+                 idempotency_retention_s: float = 24 * 3600.0, idempotency_max_records: int = 100_000,
+                 security: Security = INSECURE) -> None:
         self.db = db
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.registry = EngineRegistry(heartbeat_timeout_s=heartbeat_timeout_s)
+        self.registry = EngineRegistry(heartbeat_timeout_s=heartbeat_timeout_s, security=security)
         self.idempotency = IdempotencyStore(db, retention_s=idempotency_retention_s,
                                             max_records=idempotency_max_records)
         self._events: deque[common_pb2.Event] = deque(maxlen=MAX_EVENTS)
@@ -195,8 +199,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     async def _pause(self, request) -> coordinator_pb2.PauseResponse:
         if request.mode not in (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT):
             raise InvalidArgument(f"pause mode must be KEEP, ABORT or WAIT, got {request.mode}")
-        if request.timeout_s < 0:
-            raise InvalidArgument("timeout_s must not be negative")
+        check_timeout(request.timeout_s)
         async with self._round_lock:
             if self.phase == "broadcasting":
                 raise FailedPrecondition("a broadcast is running; wait for its result")
@@ -232,6 +235,10 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             self.round_engines = [o.engine_id for o in outcomes if o.ok]
             self.phase = "paused" if self.round_engines else "idle"
             await self._save_round()
+            metrics.ROUNDS.labels("pause", "ok" if self.round_engines else "failed").inc()
+            for o in outcomes:
+                if not o.ok:
+                    metrics.FAILURES.labels("pause", o.error_reason).inc()
             await self.emit("paused", round_id=self.round_id, engines=",".join(self.round_engines),
                             failed=",".join(o.engine_id for o in outcomes if not o.ok))
             unpaused = [o for o in outcomes if not o.ok and o.engine_id in request.required_engines]
@@ -287,8 +294,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument(f"unknown transport {request.transport}")
         if not request.store_host or not 0 < request.store_port < 65536:
             raise InvalidArgument("store_host and a store_port in 1..65535 are required")
-        if request.timeout_s < 0:
-            raise InvalidArgument("timeout_s must not be negative")
+        check_timeout(request.timeout_s)
         if request.version <= self.weight_version:
             raise FailedPrecondition(f"version {request.version} is not newer than the current version "
                                      f"{self.weight_version}", reason="VERSION_NOT_NEWER")
@@ -367,7 +373,14 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 self.phase = "failed"
                 self.epoch += 1  # never reuse a group that saw a failure
             await self._save_round()
+            metrics.ROUNDS.labels("broadcast", "ok" if ok else "failed").inc()
+            metrics.SYNC_SECONDS.observe(seconds)
+            if ok:
+                metrics.SYNC_BYTES.observe(plan.total_bytes)
+                metrics.WEIGHT_VERSION.set(self.weight_version)
             for o in outcomes:
+                if not o.ok:
+                    metrics.FAILURES.labels("broadcast", o.error_reason).inc()
                 await self.emit("engine_received" if o.ok else "engine_failed", o.engine_id,
                                 version=request.version, reason=o.error_reason, message=o.error_message)
             await self.emit("broadcast_done" if ok else "broadcast_failed", version=request.version,
@@ -383,8 +396,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             coordinator_pb2.ResumeResponse))
 
     async def _resume(self, request) -> coordinator_pb2.ResumeResponse:
-        if request.timeout_s < 0:
-            raise InvalidArgument("timeout_s must not be negative")
+        check_timeout(request.timeout_s)
         async with self._round_lock:
             if self.phase == "idle" or not self.round_engines:
                 return coordinator_pb2.ResumeResponse()
@@ -401,6 +413,10 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             self.round_engines = still_paused  # they stay members until a good round
             self.phase = "failed" if still_paused else "idle"
             await self._save_round()
+            metrics.ROUNDS.labels("resume", "failed" if still_paused else "ok").inc()
+            for o in outcomes:
+                if not o.ok:
+                    metrics.FAILURES.labels("resume", o.error_reason).inc()
             await self.emit("resumed", engines=",".join(o.engine_id for o in outcomes if o.ok),
                             still_paused=",".join(still_paused))
             return coordinator_pb2.ResumeResponse(engines=outcomes)
@@ -419,6 +435,8 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         host, sep, port = request.agent_address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(f"agent_address must be HOST:PORT, got {request.agent_address!r}")
+        if len(request.model) > 4096 or len(request.agent_address) > 512:
+            raise InvalidArgument("model or agent_address too long")
         record, stale = self.registry.upsert(engine_id, request.agent_address, request.model, heartbeat=True)
         if stale is not None:
             await stale.close(grace=None)
@@ -454,9 +472,17 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         was_available = self.registry.is_available(record)
         record.last_heartbeat = time.monotonic()
         record.state.CopyFrom(request.state)
+        self._export_engine(record)
         if not was_available and self.registry.is_available(record):
             await self.emit("engine_available", record.engine_id)
         return coordinator_pb2.HeartbeatResponse(registered=True)
+
+    def _export_engine(self, record: EngineRecord) -> None:
+        engine = record.engine_id
+        metrics.ENGINE_VERSION.labels(engine).set(record.state.weight_version)
+        metrics.ENGINE_AVAILABLE.labels(engine).set(1 if self.registry.is_available(record) else 0)
+        metrics.ENGINE_PAUSED.labels(engine).set(1 if record.state.paused else 0)
+        metrics.ENGINE_TORN.labels(engine).set(1 if record.state.torn else 0)
 
     async def watch_liveness(self, stop: asyncio.Event) -> None:
         """Emits an event when an engine's heartbeats stop (runs until ``stop``)."""
@@ -464,6 +490,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         while not stop.is_set():
             for record in self.registry.all():
                 now = self.registry.is_available(record)
+                self._export_engine(record)
                 if known.get(record.engine_id, False) and not now:
                     await self.emit("engine_unavailable", record.engine_id,
                                     heartbeat_age_s=f"{record.heartbeat_age():.2f}", fault=record.state.fault)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from weightsync import metrics
 from weightsync.faults import FaultInjector
+from weightsync.security import Security
 from weightsync.server.coordinator import CoordinatorCore
 from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.serving import (
@@ -45,6 +47,8 @@ class CoordinatorOptions:
     idempotency_retention_s: float = 24 * 3600.0
     idempotency_max_records: int = 100_000
     enable_fault_injection: bool = False
+    security: Security = field(default_factory=Security)
+    metrics_port: int = 0
 
 
 async def run_coordinator(options: CoordinatorOptions) -> int:
@@ -56,18 +60,25 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
     db = core = server = health = liveness = None
     errors: list[BaseException] = []
     try:
+        options.security.require_server_mode()
         db = StateDB(options.state_db)
         core = CoordinatorCore(db, heartbeat_interval_s=options.heartbeat_interval_s,
                                heartbeat_timeout_s=options.heartbeat_timeout_s,
                                idempotency_retention_s=options.idempotency_retention_s,
-                               idempotency_max_records=options.idempotency_max_records)
+                               idempotency_max_records=options.idempotency_max_records,
+                               security=options.security)
         core.restore_engines()
+        metrics.WEIGHT_VERSION.set(core.weight_version)
+        if options.metrics_port:
+            metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
         faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
-        server = grpc.aio.server(options=SERVER_OPTIONS,
-                                 interceptors=[FaultInterceptor(faults)] if faults is not None else None)
+        interceptors = options.security.server_interceptors()
+        if faults is not None:
+            interceptors.append(FaultInterceptor(faults))
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, server)
         health = add_health_and_reflection(server, [SERVICE])
-        address = bind(server, options.listen)
+        address = bind(server, options.listen, options.security)
         await server.start()
         if options.port_file:
             write_port_file(options.port_file, address)

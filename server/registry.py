@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from weightsync.security import INSECURE, Security
 from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.v1 import agent_pb2_grpc, common_pb2
 
@@ -36,8 +37,9 @@ class EngineRecord:
 class EngineRegistry:
     """Engines by id (in memory; persisted by the coordinator)."""
 
-    def __init__(self, *, heartbeat_timeout_s: float) -> None:
+    def __init__(self, *, heartbeat_timeout_s: float, security: Security = INSECURE) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.security = security
         self._engines: dict[str, EngineRecord] = {}
 
     def upsert(self, engine_id: str, address: str, model: str, *, heartbeat: bool) -> tuple[EngineRecord, grpc.aio.Channel | None]:
@@ -48,7 +50,7 @@ class EngineRegistry:
             record = old
             record.model = model
         else:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self.security.channel(address, options=CHANNEL_OPTIONS)
             record = EngineRecord(engine_id, address, model, channel, agent_pb2_grpc.EngineAgentStub(channel))
             stale_channel = old.channel if old is not None else None
             self._engines[engine_id] = record

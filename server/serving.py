@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from weightsync.security import Security
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # plans of ~1M tensors fit; tensor bytes never ride gRPC
 
 SERVER_OPTIONS = [
@@ -45,12 +47,13 @@ def set_not_serving(servicer: health.HealthServicer, service_names: list[str]) -
         servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def bind(server: grpc.aio.Server, listen: str) -> str:
-    """Binds ``listen`` (``HOST:PORT``, port 0 = ephemeral); returns ``HOST:bound_port``."""
+def bind(server: grpc.aio.Server, listen: str, security: Security) -> str:
+    """Binds ``listen`` (``HOST:PORT``, port 0 = ephemeral) with ``security``; returns
+    ``HOST:bound_port``."""
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--listen must be HOST:PORT, got {listen!r}")
-    bound = server.add_insecure_port(listen)
+    bound = security.add_port(server, listen)
     if bound == 0:
         raise OSError(f"cannot bind {listen}")
     return f"{host}:{bound}"

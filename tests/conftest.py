@@ -58,18 +58,20 @@ def start_coordinator(tmp: str, *extra: str, state_db: str | None = None, name: 
     if os.path.exists(port_file):
         os.unlink(port_file)
     log = open(os.path.join(tmp, f"{name}.log"), "a")
-    args = ["coordinator", "--listen", "127.0.0.1:0", "--state-db", state_db, "--port-file", port_file,
+    args = ["coordinator", "--insecure", "--listen", "127.0.0.1:0", "--state-db", state_db, "--port-file", port_file,
             "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", *extra]
     proc = spawn(weightsync_command(*args), stdout=log, stderr=log)
     log.close()
     return proc, wait_for_file(port_file, timeout_s=START_TIMEOUT_S, proc=proc), state_db
 
 
-def start_agent(tmp: str, coordinator: str, engine_id: str, *extra: str, env: dict | None = None) -> AgentProc:
+def start_agent(tmp: str, coordinator: str, engine_id: str, *extra: str, env: dict | None = None,
+                insecure: bool = True) -> AgentProc:
     port_file = os.path.join(tmp, f"{engine_id}.addr")
     log_path = os.path.join(tmp, f"{engine_id}.log")
     log = open(log_path, "a")
-    proc = spawn(weightsync_command("agent", "--coordinator", coordinator, "--engine-id", engine_id,
+    mode = ["--insecure"] if insecure else []
+    proc = spawn(weightsync_command("agent", *mode, "--coordinator", coordinator, "--engine-id", engine_id,
                                     "--port-file", port_file, *extra),
                  stdout=log, stderr=log, env={**os.environ, **(env or {})})
     log.close()

@@ -47,7 +47,7 @@ async def test_lost_responses_on_every_trainer_call_are_replayed(cluster_factory
     cluster.coordinator.wait(30)
     port = cluster.address.rsplit(":", 1)[1]
     log = open(os.path.join(cluster.tmp, "coordinator-faulty.log"), "w")
-    proc = spawn(weightsync_command("coordinator", "--listen", f"127.0.0.1:{port}", "--state-db", cluster.state_db,
+    proc = spawn(weightsync_command("coordinator", "--insecure", "--listen", f"127.0.0.1:{port}", "--state-db", cluster.state_db,
                                     "--port-file", os.path.join(cluster.tmp, "c2.addr"), "--heartbeat-interval",
                                     "0.2", "--enable-fault-injection"),
                  env={**os.environ, "WEIGHTSYNC_FAULTS": json.dumps(rules)}, stdout=log, stderr=log)
@@ -96,7 +96,7 @@ async def test_coordinator_killed_mid_broadcast_then_restarted(cluster_factory):
         os.kill(cluster.coordinator.pid, signal.SIGKILL)
         cluster.coordinator.wait(10)
         log = open(os.path.join(cluster.tmp, "coordinator-restarted.log"), "w")
-        restarted = spawn(weightsync_command("coordinator", "--listen", f"127.0.0.1:{port}", "--state-db",
+        restarted = spawn(weightsync_command("coordinator", "--insecure", "--listen", f"127.0.0.1:{port}", "--state-db",
                                              cluster.state_db, "--port-file", os.path.join(cluster.tmp, "c3.addr"),
                                              "--heartbeat-interval", "0.2"), stdout=log, stderr=log)
         log.close()

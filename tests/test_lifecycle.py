@@ -70,7 +70,7 @@ def launched(tmp_path):
         log = open(os.path.join(tmp, "agent.log"), "a")
         port = free_port()
         agent = spawn(weightsync_command(
-            "agent", "--coordinator", address, "--engine-id", "engine-0", "--port-file",
+            "agent", "--insecure", "--coordinator", address, "--engine-id", "engine-0", "--port-file",
             os.path.join(tmp, "agent.addr"), "--shutdown-grace", GRACE, "--health-url",
             f"http://127.0.0.1:{port}/health", "--launch-timeout", "30", *agent_flags,
             "--launch", "--", sys.executable, TREE, pids_file, port_file, str(port)),
@@ -198,7 +198,7 @@ async def test_coordinator_sigterm_during_a_sync_then_restart(cluster_factory):
         assert time.monotonic() - started < 30
         assert await asyncio.to_thread(cluster.coordinator.wait, 30) == 0
     log = open(os.path.join(cluster.tmp, "coordinator2.log"), "w")
-    restarted = spawn(weightsync_command("coordinator", "--listen", f"127.0.0.1:{port}", "--state-db",
+    restarted = spawn(weightsync_command("coordinator", "--insecure", "--listen", f"127.0.0.1:{port}", "--state-db",
                                          cluster.state_db, "--port-file", os.path.join(cluster.tmp, "c2.addr"),
                                          "--heartbeat-interval", "0.2"), stdout=log, stderr=log)
     log.close()

@@ -5,10 +5,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 
 from weightsync.errors import WeightSyncError
+from weightsync.logs import configure_logging
+from weightsync.security import TOKEN_ENV, Security
+
+
+def _add_security(p, *, server: bool) -> None:
+    g = p.add_argument_group("security")
+    g.add_argument("--tls-cert", default="", help="PEM certificate (server and client identity)")
+    g.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default="", help="PEM CA: verify peers with it (servers then require client certs)")
+    g.add_argument("--token-file", default="", help=f"shared token file (else ${TOKEN_ENV}, if set)")
+    if server:
+        g.add_argument("--insecure", action="store_true", help="serve plaintext (explicit; logs a warning)")
+
+
+def _security(args) -> Security:
+    security = Security.from_files(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
+                                   token_file=args.token_file, insecure=getattr(args, "insecure", False))
+    if hasattr(args, "insecure"):  # a server: TLS or explicit plaintext, checked before starting
+        security.require_server_mode()
+    return security
 
 
 def _add_coordinator(sub) -> None:
@@ -24,7 +43,9 @@ def _add_coordinator(sub) -> None:
                    help="seconds idempotency records are kept")
     p.add_argument("--idempotency-max-records", type=int, default=100_000,
                    help="most idempotency records kept")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    _add_security(p, server=True)
 
 
 def _add_agent(sub) -> None:
@@ -43,6 +64,7 @@ def _add_agent(sub) -> None:
     p.add_argument("--launch-timeout", type=float, default=120.0, help="seconds the launched engine gets to be healthy")
     # Tests only: honour WEIGHTSYNC_FAULTS. Hidden so nobody turns it on from --help.
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    _add_security(p, server=True)
     p.add_argument("--launch", action="store_true",
                    help="-- CMD [ARGS...]: start this engine command, own it and its whole process tree "
                         "(must come last; everything after it is the command)")
@@ -74,11 +96,15 @@ def _add_status(sub) -> None:
     p = sub.add_parser("status", help="show engines and the current round")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--watch", action="store_true", help="then follow the coordinator's event stream")
+    _add_security(p, server=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_coordinator(sub)
     _add_agent(sub)
@@ -101,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print("weightsync: --launch needs a command: --launch -- CMD [ARGS...]", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         if args.command == "coordinator":
             from weightsync.server.coordinator_main import CoordinatorOptions, run_coordinator
@@ -111,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                 shutdown_grace_s=args.shutdown_grace, idempotency_retention_s=args.idempotency_retention,
                 idempotency_max_records=args.idempotency_max_records,
-                enable_fault_injection=args.enable_fault_injection)))
+                enable_fault_injection=args.enable_fault_injection, security=_security(args),
+                metrics_port=args.metrics_port)))
         if args.command == "agent":
             from weightsync.server.agent_main import AgentOptions, run_agent
             return asyncio.run(run_agent(AgentOptions(
@@ -120,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
                 shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay,
                 enable_fault_injection=args.enable_fault_injection,
                 launch=tuple(launch),
-                health_url=args.health_url, launch_timeout_s=args.launch_timeout)))
+                health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args))))
         if args.command == "demo":
             from weightsync.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)
         if args.command == "bench":
             return _bench(args)
         if args.command == "status":
-            return asyncio.run(_status(args.coordinator, as_json=args.json))
+            return asyncio.run(_status(args.coordinator, as_json=args.json, watch=args.watch,
+                                       security=_security(args)))
     except WeightSyncError as exc:
         print(f"weightsync {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -157,22 +184,46 @@ def _bench(args) -> int:
     return 0
 
 
-async def _status(coordinator: str, *, as_json: bool) -> int:
+def engine_status(e) -> str:
+    """One word for an engine's state, worst first."""
+    if not e.available:
+        return "unavailable"
+    if e.faulted:
+        return "faulted"
+    if e.receiving:
+        return "receiving"
+    if e.torn:
+        return "torn"
+    return "paused" if e.paused else "serving"
+
+
+async def _status(coordinator: str, *, as_json: bool, watch: bool, security: Security) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from weightsync.client import TrainerClient
+    from weightsync.v1 import coordinator_pb2
 
-    async with TrainerClient(coordinator) as client:
+    async with TrainerClient(coordinator, security=security) as client:
         state = await client.get_state()
-    if as_json:
-        print(json.dumps(MessageToDict(state, preserving_proto_field_name=True), indent=2))
-        return 0
-    print(f"weight version {state.weight_version}; round {state.round.round_id} ({state.round.phase})")
-    print(f"{'engine':<20} {'address':<22} {'avail':<6} {'paused':<7} {'version':>8} {'torn':<5} heartbeat")
-    for e in state.engines:
-        age = f"{e.heartbeat_age_s:.1f}s ago" if e.heartbeat_age_s >= 0 else "never"
-        print(f"{e.engine_id:<20} {e.address:<22} {e.available!s:<6} {e.paused!s:<7} {e.weight_version:>8} "
-              f"{e.torn!s:<5} {age}")
+        if as_json:
+            print(json.dumps(MessageToDict(state, preserving_proto_field_name=True), indent=2), flush=True)
+        else:
+            print(f"weight version {state.weight_version}; round {state.round.round_id} ({state.round.phase}"
+                  f"{', target v' + str(state.round.target_version) if state.round.target_version else ''})")
+            print(f"{'engine':<16} {'address':<22} {'state':<12} {'version':>8} {'torn':<12} {'heartbeat':<10}")
+            for e in state.engines:
+                age = f"{e.heartbeat_age_s:.1f}s ago" if e.heartbeat_age_s >= 0 else "never"
+                torn = f"yes (v{e.torn_version})" if e.torn else "no"
+                print(f"{e.engine_id:<16} {e.address:<22} {engine_status(e):<12} {e.weight_version:>8} "
+                      f"{torn:<12} {age:<10}", flush=True)
+        if watch:
+            call = client._ready().WatchEvents(coordinator_pb2.WatchEventsRequest())
+            async for event in call:
+                if as_json:
+                    print(json.dumps(MessageToDict(event, preserving_proto_field_name=True)), flush=True)
+                else:
+                    fields = " ".join(f"{k}={v}" for k, v in sorted(event.fields.items()) if v)
+                    print(f"{event.seq:>6} {event.kind:<20} {event.engine_id:<12} {fields}", flush=True)
     return 0
 
 

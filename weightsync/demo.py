@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 import tempfile
 from collections import Counter
@@ -23,6 +24,7 @@ from weightsync.client import EngineClient, LoopLagProbe, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
 from weightsync.plan import weights_digest
+from weightsync.security import Security, generate_dev_pki
 
 START_TIMEOUT_S = 60.0
 
@@ -43,8 +45,17 @@ def run_demo(*, steps: int = 8, engines: int = 2, transport: str = "gloo") -> in
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as tmp:
         logs = open(os.path.join(tmp, "services.log"), "w")  # noqa: SIM115 - closed below
         try:
+            # Secure by default, even on loopback: a throwaway CA, mutual TLS on every
+            # channel, and a shared token.
+            pki = generate_dev_pki(tmp)
+            token_file = os.path.join(tmp, "token")
+            with open(token_file, "w") as f:
+                f.write(secrets.token_urlsafe(32))
+            os.chmod(token_file, 0o600)
+            tls = ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"], "--token-file", token_file]
+            security = Security.from_files(cert=pki["cert"], key=pki["key"], ca=pki["ca"], token_file=token_file)
             coordinator = spawn(weightsync_command(
-                "--log-level", "WARNING", "coordinator", "--listen", "127.0.0.1:0",
+                "--log-level", "WARNING", "coordinator", *tls, "--listen", "127.0.0.1:0",
                 "--state-db", os.path.join(tmp, "state.db"), "--port-file", os.path.join(tmp, "coordinator")),
                 stdout=logs, stderr=logs)
             procs.append(coordinator)
@@ -53,13 +64,13 @@ def run_demo(*, steps: int = 8, engines: int = 2, transport: str = "gloo") -> in
             for i in range(engines):
                 port_file = os.path.join(tmp, f"engine-{i}")
                 procs.append(spawn(weightsync_command(
-                    "--log-level", "WARNING", "agent", "--coordinator", address, "--engine", "reference",
+                    "--log-level", "WARNING", "agent", *tls, "--coordinator", address, "--engine", "reference",
                     "--model", "tiny", "--engine-id", f"engine-{i}", "--port-file", port_file,
                     "--step-delay", "0.002"), stdout=logs, stderr=logs))
                 agent_files.append((port_file, procs[-1]))
             agents = [wait_for_file(f, timeout_s=START_TIMEOUT_S, proc=p) for f, p in agent_files]
-            print(f"coordinator {address}; engines {', '.join(agents)}; transport {transport}")
-            return asyncio.run(_train(address, agents, steps=steps, transport=transport))
+            print(f"coordinator {address}; engines {', '.join(agents)}; transport {transport}; mutual TLS + token")
+            return asyncio.run(_train(address, agents, steps=steps, transport=transport, security=security))
         except KeyboardInterrupt:
             print("\ninterrupted; stopping every process", file=sys.stderr)
             return 130
@@ -87,7 +98,7 @@ async def _generate_forever(engine: EngineClient, stop: asyncio.Event, seen: Cou
             spans.append(sorted(set(gen.versions)))
 
 
-async def _train(address: str, agents: list[str], *, steps: int, transport: str) -> int:
+async def _train(address: str, agents: list[str], *, steps: int, transport: str, security: Security) -> int:
     config = PRESETS["tiny"]
     model = ReferenceLM(config)  # same config + seed as the engines: version 0 agrees bitwise
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -102,13 +113,13 @@ async def _train(address: str, agents: list[str], *, steps: int, transport: str)
         optimizer.step()
         return loss.item()
 
-    engines = [EngineClient(a) for a in agents]
+    engines = [EngineClient(a, security=security) for a in agents]
     seen: Counter = Counter()
     spans: list = []
     failures: list = []
     stop = asyncio.Event()
     all_equal = True
-    async with TrainerClient(address, transport=transport) as client, LoopLagProbe() as lag:
+    async with TrainerClient(address, transport=transport, security=security) as client, LoopLagProbe() as lag:
         generators = [asyncio.create_task(_generate_forever(e, stop, seen, spans, failures)) for e in engines]
         try:
             print(f"{'step':>4} {'loss':>7} {'sync ms':>8} {'bytes':>9}  engines (version, bitwise equal to trainer)")

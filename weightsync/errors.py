@@ -121,6 +121,17 @@ _BY_REASON: dict[str, type[WeightSyncError]] = {
 }
 
 
+MAX_TIMEOUT_S = 24 * 3600.0
+
+
+def check_timeout(value: float, field: str = "timeout_s") -> float:
+    """A request's timeout: finite, 0 (server default) .. 24 h; InvalidArgument otherwise."""
+    if not (0.0 <= value <= MAX_TIMEOUT_S):  # also false for NaN
+        raise InvalidArgument(f"{field} must be between 0 and {MAX_TIMEOUT_S:.0f} seconds, got {value!r}",
+                              metadata={"field": field})
+    return value
+
+
 _BY_CODE: dict[grpc.StatusCode, type[WeightSyncError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
@@ -186,5 +197,5 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown") -> W
 __all__ = [
     "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
     "EngineUnavailable", "EngineFault", "TornWeightsError", "TransferError", "OperationAborted",
-    "StepTimeoutError", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
+    "StepTimeoutError", "check_timeout", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

@@ -151,7 +151,7 @@ class IdempotencyStore:
                         metadata={"key": key, "operation": record.operation})
                 task = self._running.get(key)
                 if task is None:
-                    self.replays += 1
+                    self._count_replay()
                     return self._outcome(record, response_type)
             else:
                 await self._insert(key, _Record(operation, fp, "running", created_at=time.time()))
@@ -160,9 +160,14 @@ class IdempotencyStore:
                 self._running[key] = task
                 task.add_done_callback(lambda _t, k=key: self._forget_running(k))
         if task is not None and record is not None:
-            self.replays += 1
+            self._count_replay()
         response = await asyncio.shield(task)
         return response  # type: ignore[return-value]
+
+    def _count_replay(self) -> None:
+        self.replays += 1
+        from weightsync import metrics  # lazy: agents and unit tests need no exporter
+        metrics.REPLAYS.inc()
 
     def _forget_running(self, key: str) -> None:
         self._running.pop(key, None)

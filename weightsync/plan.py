@@ -22,6 +22,7 @@ from weightsync.v1 import common_pb2
 
 ALIGN = 8
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+MAX_BUCKET_BYTES = 1 << 32  # receivers allocate two buckets: never let a request ask for more
 MAX_TENSORS = 1_000_000
 MAX_NAME_LEN = 512
 
@@ -99,8 +100,9 @@ class BucketPlan:
             InvalidArgument: duplicate or empty names, a bad shape or dtype, or a
                 bucket size that is not a positive multiple of 8.
         """
-        if bucket_bytes <= 0 or bucket_bytes % ALIGN:
-            raise InvalidArgument(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
+        if bucket_bytes <= 0 or bucket_bytes % ALIGN or bucket_bytes > MAX_BUCKET_BYTES:
+            raise InvalidArgument(f"bucket_bytes must be a positive multiple of {ALIGN} up to {MAX_BUCKET_BYTES}, "
+                                  f"got {bucket_bytes}")
         slots: list[TensorSlot] = []
         seen: set[str] = set()
         offset = 0

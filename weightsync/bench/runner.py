@@ -122,17 +122,18 @@ def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], s
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         procs = []
+        logs = open(os.path.join(tmp, "services.log"), "w")  # noqa: SIM115 - closed below
         try:
-            procs.append(spawn(weightsync_command("--log-level", "WARNING", "coordinator", "--listen",
+            procs.append(spawn(weightsync_command("--log-level", "WARNING", "coordinator", "--insecure", "--listen",
                                                   "127.0.0.1:0", "--state-db", os.path.join(tmp, "s.db"),
-                                                  "--port-file", os.path.join(tmp, "c"))))
+                                                  "--port-file", os.path.join(tmp, "c")), stdout=logs, stderr=logs))
             address = wait_for_file(os.path.join(tmp, "c"), timeout_s=60, proc=procs[0])
             files = []
             for i in range(engines):
                 f = os.path.join(tmp, f"e{i}")
-                procs.append(spawn(weightsync_command("--log-level", "WARNING", "agent", "--coordinator", address,
+                procs.append(spawn(weightsync_command("--log-level", "WARNING", "agent", "--insecure", "--coordinator", address,
                                                       "--model", cfg.to_json(), "--engine-id", f"engine-{i}",
-                                                      "--port-file", f)))
+                                                      "--port-file", f), stdout=logs, stderr=logs))
                 files.append((f, procs[-1]))
             for f, p in files:
                 wait_for_file(f, timeout_s=600, proc=p)
@@ -142,6 +143,7 @@ def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], s
         finally:
             for p in reversed(procs):
                 stop_process(p, grace_s=10)
+            logs.close()
         if baselines:
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             with Baselines(named, engines=engines, steps=steps, tmp=tmp) as runs:

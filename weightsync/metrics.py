@@ -1,0 +1,38 @@
+"""Prometheus metrics (``--metrics-port``). Names and meanings are listed in the README.
+
+Metrics live in the process's default registry; each process exposes its own:
+the coordinator its rounds and engines, a trainer its client-side timings.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_BYTES = tuple(float(2**k) for k in range(20, 42, 2))  # 1 MiB .. 2 TiB
+
+SYNC_SECONDS = Histogram("weightsync_broadcast_seconds", "Broadcast duration (coordinator: rendezvous to result)",
+                         buckets=_SECONDS)
+SYNC_BYTES = Histogram("weightsync_broadcast_bytes", "Bytes delivered to each engine per broadcast", buckets=_BYTES)
+ROUNDS = Counter("weightsync_rounds_total", "Sync round steps by phase and outcome", ["phase", "outcome"])
+FAILURES = Counter("weightsync_failures_total", "Engine failures in rounds, by reason", ["operation", "reason"])
+REPLAYS = Counter("weightsync_idempotent_replays_total", "Calls answered from the idempotency store")
+WEIGHT_VERSION = Gauge("weightsync_weight_version", "Current weight version of the coordinator")
+ENGINE_VERSION = Gauge("weightsync_engine_weight_version", "Weight version each engine serves", ["engine"])
+ENGINE_AVAILABLE = Gauge("weightsync_engine_available", "1 while the engine heartbeats and is healthy", ["engine"])
+ENGINE_PAUSED = Gauge("weightsync_engine_paused", "1 while the engine is paused", ["engine"])
+ENGINE_TORN = Gauge("weightsync_engine_torn", "1 while the engine holds torn weights", ["engine"])
+CLIENT_SYNC_SECONDS = Histogram("weightsync_client_sync_seconds", "update_weights duration seen by the trainer",
+                                buckets=_SECONDS)
+CLIENT_LOOP_LAG_MS = Gauge("weightsync_trainer_loop_lag_ms", "Trainer event-loop lag during the last sync",
+                           ["stat"])
+
+
+def serve(port: int, host: str = "127.0.0.1") -> None:
+    """Serves /metrics on ``host:port`` from a background thread."""
+    start_http_server(port, addr=host)
+
+
+__all__ = ["serve", "SYNC_SECONDS", "SYNC_BYTES", "ROUNDS", "FAILURES", "REPLAYS", "WEIGHT_VERSION",
+           "ENGINE_VERSION", "ENGINE_AVAILABLE", "ENGINE_PAUSED", "ENGINE_TORN", "CLIENT_SYNC_SECONDS",
+           "CLIENT_LOOP_LAG_MS"]
