@@ -236,6 +236,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             self.phase = "paused" if self.round_engines else "idle"
             await self._save_round()
             metrics.ROUNDS.labels("pause", "ok" if self.round_engines else "failed").inc()
+            metrics.ROUND_ID.set(self.round_id)
             for o in outcomes:
                 if not o.ok:
                     metrics.FAILURES.labels("pause", o.error_reason).inc()
@@ -347,6 +348,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                             engines=",".join(ranks), transport=transports.KIND_NAMES[request.transport])
             progress.put_nowait(coordinator_pb2.BroadcastEvent(rendezvous=rendezvous))
             started = time.monotonic()
+            metrics.BROADCAST_IN_PROGRESS.set(1)
 
             async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
                 try:
@@ -359,7 +361,10 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, error)))
                     raise
 
-            outcomes = await self._fan_out(members, receive, operation="broadcast", retry=False)
+            try:
+                outcomes = await self._fan_out(members, receive, operation="broadcast", retry=False)
+            finally:
+                metrics.BROADCAST_IN_PROGRESS.set(0)
             for o in outcomes:
                 o.rank = ranks[o.engine_id]
             for engine_id in gone:

@@ -17,6 +17,8 @@ SYNC_BYTES = Histogram("weightsync_broadcast_bytes", "Bytes delivered to each en
 ROUNDS = Counter("weightsync_rounds_total", "Sync round steps by phase and outcome", ["phase", "outcome"])
 FAILURES = Counter("weightsync_failures_total", "Engine failures in rounds, by reason", ["operation", "reason"])
 REPLAYS = Counter("weightsync_idempotent_replays_total", "Calls answered from the idempotency store")
+ROUND_ID = Gauge("weightsync_round_id", "Id of the current (or last) sync round")
+BROADCAST_IN_PROGRESS = Gauge("weightsync_broadcast_in_progress", "1 while a broadcast is moving bytes")
 WEIGHT_VERSION = Gauge("weightsync_weight_version", "Current weight version of the coordinator")
 ENGINE_VERSION = Gauge("weightsync_engine_weight_version", "Weight version each engine serves", ["engine"])
 ENGINE_AVAILABLE = Gauge("weightsync_engine_available", "1 while the engine heartbeats and is healthy", ["engine"])
@@ -33,6 +35,6 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
     start_http_server(port, addr=host)
 
 
-__all__ = ["serve", "SYNC_SECONDS", "SYNC_BYTES", "ROUNDS", "FAILURES", "REPLAYS", "WEIGHT_VERSION",
+__all__ = ["serve", "SYNC_SECONDS", "SYNC_BYTES", "ROUNDS", "ROUND_ID", "BROADCAST_IN_PROGRESS", "FAILURES", "REPLAYS", "WEIGHT_VERSION",
            "ENGINE_VERSION", "ENGINE_AVAILABLE", "ENGINE_PAUSED", "ENGINE_TORN", "CLIENT_SYNC_SECONDS",
            "CLIENT_LOOP_LAG_MS"]

@@ -1,0 +1,91 @@
+"""Metrics scraped over HTTP during a sync, the event stream, and ``weightsync status``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+
+from tests.test_sync_safety import BUCKET, fail, faulty_cluster, slow, wait_for_event
+from weightsync.client import SyncFailed, TrainerClient
+from weightsync.engine.model import PRESETS, ReferenceLM
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+async def test_metrics_show_the_round_while_it_runs(cluster_factory):
+    port = free_port()
+    cluster = faulty_cluster(cluster_factory, [slow(1, 0.1)], coordinator_args=("--metrics-port", str(port)))
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address, bucket_bytes=BUCKET, measure_loop_lag=True) as client:
+        sync = asyncio.create_task(client.update_weights(model.named_parameters(), version=1, timeout_s=60))
+        await wait_for_event(cluster.agents[0].address, "transfer_started")
+        during = await asyncio.to_thread(scrape, port)
+        result = await sync
+        assert result.ok and result.loop_lag_ms is not None and result.loop_lag_ms["max"] >= 0
+        await asyncio.sleep(0.5)  # a heartbeat carries the engines' new state
+        after = await asyncio.to_thread(scrape, port)
+    assert during["weightsync_broadcast_in_progress"] == 1.0
+    assert during["weightsync_round_id"] == 1.0
+    assert after["weightsync_broadcast_in_progress"] == 0.0
+    assert after["weightsync_broadcast_seconds_count"] == 1.0
+    assert after['weightsync_rounds_total{outcome="ok",phase="broadcast"}'] == 1.0
+    assert after["weightsync_weight_version"] == 1.0
+    for engine in ("engine-0", "engine-1"):
+        assert after[f'weightsync_engine_weight_version{{engine="{engine}"}}'] == 1.0
+        assert after[f'weightsync_engine_available{{engine="{engine}"}}'] == 1.0
+
+
+async def test_status_shows_a_torn_engine_and_watch_follows_events(cluster_factory):
+    cluster = faulty_cluster(cluster_factory, [fail(1, 2)], engines=1)
+    model = ReferenceLM(PRESETS["tiny"])
+    status = [sys.executable, "-m", "weightsync", "status", "--coordinator", cluster.address]
+    watcher = subprocess.Popen([*status, "--watch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        async with TrainerClient(cluster.address, bucket_bytes=BUCKET) as client:
+            try:
+                await client.update_weights(model.named_parameters(), version=1, timeout_s=60)
+                raise AssertionError("the injected failure must fail the sync")
+            except SyncFailed:
+                pass
+        table = await asyncio.to_thread(subprocess.run, status, capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0, table.stderr
+        row = next(line for line in table.stdout.splitlines() if line.startswith("engine-0"))
+        assert "torn" in row and "yes (v1)" in row, table.stdout
+        as_json = await asyncio.to_thread(subprocess.run, [*status, "--json"], capture_output=True, text=True,
+                                          timeout=60)
+        engine = json.loads(as_json.stdout)["engines"][0]
+        assert engine["torn"] is True and engine["torn_version"] == "1"
+
+        def read_until_failure() -> list[str]:
+            lines = []
+            for line in watcher.stdout:
+                lines.append(line)
+                if "broadcast_failed" in line:
+                    return lines
+            return lines
+
+        lines = await asyncio.wait_for(asyncio.to_thread(read_until_failure), timeout=30)
+        kinds = [line.split()[1] for line in lines if line.strip() and line.split()[0].isdigit()]
+        assert kinds.index("paused") < kinds.index("broadcast_started") < kinds.index("engine_failed")
+    finally:
+        watcher.terminate()
+        watcher.wait(10)
