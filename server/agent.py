@@ -122,8 +122,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return self._asleep_tags()
 
     def _asleep_tags(self) -> list[str]:
-        engine = getattr(self.adapter, "engine", None)
-        return list(getattr(engine, "asleep", []))
+        return list(self.adapter.asleep)
 
     def state(self, *, include_digest: bool = False) -> common_pb2.EngineState:
         """This engine's state as reported to the coordinator and to GetState."""
@@ -300,9 +299,14 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 def on_bucket(bucket: int) -> None:
                     faults.on_bucket("receive", version, bucket, deadline_at=deadline_at)
             ctx = contextvars.copy_context()
-            transfer = loop.run_in_executor(
-                self._transfer, lambda: ctx.run(receiver.receive, request.rendezvous, request.rank, plan, targets,
-                                                deadline_at=deadline_at, abort=self._abort, on_bucket=on_bucket))
+            if self.adapter.receives_in_engine:  # e.g. vLLM: its worker joins the transport itself
+                transfer = loop.run_in_executor(self._transfer, lambda: ctx.run(
+                    self.adapter.receive_in_engine, request.rendezvous, request.rank, plan, deadline_at=deadline_at))
+            else:
+                transfer = loop.run_in_executor(
+                    self._transfer, lambda: ctx.run(receiver.receive, request.rendezvous, request.rank, plan,
+                                                    targets, deadline_at=deadline_at, abort=self._abort,
+                                                    on_bucket=on_bucket))
             # Invariant 6 on the engine side: a cancelled RPC still waits for the bytes.
             while not transfer.done():
                 try:
@@ -325,7 +329,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self.torn, self.torn_version = True, request.version
             self.record("transfer_failed", version=request.version, error=str(error))
         self._receive_task.set_result(None)
-        if self._kv_offloaded_for_sync and "kv_cache" in self._asleep_tags():
+        # Wake the KV cache the sync put to sleep -- unless waking would resume an engine
+        # that now holds torn weights (vLLM resumes on a full wake); then it stays asleep
+        # and paused, and Resume wakes it first if it is ever allowed to run.
+        if self._kv_offloaded_for_sync and "kv_cache" in self._asleep_tags() and not (
+                error is not None and self.adapter.wake_resumes):
             await asyncio.shield(self._wake_tags(["kv_cache"]))
         if cancelled:
             raise asyncio.CancelledError() from error

@@ -60,6 +60,7 @@ class AgentOptions:
     launch: tuple[str, ...] = ()
     health_url: str = ""
     launch_timeout_s: float = 120.0
+    engine_url: str = ""
     security: Security = field(default_factory=Security)
 
 
@@ -98,8 +99,10 @@ async def _heartbeats(stub, core: AgentCore, options: AgentOptions, interval_s: 
 
 async def run_agent(options: AgentOptions) -> int:
     """Runs the agent until a signal; returns the process exit code."""
-    if options.engine != "reference":
-        raise InvalidArgument(f"engine {options.engine!r} is not supported by this build; use 'reference'")
+    if options.engine not in ("reference", "vllm"):
+        raise InvalidArgument(f"engine {options.engine!r} is not supported; use 'reference' or 'vllm'")
+    if options.engine == "vllm" and not options.engine_url:
+        raise InvalidArgument("--engine vllm needs --engine-url (e.g. http://127.0.0.1:8000)")
     engine_id = options.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -126,9 +129,12 @@ async def run_agent(options: AgentOptions) -> int:
             launcher.start()
             await launcher.wait_ready()
             monitor = asyncio.create_task(launcher.monitor())
-        core = AgentCore(engine_id=engine_id,
-                         adapter=ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s),
-                         faults=faults, launcher=launcher)
+        if options.engine == "vllm":
+            from weightsync.engine.vllm import VllmAdapter
+            adapter = VllmAdapter(options.engine_url)
+        else:
+            adapter = ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s)
+        core = AgentCore(engine_id=engine_id, adapter=adapter, faults=faults, launcher=launcher)
         interceptors = options.security.server_interceptors()
         if faults is not None:
             interceptors.append(FaultInterceptor(faults))

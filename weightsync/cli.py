@@ -51,7 +51,8 @@ def _add_coordinator(sub) -> None:
 def _add_agent(sub) -> None:
     p = sub.add_parser("agent", help="run an engine agent (sidecar)")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
-    p.add_argument("--engine", default="reference", choices=["reference"], help="engine kind")
+    p.add_argument("--engine", default="reference", choices=["reference", "vllm"], help="engine kind")
+    p.add_argument("--engine-url", default="", help="vllm: the server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default="tiny", help="reference model preset (tiny|small|medium) or JSON config")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (port 0 = ephemeral)")
     p.add_argument("--engine-id", default="", help="engine id (default: random)")
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay,
                 enable_fault_injection=args.enable_fault_injection,
                 launch=tuple(launch),
-                health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args))))
+                health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
+                engine_url=args.engine_url)))
         if args.command == "demo":
             from weightsync.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)

@@ -20,6 +20,8 @@ class EngineAdapter(abc.ABC):
     """What an agent needs from an engine."""
 
     name: str = "engine"
+    receives_in_engine = False  # True: the engine process receives (receive_in_engine), not the agent
+    wake_resumes = False        # True: waking the last sleeping tag resumes the engine by itself
 
     @abc.abstractmethod
     def pause(self, mode: int, *, timeout_s: float) -> None: ...
@@ -32,6 +34,11 @@ class EngineAdapter(abc.ABC):
 
     @abc.abstractmethod
     def wake(self, tags: Sequence[str]) -> list[str]: ...
+
+    @property
+    @abc.abstractmethod
+    def asleep(self) -> list[str]:
+        """The tags currently asleep (the agent's ledger of record)."""
 
     @abc.abstractmethod
     def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -89,6 +96,10 @@ class ReferenceAdapter(EngineAdapter):
 
     def wake(self, tags):
         return self.engine.wake(tags)
+
+    @property
+    def asleep(self):
+        return self.engine.asleep
 
     def tensor_specs(self):
         return self.engine.tensor_specs()

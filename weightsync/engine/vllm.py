@@ -1,0 +1,182 @@
+"""VllmAdapter: drives a real ``vllm serve`` through its HTTP API (VLLM_SERVER_DEV_MODE=1).
+
+Control: ``/pause?mode=keep|abort|wait``, ``/resume``, ``/sleep?level=1``,
+``/wake_up?tags=``, ``/weight_info``, ``/update_weight_version``, ``/health``; every
+call has a deadline. vLLM's ``/resume`` does not look at sleep state, so the agent
+keeps its own ledger of what is asleep (``asleep``) and wakes before resuming.
+
+Weights: vLLM runs weightsync's worker extension
+(``--worker-extension-cls weightsync.engine.vllm_worker.WeightsyncWorkerExtension``).
+``receive_in_engine`` calls it through ``/collective_rpc``: inside vLLM's worker it
+joins the weightsync transport (``shm`` or ``gloo``), receives the buckets and feeds
+them to ``model_runner.reload_weights``. Arguments and results are JSON; no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+
+import torch
+from google.protobuf import json_format
+
+from weightsync.engine.adapter import EngineAdapter
+from weightsync.engine.reference import validate_tags
+from weightsync.errors import (
+    EngineFault,
+    EngineUnavailable,
+    FailedPrecondition,
+    StepTimeoutError,
+    TransferError,
+)
+from weightsync.plan import BucketPlan, dtype_from_name
+from weightsync.v1 import common_pb2
+
+MODES = {common_pb2.PAUSE_MODE_KEEP: "keep", common_pb2.PAUSE_MODE_ABORT: "abort",
+         common_pb2.PAUSE_MODE_WAIT: "wait"}
+EXTENSION = "weightsync.engine.vllm_worker.WeightsyncWorkerExtension"
+
+
+class VllmAdapter(EngineAdapter):
+    """See the module docstring."""
+
+    name = "vllm"
+    receives_in_engine = True
+    wake_resumes = True  # a full /wake_up resumes vLLM's scheduler by itself
+
+    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._asleep: set[str] = set()
+        self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+        self._fault: str | None = None
+        self.last_received_digest = ""
+
+    # ----- HTTP ---------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, *, query: dict | list | None = None, body: dict | None = None,
+              timeout_s: float | None = None) -> dict:
+        url = self.url + path
+        if query:
+            url += "?" + urllib.parse.urlencode(query, doseq=True)
+        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+        request = urllib.request.Request(url, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        timeout = timeout_s or self.timeout_s
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read().decode() or "{}"
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise EngineFault(f"vLLM {method} {path} -> HTTP {exc.code}: {detail}") from None
+        except TimeoutError:
+            raise StepTimeoutError(f"vLLM {method} {path} took longer than {timeout:.1f}s",
+                                   operation=path.strip("/")) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise EngineUnavailable(f"vLLM at {self.url} unreachable ({method} {path}): {exc}") from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return {"text": text}
+
+    def collective_rpc(self, method: str, *args: str, timeout_s: float) -> list:
+        """Calls ``method`` of the worker extension on every worker; one result per worker."""
+        out = self._call("POST", "/collective_rpc", body={"method": method, "args": list(args),
+                                                          "timeout": timeout_s}, timeout_s=timeout_s + 10)
+        return out.get("results", [])
+
+    # ----- control ------------------------------------------------------------------
+
+    def pause(self, mode, *, timeout_s):
+        self._call("POST", "/pause", query={"mode": MODES[mode]}, timeout_s=timeout_s)
+
+    def resume(self):
+        self._call("POST", "/resume")
+
+    def sleep(self, tags):
+        tags = validate_tags(tags)
+        newly = [t for t in tags if t not in self._asleep]
+        if newly:
+            # vLLM sleeps weights and KV together (level 1); the ledger records both.
+            self._call("POST", "/sleep", query={"level": 1, "mode": "keep"})
+            newly = [t for t in ("weights", "kv_cache") if t not in self._asleep]
+            self._asleep.update(newly)
+        return newly
+
+    def wake(self, tags):
+        tags = validate_tags(tags)
+        woken = [t for t in tags if t in self._asleep]
+        if woken:
+            self._call("POST", "/wake_up", query=[("tags", t) for t in woken])
+            self._asleep.difference_update(woken)
+        return woken
+
+    @property
+    def asleep(self) -> list[str]:
+        return sorted(self._asleep)
+
+    # ----- weights ------------------------------------------------------------------
+
+    def tensor_specs(self):
+        if self._specs is None:
+            results = self.collective_rpc("weightsync_checkpoint_specs", timeout_s=self.timeout_s)
+            if not results or not isinstance(results[0], list):
+                raise EngineFault(f"worker extension {EXTENSION} is not loaded in vLLM (results: {results!r})")
+            self._specs = {name: (dtype_from_name(dtype), tuple(shape)) for name, dtype, shape in results[0]}
+        return self._specs
+
+    def load_targets(self, plan):
+        return []  # bytes land inside vLLM's worker, not in this process
+
+    def receive_in_engine(self, rendezvous: common_pb2.Rendezvous, rank: int, plan: BucketPlan,
+                          *, deadline_at: float) -> None:
+        """Runs the receive inside vLLM's worker (blocking; the agent's transfer thread)."""
+        left = deadline_at - time.monotonic()
+        if left <= 0:
+            raise StepTimeoutError("deadline exceeded before the receive started", operation="receive")
+        results = self.collective_rpc(
+            "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
+            json_format.MessageToJson(plan.to_proto()), str(left), timeout_s=left)
+        result = results[0] if results else None
+        if not isinstance(result, dict) or "error" in result or "digest" not in result:
+            raise TransferError(f"receive inside vLLM failed: {result!r}")
+        self.last_received_digest = result["digest"]
+
+    def commit(self, version):
+        self._call("POST", "/update_weight_version", body={"new_version": str(version)})
+
+    @property
+    def weight_version(self):
+        try:
+            return int(self._call("GET", "/weight_info").get("weight_version") or 0)
+        except (ValueError, EngineUnavailable, EngineFault):
+            return 0
+
+    def fault(self):
+        try:
+            self._call("GET", "/health", timeout_s=5)
+            return None
+        except (EngineUnavailable, EngineFault, StepTimeoutError) as exc:
+            return str(exc)
+
+    def weights_digest(self):
+        # vLLM repacks weights on CPU (oneDNN), so its parameters cannot be hashed back
+        # into checkpoint form; the extension's digest of what it received and loaded is
+        # the attestation.
+        return self.last_received_digest
+
+    def submit(self, prompt: Sequence[int], max_tokens: int) -> str:
+        raise FailedPrecondition("send generation requests to vLLM's OpenAI API directly")
+
+    def get(self, request_id: str, wait_s: float):
+        raise FailedPrecondition("send generation requests to vLLM's OpenAI API directly")
+
+    def close(self):
+        pass
+
+
+__all__ = ["VllmAdapter", "EXTENSION"]

@@ -1,0 +1,73 @@
+"""The worker extension weightsync injects into vLLM (``--worker-extension-cls``).
+
+Its methods run inside every vLLM worker and are called through ``/collective_rpc``
+with string arguments (JSON), never pickle:
+
+- ``weightsync_checkpoint_specs()``: name, dtype and shape of every checkpoint
+  tensor, read from the safetensors headers of the served model. This is what a
+  plan is checked against: on CPU, vLLM repacks Linear weights, so its own
+  parameters do not show checkpoint shapes.
+- ``weightsync_receive(rendezvous, rank, plan, timeout_s)``: joins the weightsync
+  transport, receives the buckets into checkpoint-shaped CPU tensors, and reloads
+  them in place with ``model_runner.reload_weights``. Returns the digest of what it
+  loaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import threading
+import time
+
+import torch
+from google.protobuf import json_format
+
+from weightsync import transport as transports
+from weightsync.plan import BucketPlan, weights_digest
+from weightsync.v1 import common_pb2
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def checkpoint_specs(model_dir: str) -> list[list]:
+    """[name, dtype, shape] of every tensor in ``model_dir``'s safetensors files (headers only)."""
+    specs = []
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, info in header.items():
+            if name != "__metadata__":
+                specs.append([name, _SAFETENSORS_DTYPES[info["dtype"]], list(info["shape"])])
+    return specs
+
+
+class WeightsyncWorkerExtension:
+    """Mixed into vLLM's worker class by vLLM itself."""
+
+    def weightsync_checkpoint_specs(self) -> list[list]:
+        return checkpoint_specs(self.model_config.model)
+
+    def weightsync_receive(self, rendezvous_json: str, rank: str, plan_json: str, timeout_s: str) -> dict:
+        try:
+            rendezvous = json_format.Parse(rendezvous_json, common_pb2.Rendezvous())
+            plan = BucketPlan.from_proto(json_format.Parse(plan_json, common_pb2.WeightPlan()))
+            receivers = self.__dict__.setdefault("_weightsync_receivers", {})
+            receiver = receivers.get(rendezvous.transport)
+            if receiver is None:
+                receiver = receivers[rendezvous.transport] = transports.make_receiver(rendezvous.transport)
+            targets = [torch.empty(s.shape, dtype=s.dtype) for s in plan.slots]
+            receiver.receive(rendezvous, int(rank), plan, targets,
+                             deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event())
+            named = [(s.name, t) for s, t in zip(plan.slots, targets, strict=True)]
+            self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            return {"digest": weights_digest(named), "bytes": plan.total_bytes}
+        except Exception as exc:  # reported to the agent as data; the agent marks the engine torn
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+__all__ = ["WeightsyncWorkerExtension", "checkpoint_specs"]
