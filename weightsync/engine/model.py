@@ -81,11 +81,12 @@ def resolve_config(model: str) -> ModelConfig:
 def config_for_size(total_bytes: int, tensors: int, *, seed: int = 0) -> ModelConfig:
     """A config whose fp32 parameters total roughly ``total_bytes`` in about ``tensors`` tensors.
 
-    Used by benchmarks: each layer holds 8 tensors, d_ff = 4 * d_model.
+    Used by benchmarks: each layer holds 12 tensors (weights and biases of qkv, proj,
+    fc1, fc2 and two LayerNorms), plus 5 outside the layers; d_ff = 4 * d_model.
     """
     if total_bytes <= 0 or tensors <= 0:
         raise InvalidArgument("total_bytes and tensors must be positive")
-    n_layers = max(1, (tensors - 4) // 8)
+    n_layers = max(1, (tensors - 5) // 12)
     params = total_bytes // 4
     # per layer ~ 12 d^2 (+ small terms); embeddings 2 * 256 * d
     d = max(16, int(math.sqrt(max(params - 512 * 64, 1) / (12 * n_layers))))

@@ -1,0 +1,46 @@
+"""Builds a tiny Llama checkpoint and byte-level BPE tokenizer on disk, with no hub access.
+
+    python make_tiny_model.py OUT_DIR [--seed N]
+
+CPU attention in vLLM supports head sizes 32, 64, 80, ..., so: hidden 64, 2 heads
+of 32, 2 layers. Weights are random (seeded); the tokenizer is trained on a few
+generated sentences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def build(out: str, seed: int = 0) -> str:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    os.makedirs(out, exist_ok=True)
+    words = ["weights", "sync", "engine", "trainer", "policy", "reward", "token", "model", "fast", "safe"]
+    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(200)]
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, tie_word_embeddings=False,
+                         torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(build(args.out, args.seed))
