@@ -52,15 +52,17 @@ class Cluster:
         return "\n".join(out)
 
 
-def start_coordinator(tmp: str, *extra: str, state_db: str | None = None, name: str = "coordinator"):
+def start_coordinator(tmp: str, *extra: str, state_db: str | None = None, name: str = "coordinator",
+                      listen: str = "127.0.0.1:0", env: dict | None = None):
+    """Starts a coordinator process; returns (proc, bound address, state db path)."""
     state_db = state_db or os.path.join(tmp, "state.db")
     port_file = os.path.join(tmp, f"{name}.addr")
     if os.path.exists(port_file):
         os.unlink(port_file)
     log = open(os.path.join(tmp, f"{name}.log"), "a")
-    args = ["coordinator", "--insecure", "--listen", "127.0.0.1:0", "--state-db", state_db, "--port-file", port_file,
+    args = ["coordinator", "--insecure", "--listen", listen, "--state-db", state_db, "--port-file", port_file,
             "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", *extra]
-    proc = spawn(weightsync_command(*args), stdout=log, stderr=log)
+    proc = spawn(weightsync_command(*args), stdout=log, stderr=log, env={**os.environ, **(env or {})})
     log.close()
     return proc, wait_for_file(port_file, timeout_s=START_TIMEOUT_S, proc=proc), state_db
 

@@ -13,12 +13,12 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import start_coordinator, wait_available
 from tests.test_sync_safety import BUCKET, kinds, slow, wait_for_event
 from weightsync.client import RetryPolicy, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import IdempotencyConflict, OperationAborted, WeightSyncError
 from weightsync.idempotency import IdempotencyStore
-from weightsync.lifecycle import spawn, wait_for_file, weightsync_command
 from weightsync.plan import weights_digest
 from weightsync.statedb import StateDB
 from weightsync.v1 import coordinator_pb2
@@ -45,16 +45,10 @@ async def test_lost_responses_on_every_trainer_call_are_replayed(cluster_factory
     # the coordinator was started without the rules; restart it with them on the same state
     os.kill(cluster.coordinator.pid, signal.SIGTERM)
     cluster.coordinator.wait(30)
-    port = cluster.address.rsplit(":", 1)[1]
-    log = open(os.path.join(cluster.tmp, "coordinator-faulty.log"), "w")
-    proc = spawn(weightsync_command("coordinator", "--insecure", "--listen", f"127.0.0.1:{port}", "--state-db", cluster.state_db,
-                                    "--port-file", os.path.join(cluster.tmp, "c2.addr"), "--heartbeat-interval",
-                                    "0.2", "--enable-fault-injection"),
-                 env={**os.environ, "WEIGHTSYNC_FAULTS": json.dumps(rules)}, stdout=log, stderr=log)
-    log.close()
+    proc, _, _ = start_coordinator(cluster.tmp, "--enable-fault-injection", state_db=cluster.state_db,
+                                   name="coordinator-faulty", listen=cluster.address,
+                                   env={"WEIGHTSYNC_FAULTS": json.dumps(rules)})
     try:
-        wait_for_file(os.path.join(cluster.tmp, "c2.addr"), timeout_s=60, proc=proc)
-        from tests.conftest import wait_available
         wait_available(cluster.address, ["engine-0", "engine-1"])
         model = ReferenceLM(PRESETS["tiny"])
         async with TrainerClient(cluster.address, retry=PATIENT) as client:
@@ -95,13 +89,9 @@ async def test_coordinator_killed_mid_broadcast_then_restarted(cluster_factory):
         await wait_for_event(cluster.agents[0].address, "transfer_started")
         os.kill(cluster.coordinator.pid, signal.SIGKILL)
         cluster.coordinator.wait(10)
-        log = open(os.path.join(cluster.tmp, "coordinator-restarted.log"), "w")
-        restarted = spawn(weightsync_command("coordinator", "--insecure", "--listen", f"127.0.0.1:{port}", "--state-db",
-                                             cluster.state_db, "--port-file", os.path.join(cluster.tmp, "c3.addr"),
-                                             "--heartbeat-interval", "0.2"), stdout=log, stderr=log)
-        log.close()
+        restarted, _, _ = start_coordinator(cluster.tmp, state_db=cluster.state_db, name="coordinator-restarted",
+                                            listen=f"127.0.0.1:{port}")
         try:
-            wait_for_file(os.path.join(cluster.tmp, "c3.addr"), timeout_s=60, proc=restarted)
             started = time.monotonic()
             try:
                 await broadcast

@@ -197,13 +197,9 @@ async def test_coordinator_sigterm_during_a_sync_then_restart(cluster_factory):
                                   "OPERATION_ABORTED", "TRANSFER_FAILED"), exc
         assert time.monotonic() - started < 30
         assert await asyncio.to_thread(cluster.coordinator.wait, 30) == 0
-    log = open(os.path.join(cluster.tmp, "coordinator2.log"), "w")
-    restarted = spawn(weightsync_command("coordinator", "--insecure", "--listen", f"127.0.0.1:{port}", "--state-db",
-                                         cluster.state_db, "--port-file", os.path.join(cluster.tmp, "c2.addr"),
-                                         "--heartbeat-interval", "0.2"), stdout=log, stderr=log)
-    log.close()
+    restarted, _, _ = start_coordinator(cluster.tmp, state_db=cluster.state_db, name="coordinator2",
+                                        listen=f"127.0.0.1:{port}")
     try:
-        wait_for_file(os.path.join(cluster.tmp, "c2.addr"), timeout_s=60, proc=restarted)
         await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
         async with TrainerClient(cluster.address) as client:
             result = await client.update_weights(model.named_parameters(), version=2, timeout_s=60)
