@@ -76,6 +76,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.torn_version = 0
         self.paused = False
         self._kv_offloaded_for_sync = False
+        self._progress = (0, 0)  # (buckets done, buckets total) of the running or last receive
         self._events: deque[common_pb2.Event] = deque(maxlen=MAX_EVENTS)
         self._seq = 0
         self.accepting = True
@@ -134,7 +135,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             faulted=bool(fault), fault=fault, weight_version=self.adapter.weight_version, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
             weights_digest=self.adapter.weights_digest() if include_digest else "",
-            running_requests=running, queued_requests=queued)
+            running_requests=running, queued_requests=queued, buckets_done=self._progress[0],
+            buckets_total=self._progress[1])
 
     # ----- RPCs: control --------------------------------------------------------------
 
@@ -292,11 +294,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         cancelled = False
         try:
             targets = self.adapter.load_targets(plan)
-            on_bucket = None
-            if self.faults is not None:
-                faults, version = self.faults, request.version
+            faults, version, total = self.faults, request.version, plan.num_buckets
+            self._progress = (0, total)
 
-                def on_bucket(bucket: int) -> None:
+            def on_bucket(bucket: int) -> None:
+                # Runs on the transfer thread; a tuple swap is atomic, heartbeats read it.
+                self._progress = (bucket + 1, total)
+                if faults is not None:
                     faults.on_bucket("receive", version, bucket, deadline_at=deadline_at)
             ctx = contextvars.copy_context()
             if self.adapter.receives_in_engine:  # e.g. vLLM: its worker joins the transport itself
@@ -322,6 +326,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             error = exc
         seconds = time.monotonic() - started
         if error is None:
+            self._progress = (plan.num_buckets, plan.num_buckets)
             self.adapter.commit(request.version)
             self.torn, self.torn_version = False, 0
             self.record("transfer_done", version=request.version, seconds=f"{seconds:.4f}")

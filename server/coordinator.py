@@ -475,8 +475,12 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         if record is None:
             return coordinator_pb2.HeartbeatResponse(registered=False)
         was_available = self.registry.is_available(record)
+        last_done = record.state.buckets_done
         record.last_heartbeat = time.monotonic()
         record.state.CopyFrom(request.state)
+        if self.phase == "broadcasting" and request.state.receiving and request.state.buckets_done != last_done:
+            await self.emit("bucket_progress", record.engine_id, done=request.state.buckets_done,
+                            total=request.state.buckets_total)
         self._export_engine(record)
         if not was_available and self.registry.is_available(record):
             await self.emit("engine_available", record.engine_id)

@@ -55,7 +55,8 @@ async def test_metrics_show_the_round_while_it_runs(cluster_factory):
 
 
 async def test_status_shows_a_torn_engine_and_watch_follows_events(cluster_factory):
-    cluster = faulty_cluster(cluster_factory, [fail(1, 2)], engines=1)
+    # slow buckets so heartbeats see progress before bucket 6 fails
+    cluster = faulty_cluster(cluster_factory, [slow(1, 0.3), fail(1, 6)], engines=1)
     model = ReferenceLM(PRESETS["tiny"])
     status = [sys.executable, "-m", "weightsync", "status", "--coordinator", cluster.address]
     watcher = subprocess.Popen([*status, "--watch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -86,6 +87,7 @@ async def test_status_shows_a_torn_engine_and_watch_follows_events(cluster_facto
         lines = await asyncio.wait_for(asyncio.to_thread(read_until_failure), timeout=30)
         kinds = [line.split()[1] for line in lines if line.strip() and line.split()[0].isdigit()]
         assert kinds.index("paused") < kinds.index("broadcast_started") < kinds.index("engine_failed")
+        assert kinds.index("broadcast_started") < kinds.index("bucket_progress") < kinds.index("engine_failed")
     finally:
         watcher.terminate()
         watcher.wait(10)

@@ -245,6 +245,8 @@ class EngineState(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _builtins.int
     RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
     QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    BUCKETS_DONE_FIELD_NUMBER: _builtins.int
+    BUCKETS_TOTAL_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     available: _builtins.bool
@@ -263,6 +265,9 @@ class EngineState(_message.Message):
     heartbeat_age_s: _builtins.float
     running_requests: _builtins.int
     queued_requests: _builtins.int
+    buckets_done: _builtins.int
+    """progress of the running (or last) receive"""
+    buckets_total: _builtins.int
     @_builtins.property
     def asleep_tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -284,10 +289,12 @@ class EngineState(_message.Message):
         heartbeat_age_s: _builtins.float = ...,
         running_requests: _builtins.int = ...,
         queued_requests: _builtins.int = ...,
+        buckets_done: _builtins.int = ...,
+        buckets_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "engine_id", b"engine_id", "fault", b"fault", "faulted", b"faulted", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "weight_version", b"weight_version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "engine_id", b"engine_id", "fault", b"fault", "faulted", b"faulted", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "weight_version", b"weight_version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
