@@ -234,7 +234,7 @@ class TrainerClient:
         if response.engines and not any(o.ok for o in response.engines):
             first = response.engines[0]
             error = outcome_error(first.error_reason, f"no engine paused: {first.engine_id}: {first.error_message}",
-                                  operation="pause")
+                                  operation="pause", code=first.error_code)
             error.response = response  # type: ignore[attr-defined]
             raise error
         return response

@@ -99,10 +99,10 @@ async def _heartbeats(stub, core: AgentCore, options: AgentOptions, interval_s: 
 
 async def run_agent(options: AgentOptions) -> int:
     """Runs the agent until a signal; returns the process exit code."""
-    if options.engine not in ("reference", "vllm"):
-        raise InvalidArgument(f"engine {options.engine!r} is not supported; use 'reference' or 'vllm'")
-    if options.engine == "vllm" and not options.engine_url:
-        raise InvalidArgument("--engine vllm needs --engine-url (e.g. http://127.0.0.1:8000)")
+    if options.engine not in ("reference", "vllm", "sglang"):
+        raise InvalidArgument(f"engine {options.engine!r} is not supported; use reference, vllm or sglang")
+    if options.engine != "reference" and not options.engine_url:
+        raise InvalidArgument(f"--engine {options.engine} needs --engine-url (e.g. http://127.0.0.1:8000)")
     engine_id = options.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -132,6 +132,9 @@ async def run_agent(options: AgentOptions) -> int:
         if options.engine == "vllm":
             from weightsync.engine.vllm import VllmAdapter
             adapter = VllmAdapter(options.engine_url)
+        elif options.engine == "sglang":
+            from weightsync.engine.sglang import SglangAdapter
+            adapter = SglangAdapter(options.engine_url)
         else:
             adapter = ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s)
         core = AgentCore(engine_id=engine_id, adapter=adapter, faults=faults, launcher=launcher)

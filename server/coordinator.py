@@ -59,7 +59,7 @@ AGENT_ATTEMPTS = 3          # coordinator -> agent retries of UNAVAILABLE (keyed
 
 def _failed(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
     return common_pb2.EngineOutcome(engine_id=engine_id, ok=False, error_reason=error.reason,
-                                    error_message=error.message)
+                                    error_message=error.message, error_code=error.code.value[0])
 
 
 def _engine_error(record: EngineRecord, exc: grpc.aio.AioRpcError, operation: str) -> WeightSyncError:

@@ -51,7 +51,7 @@ def _add_coordinator(sub) -> None:
 def _add_agent(sub) -> None:
     p = sub.add_parser("agent", help="run an engine agent (sidecar)")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
-    p.add_argument("--engine", default="reference", choices=["reference", "vllm"], help="engine kind")
+    p.add_argument("--engine", default="reference", choices=["reference", "vllm", "sglang"], help="engine kind")
     p.add_argument("--engine-url", default="", help="vllm: the server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default="tiny", help="reference model preset (tiny|small|medium) or JSON config")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (port 0 = ephemeral)")

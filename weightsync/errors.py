@@ -184,14 +184,15 @@ def from_rpc_error(error: grpc.RpcError, *, operation: str | None = None) -> Wei
     return result
 
 
-def outcome_error(reason: str, message: str, *, operation: str = "unknown") -> WeightSyncError:
-    """Rebuilds the typed error recorded in an ``EngineOutcome``."""
+def outcome_error(reason: str, message: str, *, operation: str = "unknown", code: int = 0) -> WeightSyncError:
+    """Rebuilds the typed error recorded in an ``EngineOutcome`` (reason, then status code)."""
     if reason == StepTimeoutError.reason:
         return StepTimeoutError(message, operation=operation)
-    cls = _BY_REASON.get(reason, WeightSyncError)
-    if cls is WeightSyncError:
-        return WeightSyncError(message, reason=reason or "UNKNOWN")
-    return cls(message)
+    if reason in _BY_REASON:
+        return _BY_REASON[reason](message)
+    status = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    cls = _BY_CODE.get(status, WeightSyncError)
+    return cls(message, reason=reason or "UNKNOWN", code=status)
 
 
 __all__ = [

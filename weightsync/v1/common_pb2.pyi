@@ -192,6 +192,7 @@ class EngineOutcome(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     TORN_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     ok: _builtins.bool
     error_reason: _builtins.str
@@ -202,6 +203,8 @@ class EngineOutcome(_message.Message):
     weight_version: _builtins.int
     torn: _builtins.bool
     rank: _builtins.int
+    error_code: _builtins.int
+    """gRPC status code of the failure (with error_reason: the typed error)"""
     def __init__(
         self,
         *,
@@ -214,10 +217,11 @@ class EngineOutcome(_message.Message):
         weight_version: _builtins.int = ...,
         torn: _builtins.bool = ...,
         rank: _builtins.int = ...,
+        error_code: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "engine_id", b"engine_id", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "seconds", b"seconds", "torn", b"torn", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "seconds", b"seconds", "torn", b"torn", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
