@@ -26,8 +26,8 @@ class FaultInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or handler_call_details.method.startswith("/grpc."):
+            return handler  # health and reflection are never faulted
         method = handler_call_details.method.rsplit("/", 1)[-1]
         injector = self.injector
         if handler.unary_unary is not None:

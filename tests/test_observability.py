@@ -91,3 +91,56 @@ async def test_status_shows_a_torn_engine_and_watch_follows_events(cluster_facto
     finally:
         watcher.terminate()
         watcher.wait(10)
+
+
+async def test_health_turns_not_serving_while_an_agent_drains(cluster_factory):
+    import signal
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cluster = faulty_cluster(cluster_factory, [slow(1, 0.3)], engines=1, agent_args=("--shutdown-grace", "10"))
+    agent = cluster.agents[0]
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address, bucket_bytes=BUCKET) as client:
+        sync = asyncio.create_task(client.update_weights(model.named_parameters(), version=1, timeout_s=60))
+        await wait_for_event(agent.address, "transfer_started")
+        agent.proc.send_signal(signal.SIGTERM)  # drain: the running receive may finish
+        statuses = set()
+        async with grpc.aio.insecure_channel(agent.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for _ in range(100):
+                try:
+                    response = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                except grpc.aio.AioRpcError as exc:
+                    statuses.add(exc.code())
+                    break
+                statuses.add(response.status)
+                if response.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.02)
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+        await asyncio.gather(sync, return_exceptions=True)
+    assert await asyncio.to_thread(agent.proc.wait, 30) == 0
+
+
+def test_json_logs_are_one_object_per_line(tmp_path):
+    import os
+    import signal
+    import time
+
+    from weightsync.lifecycle import spawn, wait_for_file
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        child = spawn([sys.executable, "-m", "weightsync", "--log-format", "json", "coordinator", "--insecure",
+                       "--listen", "127.0.0.1:0", "--state-db", str(tmp_path / "s.db"), "--port-file",
+                       str(tmp_path / "c")], stdout=f, stderr=f)
+    wait_for_file(str(tmp_path / "c"), timeout_s=60, proc=child)
+    time.sleep(0.2)
+    os.kill(child.pid, signal.SIGTERM)
+    assert child.wait(30) == 0
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]
+    assert any("serving on" in r["message"] for r in records)
+    assert any(r["level"] == "WARNING" and "WITHOUT TLS" in r["message"] for r in records)
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)

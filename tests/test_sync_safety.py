@@ -23,8 +23,8 @@ from weightsync.v1 import agent_pb2, common_pb2
 BUCKET = 64 * 1024  # the tiny model (~560 KB) becomes 9 buckets
 
 
-def faulty_cluster(cluster_factory, rules, engines=2, **kw):
-    return cluster_factory(engines, agent_args=("--enable-fault-injection",),
+def faulty_cluster(cluster_factory, rules, engines=2, agent_args=(), **kw):
+    return cluster_factory(engines, agent_args=("--enable-fault-injection", *agent_args),
                            agent_env={"WEIGHTSYNC_FAULTS": json.dumps(rules)}, **kw)
 
 

@@ -5,11 +5,22 @@ trainer's TCPStore, never ``init_process_group``: the trainer's own default worl
 left alone. Two bucket buffers alternate so the sender packs bucket k+1 while k is on
 the wire and each receiver unpacks bucket k while k+1 arrives (gloo runs queued ops
 in order, so posting k+1 before waiting on k is safe).
+
+Failure handling. A posted gloo op cannot be cancelled, and destroying a group with
+an op still pending blocks until the op's timeout. So waits poll ``is_completed``
+and, every ``_PEER_CHECK_S``, the store: a side that fails sets ``abort`` (sender)
+or ``err/<rank>`` (receiver) under the session, and its peers stop waiting at once.
+A failed group is retired, never destroyed on the transfer thread: a daemon thread
+drops it, which takes until its pending ops have timed out. An idle group (the
+orderly close) is destroyed at once.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -44,6 +55,29 @@ class _Group:
             self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
 
 
+_PEER_CHECK_S = 0.05
+_RETIRED: queue.Queue = queue.Queue()
+
+
+def _drop_retired() -> None:
+    while True:
+        group = _RETIRED.get()
+        del group  # may block until the group's pending ops time out; harmless here
+
+
+threading.Thread(target=_drop_retired, name="weightsync-gloo-retire", daemon=True).start()
+
+
+def _retire(group: _Group | None) -> None:
+    if group is not None:
+        group.buffers = []  # free the memory now; the group object goes later
+        _RETIRED.put(group)
+
+
+def _key(rendezvous: common_pb2.Rendezvous, *parts: object) -> str:
+    return "/".join(["ws", rendezvous.group_id, rendezvous.session_id, *map(str, parts)])
+
+
 def _as_transfer_error(exc: Exception, operation: str) -> Exception:
     text = str(exc)
     if "timeout" in text.lower() or "timed out" in text.lower():
@@ -57,12 +91,32 @@ def _broadcast(pg: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:
     return pg.broadcast([buf], opts)
 
 
-def _wait(work: dist.Work, deadline_at: float, operation: str) -> None:
-    left = deadline_at - time.monotonic()
-    if left <= 0:
-        raise StepTimeoutError(f"deadline exceeded during {operation}", operation=operation)
+def _wait(work: dist.Work, deadline_at: float, operation: str, *, abort: threading.Event,
+          store: dist.Store, stop_keys: Sequence[str]) -> None:
+    """Waits for ``work`` without blocking in gloo: polls completion, the abort flag,
+    the deadline, and (every _PEER_CHECK_S) the peers' failure keys in the store."""
+    delay, next_check = 0.0001, time.monotonic() + _PEER_CHECK_S
+    while not work.is_completed():
+        now = time.monotonic()
+        if abort.is_set():
+            raise TransferError(f"{operation} aborted")
+        if now >= deadline_at:
+            raise StepTimeoutError(f"deadline exceeded during {operation}", operation=operation)
+        if now >= next_check and stop_keys:
+            next_check = now + _PEER_CHECK_S
+            try:
+                for key in stop_keys:
+                    if store.check([key]):
+                        raise TransferError(f"peer failed during {operation}: "
+                                            f"{store.get(key).decode(errors='replace')}")
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise TransferError(f"rendezvous store failed during {operation}: {exc}") from exc
+        time.sleep(delay)
+        delay = min(delay * 2, 0.001)
     try:
-        work.wait(timedelta(seconds=left))
+        work.wait()  # completed: returns at once, or raises the op's error
     except Exception as exc:
         raise _as_transfer_error(exc, operation) from exc
 
@@ -78,6 +132,7 @@ class GlooSender(Sender):
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
         start = time.monotonic()
+        stop = [_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
         try:
             group = self._ensure_group(rendezvous, plan, deadline_at)
             works: list[dist.Work | None] = [None, None]
@@ -86,15 +141,20 @@ class GlooSender(Sender):
                     raise TransferError("send aborted")
                 slot = bucket % 2
                 if works[slot] is not None:
-                    _wait(works[slot], deadline_at, "broadcast")
+                    _wait(works[slot], deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
                 buf = group.buffers[slot][:plan.bucket_size(bucket)]
                 pack_bucket(plan, bucket, sources, buf)
                 works[slot] = _broadcast(group.pg, buf)
             for work in works:
                 if work is not None:
-                    _wait(work, deadline_at, "broadcast")
-        except BaseException:
-            self.close()  # a failed group is never reused: peers may be mid-op
+                    _wait(work, deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
+        except BaseException as exc:
+            try:  # receivers stop waiting for buckets that will never come
+                self._store.set(_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
+            except Exception:
+                pass
+            _retire(self._group)  # a failed group is never reused: peers may be mid-op
+            self._group = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
@@ -107,7 +167,7 @@ class GlooSender(Sender):
         return self._group
 
     def close(self) -> None:
-        self._group = None
+        self._group = None  # idle group: destroying it is immediate
 
 
 class GlooReceiver(Receiver):
@@ -123,6 +183,8 @@ class GlooReceiver(Receiver):
         start = time.monotonic()
         try:
             group = self._ensure_group(rendezvous, rank, plan, deadline_at)
+            store = self._store[1]
+            stop = [_key(rendezvous, "abort")]
             n = plan.num_buckets
             works: list[dist.Work | None] = [None, None]
             works[0] = _broadcast(group.pg, group.buffers[0][:plan.bucket_size(0)])
@@ -133,12 +195,18 @@ class GlooReceiver(Receiver):
                     nxt = (bucket + 1) % 2
                     works[nxt] = _broadcast(group.pg, group.buffers[nxt][:plan.bucket_size(bucket + 1)])
                 slot = bucket % 2
-                _wait(works[slot], deadline_at, "receive")
+                _wait(works[slot], deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
                 unpack_bucket(plan, bucket, group.buffers[slot], targets)
                 if on_bucket is not None:
                     on_bucket(bucket)
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            if self._store is not None:
+                try:  # the sender stops at once instead of waiting out its deadline
+                    self._store[1].set(_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
+                except Exception:
+                    pass
+            _retire(self._group)
+            self._group = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
@@ -156,7 +224,7 @@ class GlooReceiver(Receiver):
         return self._group
 
     def close(self) -> None:
-        self._group = None
+        self._group = None  # idle group: destroying it is immediate
         self._store = None
 
 
