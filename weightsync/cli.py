@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
 import sys
 
 from weightsync.errors import WeightSyncError
@@ -141,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                 metrics_port=args.metrics_port)))
         if args.command == "agent":
             from weightsync.server.agent_main import AgentOptions, run_agent
-            return asyncio.run(run_agent(AgentOptions(
+            return _exit_now(asyncio.run(run_agent(AgentOptions(
                 coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
                 engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout,
                 shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay,
                 enable_fault_injection=args.enable_fault_injection,
                 launch=tuple(launch),
                 health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
-                engine_url=args.engine_url)))
+                engine_url=args.engine_url))))
         if args.command == "demo":
             from weightsync.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)
@@ -184,6 +186,20 @@ def _bench(args) -> int:
         return 2
     print(table(report))
     return 0
+
+
+def _exit_now(code: int) -> int:
+    """Ends the agent process once its orderly shutdown has run and reported.
+
+    Interpreter finalization would destroy gloo groups retired after a failed
+    transfer, and each such destruction blocks until the group's pending ops time
+    out (up to the transfer deadline). Everything the agent owns is already closed
+    and reaped at this point, so nothing is lost by skipping it.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def engine_status(e) -> str:
