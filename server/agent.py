@@ -118,10 +118,6 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         except WeightSyncError as exc:
             await abort_with(context, exc)
 
-    @property
-    def asleep(self) -> list[str]:
-        return self._asleep_tags()
-
     def _asleep_tags(self) -> list[str]:
         return list(self.adapter.asleep)
 
