@@ -14,21 +14,16 @@ them to ``model_runner.reload_weights``. Arguments and results are JSON; no pick
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 
 import torch
 from google.protobuf import json_format
 
-from weightsync.engine.adapter import EngineAdapter
+from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
     EngineFault,
-    EngineUnavailable,
     FailedPrecondition,
     StepTimeoutError,
     TransferError,
@@ -41,47 +36,21 @@ MODES = {common_pb2.PAUSE_MODE_KEEP: "keep", common_pb2.PAUSE_MODE_ABORT: "abort
 EXTENSION = "weightsync.engine.vllm_worker.WeightsyncWorkerExtension"
 
 
-class VllmAdapter(EngineAdapter):
+class VllmAdapter(HttpEngineAdapter):
     """See the module docstring."""
 
     name = "vllm"
+    engine_label = "vLLM"
     receives_in_engine = True
     wake_resumes = True  # a full /wake_up resumes vLLM's scheduler by itself
 
     def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
+        super().__init__(url, timeout_s=timeout_s)
         self._asleep: set[str] = set()
         self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
-        self._fault: str | None = None
         self.last_received_digest = ""
 
     # ----- HTTP ---------------------------------------------------------------------
-
-    def _call(self, method: str, path: str, *, query: dict | list | None = None, body: dict | None = None,
-              timeout_s: float | None = None) -> dict:
-        url = self.url + path
-        if query:
-            url += "?" + urllib.parse.urlencode(query, doseq=True)
-        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-        request = urllib.request.Request(url, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        timeout = timeout_s or self.timeout_s
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                text = response.read().decode() or "{}"
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise EngineFault(f"vLLM {method} {path} -> HTTP {exc.code}: {detail}") from None
-        except TimeoutError:
-            raise StepTimeoutError(f"vLLM {method} {path} took longer than {timeout:.1f}s",
-                                   operation=path.strip("/")) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise EngineUnavailable(f"vLLM at {self.url} unreachable ({method} {path}): {exc}") from None
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            return {"text": text}
 
     def collective_rpc(self, method: str, *args: str, timeout_s: float) -> list:
         """Calls ``method`` of the worker extension on every worker; one result per worker."""
@@ -151,17 +120,7 @@ class VllmAdapter(EngineAdapter):
 
     @property
     def weight_version(self):
-        try:
-            return int(self._call("GET", "/weight_info").get("weight_version") or 0)
-        except (ValueError, EngineUnavailable, EngineFault):
-            return 0
-
-    def fault(self):
-        try:
-            self._call("GET", "/health", timeout_s=5)
-            return None
-        except (EngineUnavailable, EngineFault, StepTimeoutError) as exc:
-            return str(exc)
+        return self._version_from("/weight_info")
 
     def weights_digest(self):
         # vLLM repacks weights on CPU (oneDNN), so its parameters cannot be hashed back
@@ -174,9 +133,6 @@ class VllmAdapter(EngineAdapter):
 
     def get(self, request_id: str, wait_s: float):
         raise FailedPrecondition("send generation requests to vLLM's OpenAI API directly")
-
-    def close(self):
-        pass
 
 
 __all__ = ["VllmAdapter", "EXTENSION"]

@@ -1,0 +1,74 @@
+"""HttpEngineAdapter: what the adapters of HTTP-controlled engines (vLLM, SGLang) share.
+
+One blocking JSON-over-HTTP call with a deadline, failures mapped to typed errors
+(unreachable -> EngineUnavailable, HTTP error -> EngineFault, slow -> StepTimeoutError),
+a health check, and reading an integer weight version from a JSON endpoint. The
+agent calls adapters from its worker threads only, so blocking here is fine.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from weightsync.engine.adapter import EngineAdapter
+from weightsync.errors import EngineFault, EngineUnavailable, StepTimeoutError
+
+
+class HttpEngineAdapter(EngineAdapter):
+    """Base of adapters that drive an engine's HTTP control API."""
+
+    engine_label = "engine"
+    health_path = "/health"
+
+    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, *, query: dict | list | None = None, body: dict | None = None,
+              timeout_s: float | None = None) -> dict:
+        """One JSON call; the typed error says whether the engine is gone, broken or slow."""
+        url = self.url + path
+        if query:
+            url += "?" + urllib.parse.urlencode(query, doseq=True)
+        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        timeout = timeout_s or self.timeout_s
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read().decode() or "{}"
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise EngineFault(f"{self.engine_label} {method} {path} -> HTTP {exc.code}: {detail}") from None
+        except TimeoutError:
+            raise StepTimeoutError(f"{self.engine_label} {method} {path} took longer than {timeout:.1f}s",
+                                   operation=path.strip("/")) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise EngineUnavailable(f"{self.engine_label} at {self.url} unreachable ({method} {path}): {exc}") \
+                from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return {"text": text}
+
+    def _version_from(self, path: str) -> int:
+        """The integer ``weight_version`` at ``path``; 0 when absent or not a number."""
+        try:
+            return int(self._call("GET", path).get("weight_version") or 0)
+        except (ValueError, EngineUnavailable, EngineFault, StepTimeoutError):
+            return 0
+
+    def fault(self) -> str | None:
+        try:
+            self._call("GET", self.health_path, timeout_s=5)
+            return None
+        except (EngineUnavailable, EngineFault, StepTimeoutError) as exc:
+            return str(exc)
+
+    def close(self) -> None:
+        """The engine process is owned by the launcher (if any), not by the adapter."""
+
+
+__all__ = ["HttpEngineAdapter"]
