@@ -142,3 +142,32 @@ def test_availability_probes():
         assert isinstance(reason, str) and reason
     with pytest.raises(Exception, match="unknown transport"):
         transports.kind_from_name("carrier-pigeon")
+
+
+def test_gloo_direct_buckets_and_cast_mix_correctly():
+    """Buckets wholly inside a tensor go on the wire straight from it (no bucket copy);
+    with a cast the sender packs while the receiver still lands bytes directly."""
+    from weightsync.transport.gloo import _direct
+
+    kind = KINDS["gloo"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    receivers = [transports.make_receiver(kind)]
+    sources = [torch.randn(3), torch.randn(4096), torch.randn(5)]
+    named = [(f"t{i}", t) for i, t in enumerate(sources)]
+    plan = BucketPlan.from_tensors(named, bucket_bytes=1024, wire_dtype=torch.bfloat16)
+    targets_dtype = [s.dtype for s in plan.slots]
+    assert set(targets_dtype) == {torch.bfloat16}
+    direct_receiver = [_direct(plan, b, [torch.empty(s.shape, dtype=s.dtype) for s in plan.slots])
+                       for b in range(plan.num_buckets)]
+    direct_sender = [_direct(plan, b, sources) for b in range(plan.num_buckets)]
+    assert any(d is not None for d in direct_receiver) and any(d is None for d in direct_receiver)
+    assert all(d is None for d in direct_sender)  # fp32 sources, bf16 on the wire: packed with a cast
+    try:
+        targets, errors = run_round(sender, receivers, rendezvous(store, kind, 2, group="cast"), plan, sources)
+        assert errors == {}
+        for got, src in zip(targets[0], sources, strict=True):
+            assert torch.equal(got, src.to(torch.bfloat16))
+    finally:
+        sender.close()
+        receivers[0].close()

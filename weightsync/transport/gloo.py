@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import StepTimeoutError, TransferError
-from weightsync.plan import BucketPlan, pack_bucket, unpack_bucket
+from weightsync.plan import BucketPlan, byte_view, pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats
 from weightsync.transport.store import connect_store
 from weightsync.v1 import common_pb2
@@ -83,6 +83,22 @@ def _as_transfer_error(exc: Exception, operation: str) -> Exception:
     if "timeout" in text.lower() or "timed out" in text.lower():
         return StepTimeoutError(f"deadline exceeded during {operation}: {text}", operation=operation)
     return TransferError(f"{operation} failed: {text}")
+
+
+def _direct(plan: BucketPlan, bucket: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of ``bucket`` as a view of one tensor, when the bucket lies wholly inside
+    a tensor whose dtype is the wire dtype: then it goes on the wire from (or lands in)
+    that tensor directly, with no copy through a bucket buffer. Large tensors span many
+    such buckets. The bytes on the wire are the same either way, so each side decides
+    for itself."""
+    pieces = plan.pieces[bucket]
+    if len(pieces) != 1 or pieces[0].length != plan.bucket_size(bucket):
+        return None
+    piece = pieces[0]
+    tensor = tensors[piece.tensor_index]
+    if tensor.dtype != plan.slots[piece.tensor_index].dtype or not tensor.is_contiguous():
+        return None
+    return byte_view(tensor)[piece.tensor_start:piece.tensor_start + piece.length]
 
 
 def _broadcast(pg: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:
@@ -142,8 +158,10 @@ class GlooSender(Sender):
                 slot = bucket % 2
                 if works[slot] is not None:
                     _wait(works[slot], deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
-                buf = group.buffers[slot][:plan.bucket_size(bucket)]
-                pack_bucket(plan, bucket, sources, buf)
+                buf = _direct(plan, bucket, sources)
+                if buf is None:
+                    buf = group.buffers[slot][:plan.bucket_size(bucket)]
+                    pack_bucket(plan, bucket, sources, buf)
                 works[slot] = _broadcast(group.pg, buf)
             for work in works:
                 if work is not None:
@@ -187,16 +205,24 @@ class GlooReceiver(Receiver):
             stop = [_key(rendezvous, "abort")]
             n = plan.num_buckets
             works: list[dist.Work | None] = [None, None]
-            works[0] = _broadcast(group.pg, group.buffers[0][:plan.bucket_size(0)])
+            direct = [_direct(plan, b, targets) for b in range(n)]
+
+            def post(bucket: int) -> dist.Work:
+                into = direct[bucket]
+                if into is None:
+                    into = group.buffers[bucket % 2][:plan.bucket_size(bucket)]
+                return _broadcast(group.pg, into)
+
+            works[0] = post(0)
             for bucket in range(n):
                 if abort.is_set():
                     raise TransferError("receive aborted")
                 if bucket + 1 < n:
-                    nxt = (bucket + 1) % 2
-                    works[nxt] = _broadcast(group.pg, group.buffers[nxt][:plan.bucket_size(bucket + 1)])
+                    works[(bucket + 1) % 2] = post(bucket + 1)
                 slot = bucket % 2
                 _wait(works[slot], deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
-                unpack_bucket(plan, bucket, group.buffers[slot], targets)
+                if direct[bucket] is None:
+                    unpack_bucket(plan, bucket, group.buffers[slot], targets)
                 if on_bucket is not None:
                     on_bucket(bucket)
         except BaseException as exc:
