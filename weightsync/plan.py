@@ -245,7 +245,8 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, tensor in sorted(named_tensors, key=lambda nt: nt[0]):
         t = tensor.detach().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(byte_view(t).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(byte_view(t).numpy())  # hashes the tensor's memory in place, no copy
     return h.hexdigest()
 
 
