@@ -17,13 +17,13 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
 from weightsync.client import LoopLagProbe, TrainerClient
 from weightsync.engine.model import ReferenceLM, config_for_size
-from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.lifecycle import spawn, stop_process, wait_for_file
+from weightsync.local_cluster import LocalCluster
 
 HTTP_SERVER = r"""
 import http.server, socketserver, sys
@@ -98,22 +98,10 @@ def main() -> int:
         try:
             procs.append(spawn([sys.executable, "-c", HTTP_SERVER, os.path.join(tmp, "http")]))
             port = int(wait_for_file(os.path.join(tmp, "http"), timeout_s=30, proc=procs[-1]))
-            procs.append(spawn(weightsync_command("--log-level", "WARNING", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
-                                                  "--state-db", os.path.join(tmp, "s.db"),
-                                                  "--port-file", os.path.join(tmp, "c"))))
-            address = wait_for_file(os.path.join(tmp, "c"), timeout_s=60, proc=procs[-1])
-            files = []
-            for i in range(args.engines):
-                f = os.path.join(tmp, f"e{i}")
-                procs.append(spawn(weightsync_command("--log-level", "WARNING", "agent", "--insecure", "--coordinator", address,
-                                                      "--model", cfg.to_json(), "--engine-id", f"engine-{i}",
-                                                      "--port-file", f)))
-                files.append((f, procs[-1]))
-            for f, p in files:
-                wait_for_file(f, timeout_s=300, proc=p)
-            time.sleep(1.0)  # first heartbeats
-            out = asyncio.run(trainer(address, cfg, steps=args.steps, transport=args.transport, port=port,
-                                      http_timeout_s=args.http_timeout))
+            with LocalCluster(tmp, engines=args.engines, agent_args=("--model", cfg.to_json()), agent_timeout_s=300,
+                              settle_s=1.0) as cluster:
+                out = asyncio.run(trainer(cluster.address, cfg, steps=args.steps, transport=args.transport,
+                                          port=port, http_timeout_s=args.http_timeout))
         finally:
             for p in reversed(procs):
                 stop_process(p, grace_s=10)

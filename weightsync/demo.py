@@ -22,7 +22,7 @@ import torch
 
 from weightsync.client import EngineClient, LoopLagProbe, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.local_cluster import LocalCluster
 from weightsync.plan import weights_digest
 from weightsync.security import Security, generate_dev_pki
 
@@ -41,9 +41,7 @@ def run_demo(*, steps: int = 8, engines: int = 2, transport: str = "gloo") -> in
     if steps < 1 or engines < 1:
         print("steps and engines must be >= 1", file=sys.stderr)
         return 2
-    procs = []
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as tmp:
-        logs = open(os.path.join(tmp, "services.log"), "w")  # noqa: SIM115 - closed below
         try:
             # Secure by default, even on loopback: a throwaway CA, mutual TLS on every
             # channel, and a shared token.
@@ -54,30 +52,17 @@ def run_demo(*, steps: int = 8, engines: int = 2, transport: str = "gloo") -> in
             os.chmod(token_file, 0o600)
             tls = ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"], "--token-file", token_file]
             security = Security.from_files(cert=pki["cert"], key=pki["key"], ca=pki["ca"], token_file=token_file)
-            coordinator = spawn(weightsync_command(
-                "--log-level", "WARNING", "coordinator", *tls, "--listen", "127.0.0.1:0",
-                "--state-db", os.path.join(tmp, "state.db"), "--port-file", os.path.join(tmp, "coordinator")),
-                stdout=logs, stderr=logs)
-            procs.append(coordinator)
-            address = wait_for_file(os.path.join(tmp, "coordinator"), timeout_s=START_TIMEOUT_S, proc=coordinator)
-            agent_files = []
-            for i in range(engines):
-                port_file = os.path.join(tmp, f"engine-{i}")
-                procs.append(spawn(weightsync_command(
-                    "--log-level", "WARNING", "agent", *tls, "--coordinator", address, "--engine", "reference",
-                    "--model", "tiny", "--engine-id", f"engine-{i}", "--port-file", port_file,
-                    "--step-delay", "0.002"), stdout=logs, stderr=logs))
-                agent_files.append((port_file, procs[-1]))
-            agents = [wait_for_file(f, timeout_s=START_TIMEOUT_S, proc=p) for f, p in agent_files]
-            print(f"coordinator {address}; engines {', '.join(agents)}; transport {transport}; mutual TLS + token")
-            return asyncio.run(_train(address, agents, steps=steps, transport=transport, security=security))
-        except KeyboardInterrupt:
+            with LocalCluster(tmp, engines=engines, server_args=tls, start_timeout_s=START_TIMEOUT_S,
+                              agent_timeout_s=START_TIMEOUT_S,
+                              agent_args=("--engine", "reference", "--model", "tiny", "--step-delay", "0.002")
+                              ) as cluster:
+                print(f"coordinator {cluster.address}; engines {', '.join(cluster.agents)}; transport {transport}; "
+                      "mutual TLS + token")
+                return asyncio.run(_train(cluster.address, cluster.agents, steps=steps, transport=transport,
+                                          security=security))
+        except KeyboardInterrupt:  # the cluster has already stopped every process
             print("\ninterrupted; stopping every process", file=sys.stderr)
             return 130
-        finally:
-            for proc in reversed(procs):
-                stop_process(proc, grace_s=10.0)
-            logs.close()
 
 
 async def _generate_forever(engine: EngineClient, stop: asyncio.Event, seen: Counter, spans: list,

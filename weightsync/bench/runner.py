@@ -25,7 +25,7 @@ import torch
 from weightsync.bench.baselines import METHODS, Baselines
 from weightsync.client import LoopLagProbe, TrainerClient
 from weightsync.engine.model import ReferenceLM, config_for_size
-from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.local_cluster import LocalCluster
 from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
@@ -121,29 +121,10 @@ def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], s
     progress = Progress(total_steps)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
-        procs = []
-        logs = open(os.path.join(tmp, "services.log"), "w")  # noqa: SIM115 - closed below
-        try:
-            procs.append(spawn(weightsync_command("--log-level", "WARNING", "coordinator", "--insecure", "--listen",
-                                                  "127.0.0.1:0", "--state-db", os.path.join(tmp, "s.db"),
-                                                  "--port-file", os.path.join(tmp, "c")), stdout=logs, stderr=logs))
-            address = wait_for_file(os.path.join(tmp, "c"), timeout_s=60, proc=procs[0])
-            files = []
-            for i in range(engines):
-                f = os.path.join(tmp, f"e{i}")
-                procs.append(spawn(weightsync_command("--log-level", "WARNING", "agent", "--insecure", "--coordinator", address,
-                                                      "--model", cfg.to_json(), "--engine-id", f"engine-{i}",
-                                                      "--port-file", f), stdout=logs, stderr=logs))
-                files.append((f, procs[-1]))
-            for f, p in files:
-                wait_for_file(f, timeout_s=600, proc=p)
-            time.sleep(1.0)  # first heartbeats
-            results += asyncio.run(_weightsync_runs(address, model, transports=transports, steps=steps,
+        with LocalCluster(tmp, engines=engines, agent_args=("--model", cfg.to_json()), agent_timeout_s=600,
+                          settle_s=1.0) as cluster:
+            results += asyncio.run(_weightsync_runs(cluster.address, model, transports=transports, steps=steps,
                                                     bucket_bytes=bucket_bytes, engines=engines, progress=progress))
-        finally:
-            for p in reversed(procs):
-                stop_process(p, grace_s=10)
-            logs.close()
         if baselines:
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             with Baselines(named, engines=engines, steps=steps, tmp=tmp) as runs:
