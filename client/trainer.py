@@ -104,13 +104,20 @@ class _Prepared:
     sources: list[torch.Tensor]
     digest: str
 
+    def group_backend(self, kind) -> str:
+        """For the group transport: nccl when the weights are on a GPU, else gloo."""
+        if kind != common_pb2.TRANSPORT_KIND_GROUP:
+            return ""
+        return "nccl" if any(t.is_cuda for t in self.sources) else "gloo"
+
 
 class TrainerClient:
     """Async context manager; see the module docstring.
 
     Args:
         coordinator: ``HOST:PORT`` of the coordinator.
-        transport: default data plane, ``"gloo"`` or ``"shm"``.
+        transport: default data plane: ``"gloo"``, ``"shm"`` or ``"group"`` (tensor by
+            tensor over a torch.distributed group; what SGLang engines receive).
         host: address engines use to reach this trainer's rendezvous store.
         bucket_bytes: bucket size of the plan.
         wire_dtype: cast floating tensors to this dtype on the way (fp32 -> bf16).
@@ -271,7 +278,8 @@ class TrainerClient:
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest)
             request = coordinator_pb2.BroadcastRequest(
                 idempotency_key=key, version=version, plan=prepared.plan.to_proto(), transport=kind,
-                store_host=self.host, store_port=self._store.port, weights_digest=prepared.digest)
+                store_host=self.host, store_port=self._store.port, weights_digest=prepared.digest,
+                group_backend=prepared.group_backend(kind))
             # Once the Broadcast is sent, engines may already be waiting for bytes: a
             # cancellation from here on waits for the round (bounded by the deadline),
             # then propagates chained to its error, so nothing is resumed mid-transfer

@@ -261,6 +261,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             raise InvalidArgument(f"bad rendezvous store port {rdzv.store_port}")
         if rdzv.world_size < 2 or not 1 <= request.rank < rdzv.world_size:
             raise InvalidArgument(f"rank {request.rank} is not a receiver rank of world {rdzv.world_size}")
+        self.adapter.check_receive(request)
         if request.version <= self.adapter.weight_version:
             raise FailedPrecondition(f"version {request.version} is not newer than the served version "
                                      f"{self.adapter.weight_version}", reason="VERSION_NOT_NEWER")

@@ -61,6 +61,7 @@ class AgentOptions:
     health_url: str = ""
     launch_timeout_s: float = 120.0
     engine_url: str = ""
+    checkpoint_dir: str = ""
     security: Security = field(default_factory=Security)
 
 
@@ -134,7 +135,7 @@ async def run_agent(options: AgentOptions) -> int:
             adapter = VllmAdapter(options.engine_url)
         elif options.engine == "sglang":
             from weightsync.engine.sglang import SglangAdapter
-            adapter = SglangAdapter(options.engine_url)
+            adapter = SglangAdapter(options.engine_url, checkpoint_dir=options.checkpoint_dir)
         else:
             adapter = ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s)
         core = AgentCore(engine_id=engine_id, adapter=adapter, faults=faults, launcher=launcher)

@@ -293,6 +293,10 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         plan = BucketPlan.from_proto(request.plan)
         if request.transport not in transports.KIND_NAMES:
             raise InvalidArgument(f"unknown transport {request.transport}")
+        if request.group_backend not in ("", "gloo", "nccl"):
+            raise InvalidArgument(f"group_backend must be gloo or nccl, got {request.group_backend!r}")
+        if request.group_backend and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
+            raise InvalidArgument("group_backend applies to the group transport only")
         if not request.store_host or not 0 < request.store_port < 65536:
             raise InvalidArgument("store_host and a store_port in 1..65535 are required")
         check_timeout(request.timeout_s)
@@ -314,12 +318,13 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             ranks = {r.engine_id: i + 1 for i, r in enumerate(members)}
             membership = "|".join(f"{e}={ranks[e]}" for e in sorted(ranks))
             group_hash = hashlib.blake2b(
-                f"{request.transport}|{request.store_host}:{request.store_port}|{membership}".encode(),
+                f"{request.transport}|{request.group_backend}|{request.store_host}:{request.store_port}|{membership}"
+                .encode(),
                 digest_size=8).hexdigest()
             rendezvous = common_pb2.Rendezvous(
                 group_id=f"e{self.epoch}-{group_hash}", transport=request.transport,
                 store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
-                session_id=uuid.uuid4().hex)
+                session_id=uuid.uuid4().hex, group_backend=request.group_backend)
 
             def receive_request(record: EngineRecord, validate_only: bool) -> agent_pb2.ReceiveRequest:
                 return agent_pb2.ReceiveRequest(

@@ -1,26 +1,78 @@
 """A STAND-IN for an SGLang server (SGLang needs CUDA and cannot run on this machine).
 
-It implements the control endpoints weightsync uses and enforces SGLang's documented
-contract, failure modes included, so the adapter's ledger is tested against them:
+It implements the endpoints weightsync uses and enforces SGLang's documented
+contract, failure modes included, so the adapter is tested against them:
 - ``/release_memory_occupation`` asserts the server is idle (no running requests);
 - ``/resume_memory_occupation`` with a tag that was not released raises KeyError in
   SGLang's scheduler and kills it: here the whole process exits;
-- ``/continue_generation`` does not check memory state (it is the caller's job).
-Every call is appended to CALL_LOG (one JSON object per line).
+- ``/continue_generation`` does not check memory state (it is the caller's job);
+- the weight update group is real: ``/init_weights_update_group`` joins the
+  trainer's group the way SGLang does (torch's rendezvous at ``tcp://master``, a
+  ``PrefixStore(group_name)``, torch's group helper), and
+  ``/update_weights_from_distributed`` receives every tensor by a real broadcast from
+  rank 0 (gloo on this machine, nccl in SGLang on a GPU), then loads them by name:
+  an unknown name fails mid-way and leaves the weights partly updated, as SGLang's
+  ``load_weights`` does;
+- an update with ``flush_cache`` while requests are held by an in-place pause fails
+  the cache flush, which SGLang's scheduler asserts on: the process exits.
+Every POST is appended to CALL_LOG (one JSON object per line). ``/start_requests``
+and ``/standin/weights`` are test hooks, not SGLang endpoints.
 
-    python sglang_standin.py PORT_FILE CALL_LOG
+    python sglang_standin.py PORT_FILE CALL_LOG --model-dir DIR [--tp-size N]
 """
 
 from __future__ import annotations
 
+import argparse
+import glob
 import json
 import os
 import sys
 import threading
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-state = {"paused": False, "released": set(), "running": 0, "weight_version": "0"}
-lock = threading.Lock()
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from weightsync.plan import weights_digest  # noqa: E402  (the test hook's digest)
+
+ARGS = argparse.Namespace()
+state = {"paused": "", "released": set(), "running": 0, "weight_version": "0"}
+lock = threading.Lock()           # control state
+weights_lock = threading.Lock()   # one weight update at a time, as SGLang's model_update_lock
+params: dict[str, torch.Tensor] = {}
+groups: dict[str, dist.ProcessGroup] = {}
+GROUP_TIMEOUT = timedelta(seconds=120)
+
+
+def join_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                      backend: str) -> dist.ProcessGroup:
+    """SGLang's recipe for its update group (the same torch calls, in the same order)."""
+    store, rank, world_size = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                   timeout=GROUP_TIMEOUT))
+    store.set_timeout(GROUP_TIMEOUT)
+    store = dist.PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
+                                      timeout=GROUP_TIMEOUT)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def receive_and_load(names, dtypes, shapes, pg) -> None:
+    """SGLang's update_weights_from_distributed: post every broadcast, wait, load by name."""
+    received, handles = [], []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        weight = torch.empty(shape, dtype=getattr(torch, dtype))
+        handles.append(dist.broadcast(weight, src=0, group=pg, async_op=True))
+        received.append((name, weight))
+    for handle in handles:
+        handle.wait()
+    for name, weight in received:  # load_weights: stops at the first bad name, partly updated
+        params[name].copy_(weight)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -39,24 +91,35 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             return self._reply(200, {})
         if self.path == "/model_info":
-            return self._reply(200, {"model_path": "standin", "weight_version": state["weight_version"]})
+            return self._reply(200, {"model_path": ARGS.model_dir, "is_generation": True,
+                                     "weight_version": state["weight_version"]})
+        if self.path == "/get_server_info":
+            return self._reply(200, {"model_path": ARGS.model_dir, "tp_size": ARGS.tp_size, "pp_size": 1,
+                                     "dp_size": 1, "weight_version": state["weight_version"]})
+        if self.path == "/standin/weights":
+            with weights_lock:
+                return self._reply(200, {"digest": weights_digest(sorted(params.items())),
+                                         "groups": sorted(groups)})
         return self._reply(404, {"error": "not found"})
 
     def do_POST(self):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
-        with open(sys.argv[2], "a") as log:
+        with open(ARGS.call_log, "a") as log:
             log.write(json.dumps({"path": self.path, "body": body}) + "\n")
+        if self.path in ("/init_weights_update_group", "/update_weights_from_distributed",
+                         "/destroy_weights_update_group"):
+            return self._weights(body)
         with lock:
             if self.path == "/pause_generation":
                 if body.get("mode") not in ("abort", "retract", "in_place"):
                     return self._reply(400, {"error": f"bad mode {body.get('mode')}"})
                 if body["mode"] == "abort":
                     state["running"] = 0
-                state["paused"] = True
+                state["paused"] = body["mode"]
                 return self._reply(200, {})
             if self.path == "/continue_generation":
-                state["paused"] = False
+                state["paused"] = ""
                 return self._reply(200, {})
             if self.path == "/release_memory_occupation":
                 if state["running"]:
@@ -70,17 +133,60 @@ class Handler(BaseHTTPRequestHandler):
                     os._exit(70)  # KeyError in the scheduler: SGLang dies
                 state["released"].difference_update(tags)
                 return self._reply(200, {})
+            if self.path == "/update_weight_version":
+                state["weight_version"] = str(body["new_version"])
+                return self._reply(200, {"success": True, "new_version": state["weight_version"]})
             if self.path == "/start_requests":  # test hook: requests in flight
                 state["running"] += int(body.get("n", 1))
                 return self._reply(200, {"running": state["running"]})
         return self._reply(404, {"error": "not found"})
 
+    def _weights(self, body: dict) -> None:
+        name = body.get("group_name", "")
+        if self.path == "/init_weights_update_group":
+            if not name or name in groups:
+                return self._reply(400, {"success": False, "message": f"bad or existing group name {name!r}"})
+            try:
+                groups[name] = join_update_group(body["master_address"], int(body["master_port"]),
+                                                 int(body["rank_offset"]), int(body["world_size"]), name,
+                                                 body.get("backend", "nccl"))
+            except Exception as exc:
+                return self._reply(400, {"success": False, "message": f"Failed to initialize custom process "
+                                                                      f"group: {exc}."})
+            return self._reply(200, {"success": True, "message": "Succeeded to initialize custom process group."})
+        if self.path == "/destroy_weights_update_group":
+            pg = groups.pop(name, None)
+            if pg is None:
+                return self._reply(400, {"success": False, "message": "The group to be destroyed does not exist."})
+            dist.destroy_process_group(pg)
+            return self._reply(200, {"success": True, "message": "Succeeded to destroy custom process group."})
+        if name not in groups:
+            return self._reply(400, {"success": False, "message": f"Group {name} not in {sorted(groups)}"})
+        with weights_lock:
+            try:
+                receive_and_load(body["names"], body["dtypes"], body["shapes"], groups[name])
+            except Exception as exc:
+                return self._reply(400, {"success": False, "message": f"Failed to update parameter online: "
+                                         f"{type(exc).__name__}: {exc}. The full weights of the ModelRunner "
+                                         "are partially updated. Please discard the whole weights."})
+            if body.get("flush_cache", True) and state["paused"] == "in_place" and state["running"]:
+                os._exit(71)  # "Cache flush failed after updating weights": the scheduler's assert
+            return self._reply(200, {"success": True, "message": "Succeeded to update parameter online."})
+
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port_file")
+    parser.add_argument("call_log")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.parse_args(namespace=ARGS)
+    for path in sorted(glob.glob(os.path.join(ARGS.model_dir, "*.safetensors"))):
+        params.update(load_file(path))
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    with open(sys.argv[1] + ".tmp", "w") as f:
+    with open(ARGS.port_file + ".tmp", "w") as f:
         f.write(str(server.server_address[1]))
-    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    os.replace(ARGS.port_file + ".tmp", ARGS.port_file)
     server.serve_forever()
 
 

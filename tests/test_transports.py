@@ -1,5 +1,5 @@
-"""gloo and shm transports: sender and receivers in threads of one process, real sockets
-and real shared memory (the cross-process path is covered by test_e2e)."""
+"""gloo, shm and group transports: sender and receivers in threads of one process, real
+sockets and real shared memory (the cross-process path is covered by test_e2e)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from weightsync.transport.shm import SHM_DIR
 from weightsync.transport.store import host_store
 from weightsync.v1 import common_pb2
 
-KINDS = {"gloo": common_pb2.TRANSPORT_KIND_GLOO, "shm": common_pb2.TRANSPORT_KIND_SHM}
+KINDS = {"gloo": common_pb2.TRANSPORT_KIND_GLOO, "shm": common_pb2.TRANSPORT_KIND_SHM,
+         "group": common_pb2.TRANSPORT_KIND_GROUP}
+STATE = {"gloo": lambda s: s._group, "shm": lambda s: s._segment, "group": lambda s: s._joined}
 
 
 def rendezvous(store, kind, world, group="g1"):
@@ -50,7 +52,7 @@ def run_round(sender, receivers, rdzv, plan, sources, *, timeout_s=20.0, fail_ra
     return targets, errors
 
 
-@pytest.mark.parametrize("name", ["gloo", "shm"])
+@pytest.mark.parametrize("name", ["gloo", "shm", "group"])
 def test_rounds_are_bitwise_and_reuse_the_group(name):
     kind = KINDS[name]
     store = host_store("127.0.0.1", timeout_s=20)
@@ -69,7 +71,7 @@ def test_rounds_are_bitwise_and_reuse_the_group(name):
             for out in targets:
                 for a, b in zip(out, sources, strict=True):
                     assert torch.equal(a, b)
-            state = sender._group if name == "gloo" else sender._segment
+            state = STATE[name](sender)
             first_state = first_state or state
             assert state is first_state, "the group/segment must be set up once and reused"
     finally:
@@ -78,7 +80,7 @@ def test_rounds_are_bitwise_and_reuse_the_group(name):
             r.close()
 
 
-@pytest.mark.parametrize("name", ["gloo", "shm"])
+@pytest.mark.parametrize("name", ["gloo", "shm", "group"])
 def test_missing_receiver_times_out_with_named_operation(name):
     kind = KINDS[name]
     store = host_store("127.0.0.1", timeout_s=5)
@@ -171,3 +173,79 @@ def test_gloo_direct_buckets_and_cast_mix_correctly():
     finally:
         sender.close()
         receivers[0].close()
+
+
+def test_group_sender_speaks_the_recipe_sglang_joins_with():
+    """The group transport's sender against a receiver that joins the way SGLang does
+    (torch's rendezvous and group helper, see tests/sglang_standin.py): two rounds on
+    one group, bitwise, with a bfloat16 tensor among them."""
+    from tests.sglang_standin import join_update_group, params, receive_and_load
+    from weightsync.transport.group import group_name
+
+    kind = KINDS["group"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    sources = [torch.randn(33, 17), torch.randn(1000).to(torch.bfloat16), torch.arange(77)]
+    named = [(f"recipe{i}", t) for i, t in enumerate(sources)]
+    plan = BucketPlan.from_tensors(named, bucket_bytes=1024)
+    rdzv = rendezvous(store, kind, 2, group=f"recipe-{uuid.uuid4().hex[:6]}")
+    for name, t in named:
+        params[name] = torch.zeros_like(t)
+    errors: list[BaseException] = []
+    steps = threading.Semaphore(0)
+
+    def engine():
+        try:
+            pg = join_update_group("127.0.0.1", store.port, 1, 2, group_name(rdzv), "gloo")
+            for _ in range(2):
+                steps.acquire(timeout=20)
+                receive_and_load([s.name for s in plan.slots], [str(s.dtype).removeprefix("torch.")
+                                                                 for s in plan.slots],
+                                 [list(s.shape) for s in plan.slots], pg)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        for _ in range(2):
+            for s in sources:
+                s.add_(1)
+            steps.release()
+            sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + 20, abort=threading.Event())
+    finally:
+        thread.join(30)
+        sender.close()
+    assert errors == []
+    for name, source in named:
+        assert torch.equal(params[name], source)
+
+
+def test_group_receiver_failure_stops_the_sender_and_peers_at_once():
+    """A receiver that fails before joining reports it in the store (as an agent's
+    receiver does); the sender, blocked in group setup, and the other receiver stop
+    at once instead of waiting out the 30 s deadline."""
+    kind = KINDS["group"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    healthy = transports.make_receiver(kind)
+    sources = [torch.randn(64 * 1024), torch.randn(10)]
+    plan = BucketPlan.from_tensors([(f"t{i}", s) for i, s in enumerate(sources)], bucket_bytes=4096)
+
+    class Failing:
+        def receive(self, rdzv, rank, plan, targets, *, deadline_at, abort):
+            from weightsync.transport.store import connect_store
+            time.sleep(0.5)  # everyone else is waiting in group setup by now
+            connect_store(rdzv.store_host, rdzv.store_port, timeout_s=5).set(
+                f"ws/{rdzv.group_id}/{rdzv.session_id}/err/{rank}", "boom")
+
+        def close(self):
+            pass
+
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="boom"):
+        run_round(sender, [healthy, Failing()], rendezvous(store, kind, 3, group="g-fail"), plan, sources,
+                  timeout_s=30)
+    assert time.monotonic() - started < 10
+    sender.close()
+    healthy.close()

@@ -54,7 +54,10 @@ def _add_agent(sub) -> None:
     p = sub.add_parser("agent", help="run an engine agent (sidecar)")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
     p.add_argument("--engine", default="reference", choices=["reference", "vllm", "sglang"], help="engine kind")
-    p.add_argument("--engine-url", default="", help="vllm: the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--engine-url", default="", help="vllm, sglang: the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--checkpoint-dir", default="",
+                   help="sglang: the served model's local safetensors folder, when /model_info's model_path is "
+                        "not one (plans are checked against it)")
     p.add_argument("--model", default="tiny", help="reference model preset (tiny|small|medium) or JSON config")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (port 0 = ephemeral)")
     p.add_argument("--engine-id", default="", help="engine id (default: random)")
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 enable_fault_injection=args.enable_fault_injection,
                 launch=tuple(launch),
                 health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
-                engine_url=args.engine_url))))
+                engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir))))
         if args.command == "demo":
             from weightsync.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)

@@ -44,6 +44,11 @@ class EngineAdapter(abc.ABC):
     def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """name -> (dtype, shape) of every weight the engine serves."""
 
+    def check_receive(self, request) -> None:
+        """Refuses (typed error) a ReceiveRequest this engine cannot take, before anything
+        changes. The plan itself is checked against ``tensor_specs`` by the agent."""
+        del request  # the default engine can take any request whose plan fits
+
     @abc.abstractmethod
     def load_targets(self, plan: BucketPlan) -> list[torch.Tensor]:
         """The tensors to receive into, in plan order (already validated)."""

@@ -10,20 +10,43 @@ tag that was not released raises KeyError and kills the scheduler), and
 ``/continue_generation`` does not check memory state. So the agent keeps a ledger
 (``asleep``) and only ever resumes what the ledger says is released.
 
-Weights: SGLang receives through its own distributed group
-(``/init_weights_update_group`` + ``/update_weights_from_distributed``, NCCL on GPU),
-which weightsync's trainer side does not speak yet; a Broadcast to an SGLang engine is
-refused up front with FAILED_PRECONDITION, so nothing changes anywhere.
+Weights: SGLang receives through its own weight update group, which is weightsync's
+``group`` transport (see ``weightsync.transport.group``): the adapter asks SGLang to
+join the trainer's group (``/init_weights_update_group``, once per group, reused
+every step) and then to receive the plan's tensors
+(``/update_weights_from_distributed``, with ``flush_cache=false`` under an in-place
+pause, because flushing with requests held in place fails SGLang's scheduler). After
+a verified receive, ``/update_weight_version`` records the version. A plan is checked
+against the served checkpoint's safetensors headers (``/model_info``'s
+``model_path``, or ``checkpoint_dir``) before SGLang is touched.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+
+import torch
+
+from weightsync.engine.checkpoint import checkpoint_specs
 from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.engine.reference import validate_tags
-from weightsync.errors import FailedPrecondition
+from weightsync.errors import (
+    EngineFault,
+    EngineUnavailable,
+    FailedPrecondition,
+    StepTimeoutError,
+    TransferError,
+)
+from weightsync.plan import BucketPlan, dtype_from_name, dtype_name
+from weightsync.transport.group import group_backend, group_name
 from weightsync.v1 import common_pb2
 
+log = logging.getLogger("weightsync.sglang")
+
 MODES = {common_pb2.PAUSE_MODE_KEEP: "in_place", common_pb2.PAUSE_MODE_ABORT: "abort"}
+DESTROY_TIMEOUT_S = 5.0
 
 
 class SglangAdapter(HttpEngineAdapter):
@@ -33,17 +56,25 @@ class SglangAdapter(HttpEngineAdapter):
     engine_label = "SGLang"
     receives_in_engine = True
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 30.0, checkpoint_dir: str = "") -> None:
         super().__init__(url, timeout_s=timeout_s)
+        self.checkpoint_dir = checkpoint_dir
         self._released: set[str] = set()
+        self._pause_mode = ""
+        self._group = ""        # the update group SGLang has joined, reused while the rendezvous' stays
+        self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+
+    # ----- control ------------------------------------------------------------------
 
     def pause(self, mode, *, timeout_s):
         if mode not in MODES:
             raise FailedPrecondition("SGLang has no WAIT pause; use keep or abort", reason="PAUSE_MODE_UNSUPPORTED")
         self._call("POST", "/pause_generation", body={"mode": MODES[mode]}, timeout_s=timeout_s)
+        self._pause_mode = MODES[mode]
 
     def resume(self):
         self._call("POST", "/continue_generation", body={})
+        self._pause_mode = ""
 
     def sleep(self, tags):
         newly = [t for t in validate_tags(tags) if t not in self._released]
@@ -64,25 +95,99 @@ class SglangAdapter(HttpEngineAdapter):
     def asleep(self):
         return sorted(self._released)
 
+    # ----- weights ------------------------------------------------------------------
+
     def tensor_specs(self):
-        raise FailedPrecondition("weight transfer into SGLang (its NCCL update group) is not supported by this "
-                                 "release; the engine was not touched", reason="ENGINE_CANNOT_RECEIVE")
+        if self._specs is None:
+            model_dir = self.checkpoint_dir or str(self._call("GET", "/model_info").get("model_path") or "")
+            if not model_dir or not os.path.isdir(model_dir):
+                raise FailedPrecondition(
+                    f"cannot read the served checkpoint to check plans against: {model_dir!r} is not a local "
+                    "directory (start the agent with --checkpoint-dir)", reason="ENGINE_CANNOT_RECEIVE")
+            specs = checkpoint_specs(model_dir)
+            if not specs:
+                raise FailedPrecondition(f"no safetensors files in {model_dir}", reason="ENGINE_CANNOT_RECEIVE")
+            self._specs = {name: (dtype_from_name(dtype), tuple(shape)) for name, dtype, shape in specs}
+        return self._specs
+
+    def check_receive(self, request) -> None:
+        """What SGLang cannot do, refused before anything changes."""
+        if request.rendezvous.transport != common_pb2.TRANSPORT_KIND_GROUP:
+            raise FailedPrecondition("SGLang receives weights only through its update group: broadcast with "
+                                     "transport='group'", reason="TRANSPORT_UNSUPPORTED")
+        group_backend(request.rendezvous)
+        if request.weights_digest:
+            raise FailedPrecondition("SGLang cannot attest a digest of its weights: broadcast without "
+                                     "verify_digest", reason="DIGEST_UNSUPPORTED")
+        info = self._call("GET", "/get_server_info")
+        ranks = int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
+        if ranks != 1:
+            raise FailedPrecondition(f"SGLang with {ranks} model ranks (tp x pp) joins an update group as {ranks} "
+                                     "ranks; weightsync gives each engine one", reason="ENGINE_CANNOT_RECEIVE")
 
     def load_targets(self, plan):
-        return []
+        return []  # the bytes land inside SGLang, not in this process
 
-    def receive_in_engine(self, rendezvous, rank, plan, *, deadline_at):
-        self.tensor_specs()
+    def receive_in_engine(self, rendezvous: common_pb2.Rendezvous, rank: int, plan: BucketPlan,
+                          *, deadline_at: float) -> None:
+        """Joins SGLang to the trainer's group (once) and has it receive the plan (blocking)."""
+        name = group_name(rendezvous)
+        try:
+            if self._group != name:
+                self._leave_group()
+                self._post_timed("/init_weights_update_group", {
+                    "master_address": rendezvous.store_host, "master_port": rendezvous.store_port,
+                    "rank_offset": rank, "world_size": rendezvous.world_size, "group_name": name,
+                    "backend": group_backend(rendezvous)}, deadline_at)
+                self._group = name
+            result = self._post_timed("/update_weights_from_distributed", {
+                "names": [s.name for s in plan.slots], "dtypes": [dtype_name(s.dtype) for s in plan.slots],
+                "shapes": [list(s.shape) for s in plan.slots], "group_name": name,
+                # A cache flush with requests held in place fails SGLang's scheduler.
+                "flush_cache": self._pause_mode != "in_place"}, deadline_at)
+        except BaseException:
+            # SGLang's side of a failed group may still wait for tensors: never reuse it.
+            self._leave_group()
+            raise
+        if result.get("success") is False:
+            self._leave_group()
+            raise TransferError(f"SGLang did not load the weights: {result.get('message')}")
+
+    def _post_timed(self, path: str, body: dict, deadline_at: float) -> dict:
+        left = deadline_at - time.monotonic()
+        if left <= 0:
+            raise StepTimeoutError(f"deadline exceeded before {path}", operation="receive")
+        try:
+            result = self._call("POST", path, body=body, timeout_s=left)
+        except EngineFault as exc:  # SGLang answers a failed update with HTTP 400 and a message
+            raise TransferError(f"SGLang {path} failed: {exc}") from None
+        if result.get("success") is False:
+            raise TransferError(f"SGLang {path} failed: {result.get('message')}")
+        return result
+
+    def _leave_group(self) -> None:
+        """Best effort: SGLang destroys the group (bounded; a wedged group is left to SGLang)."""
+        name, self._group = self._group, ""
+        if name:
+            try:
+                self._call("POST", "/destroy_weights_update_group", body={"group_name": name},
+                           timeout_s=DESTROY_TIMEOUT_S)
+            except (EngineFault, EngineUnavailable, StepTimeoutError) as exc:
+                log.warning("could not destroy SGLang update group %s: %s", name, exc)
 
     def commit(self, version):
-        raise FailedPrecondition("SGLang weight versions follow its own updates")
+        self._call("POST", "/update_weight_version", body={"new_version": str(version),
+                                                            "abort_all_requests": False})
 
     @property
     def weight_version(self):
         return self._version_from("/model_info")
 
     def weights_digest(self):
-        return ""
+        return ""  # SGLang exposes no digest of its weights (check_receive refuses verify_digest)
+
+    def close(self) -> None:
+        self._leave_group()
 
 
 __all__ = ["SglangAdapter"]

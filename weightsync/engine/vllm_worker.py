@@ -15,10 +15,6 @@ with string arguments (JSON), never pickle:
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-import struct
 import threading
 import time
 
@@ -26,24 +22,9 @@ import torch
 from google.protobuf import json_format
 
 from weightsync import transport as transports
+from weightsync.engine.checkpoint import checkpoint_specs
 from weightsync.plan import BucketPlan, weights_digest
 from weightsync.v1 import common_pb2
-
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-def checkpoint_specs(model_dir: str) -> list[list]:
-    """[name, dtype, shape] of every tensor in ``model_dir``'s safetensors files (headers only)."""
-    specs = []
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, info in header.items():
-            if name != "__metadata__":
-                specs.append([name, _SAFETENSORS_DTYPES[info["dtype"]], list(info["shape"])])
-    return specs
 
 
 class WeightsyncWorkerExtension:

@@ -2,6 +2,8 @@
 
 ``available(kind)`` says whether a backend can run here; a missing library makes a
 backend unavailable, never an import error. nccl and cuda-ipc need cupy and a GPU.
+``group`` (SGLang's update-group protocol) needs gloo; its nccl backend needs CUDA,
+checked when a group with that backend is opened.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ NAMES: dict[str, common_pb2.TransportKind.ValueType] = {
     "shm": common_pb2.TRANSPORT_KIND_SHM,
     "nccl": common_pb2.TRANSPORT_KIND_NCCL,
     "cuda-ipc": common_pb2.TRANSPORT_KIND_CUDA_IPC,
+    "group": common_pb2.TRANSPORT_KIND_GROUP,
 }
 KIND_NAMES = {v: k for k, v in NAMES.items()}
 
@@ -34,7 +37,7 @@ def kind_from_name(name: str) -> common_pb2.TransportKind.ValueType:
 
 def unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
     """None when ``kind`` can run on this machine, else why not."""
-    if kind == common_pb2.TRANSPORT_KIND_GLOO:
+    if kind in (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_GROUP):
         return None if dist.is_available() and dist.is_gloo_available() else "torch has no gloo backend"
     if kind == common_pb2.TRANSPORT_KIND_SHM:
         from weightsync.transport.shm import SHM_DIR
@@ -48,7 +51,8 @@ def unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
                 return "no CUDA device"
         except Exception as exc:
             return f"CUDA unavailable: {exc}"
-        return f"{KIND_NAMES[kind]} transport is not implemented in this release"
+        return (f"{KIND_NAMES[kind]} transport is not implemented in this release; to move CUDA tensors "
+                "over NCCL use the group transport")
     if kind == common_pb2.TRANSPORT_KIND_UNSPECIFIED:
         return "transport not specified"
     return f"unknown transport kind {kind}"
@@ -72,6 +76,9 @@ def make_sender(kind: common_pb2.TransportKind.ValueType, store: dist.Store) -> 
     if kind == common_pb2.TRANSPORT_KIND_GLOO:
         from weightsync.transport.gloo import GlooSender
         return GlooSender(store)
+    if kind == common_pb2.TRANSPORT_KIND_GROUP:
+        from weightsync.transport.group import GroupSender
+        return GroupSender(store)
     from weightsync.transport.shm import ShmSender
     return ShmSender(store)
 
@@ -82,6 +89,9 @@ def make_receiver(kind: common_pb2.TransportKind.ValueType) -> Receiver:
     if kind == common_pb2.TRANSPORT_KIND_GLOO:
         from weightsync.transport.gloo import GlooReceiver
         return GlooReceiver()
+    if kind == common_pb2.TRANSPORT_KIND_GROUP:
+        from weightsync.transport.group import GroupReceiver
+        return GroupReceiver()
     from weightsync.transport.shm import ShmReceiver
     return ShmReceiver()
 

@@ -56,6 +56,10 @@ class _TransportKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transpo
     TRANSPORT_KIND_SHM: _TransportKind.ValueType  # 2
     TRANSPORT_KIND_NCCL: _TransportKind.ValueType  # 3
     TRANSPORT_KIND_CUDA_IPC: _TransportKind.ValueType  # 4
+    TRANSPORT_KIND_GROUP: _TransportKind.ValueType  # 5
+    """Tensor by tensor over a torch.distributed group the receivers join by rendezvous:
+    the protocol of SGLang's weight update group. Backend in Rendezvous.group_backend.
+    """
 
 class TransportKind(_TransportKind, metaclass=_TransportKindEnumTypeWrapper): ...
 
@@ -64,6 +68,10 @@ TRANSPORT_KIND_GLOO: TransportKind.ValueType  # 1
 TRANSPORT_KIND_SHM: TransportKind.ValueType  # 2
 TRANSPORT_KIND_NCCL: TransportKind.ValueType  # 3
 TRANSPORT_KIND_CUDA_IPC: TransportKind.ValueType  # 4
+TRANSPORT_KIND_GROUP: TransportKind.ValueType  # 5
+"""Tensor by tensor over a torch.distributed group the receivers join by rendezvous:
+the protocol of SGLang's weight update group. Backend in Rendezvous.group_backend.
+"""
 Global___TransportKind: _TypeAlias = TransportKind  # noqa: Y015
 
 @_typing.final
@@ -150,6 +158,7 @@ class Rendezvous(_message.Message):
     STORE_PORT_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    GROUP_BACKEND_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """same id = reuse the existing group and buffers"""
     transport: Global___TransportKind.ValueType
@@ -159,6 +168,8 @@ class Rendezvous(_message.Message):
     """trainer (rank 0) + receiving engines"""
     session_id: _builtins.str
     """unique per Broadcast: namespaces its store keys"""
+    group_backend: _builtins.str
+    """group transport only: "gloo" (CPU tensors) or "nccl" (CUDA)"""
     def __init__(
         self,
         *,
@@ -168,10 +179,11 @@ class Rendezvous(_message.Message):
         store_port: _builtins.int = ...,
         world_size: _builtins.int = ...,
         session_id: _builtins.str = ...,
+        group_backend: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_id", b"group_id", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

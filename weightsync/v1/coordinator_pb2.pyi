@@ -96,6 +96,7 @@ class BroadcastRequest(_message.Message):
     STORE_PORT_FIELD_NUMBER: _builtins.int
     WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    GROUP_BACKEND_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     transport: _common_pb2.TransportKind.ValueType
@@ -106,6 +107,8 @@ class BroadcastRequest(_message.Message):
     """optional: engines verify what they loaded"""
     timeout_s: _builtins.float
     """transfer deadline; 0 = server default"""
+    group_backend: _builtins.str
+    """group transport only: "gloo" (default) or "nccl" """
     @_builtins.property
     def plan(self) -> _common_pb2.WeightPlan: ...
     def __init__(
@@ -119,10 +122,11 @@ class BroadcastRequest(_message.Message):
         store_port: _builtins.int = ...,
         weights_digest: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
+        group_backend: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "plan", b"plan", "store_host", b"store_host", "store_port", b"store_port", "timeout_s", b"timeout_s", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "plan", b"plan", "store_host", b"store_host", "store_port", b"store_port", "timeout_s", b"timeout_s", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

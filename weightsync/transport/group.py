@@ -1,0 +1,263 @@
+"""group transport: tensor by tensor over a torch.distributed group (SGLang's protocol).
+
+This is the wire protocol of SGLang's weight update group
+(``/init_weights_update_group`` + ``/update_weights_from_distributed``), which RL
+frameworks speak from their trainers: the trainer is rank 0 of a group that the
+engines join by rendezvous at ``tcp://store_host:store_port`` (the trainer's
+TCPStore), and every tensor of the plan, in plan order, is one broadcast from rank
+0 in the plan's dtype and shape. Backend ``gloo`` moves CPU tensors, ``nccl`` CUDA
+tensors. weightsync's own receivers (the reference engine's agent) speak it too, so
+one Broadcast can feed SGLang engines and others together.
+
+Key layout. The engines build their group with torch's group helper, under a
+``PrefixStore(group_name)`` of the rendezvous store (SGLang's
+``init_custom_process_group``); the helper keys the backend's rendezvous under
+``<group_name>/`` and then ``<device>/`` (``cpu/`` for gloo, ``cuda/`` for nccl). This
+module builds the backend directly under the same keys, so its groups are never
+registered in torch's global group table and a retired group never blocks a name.
+
+Failure handling is the gloo transport's: waits poll, peers' failure keys in the
+store stop them at once, and a failed group is retired on a daemon thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from weightsync.errors import FailedPrecondition, InvalidArgument, TransferError
+from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.transport.gloo import _RETIRED, _as_transfer_error, _broadcast, _key, _wait
+from weightsync.transport.store import connect_store
+from weightsync.v1 import common_pb2
+
+BACKENDS = ("gloo", "nccl")
+# Tensors posted but not yet complete, in bytes: bounds the copies a dtype cast makes
+# (and a receiver's staging tensors) without serialising the broadcasts.
+IN_FLIGHT_BYTES = 256 * 1024 * 1024
+
+
+def group_name(rendezvous: common_pb2.Rendezvous) -> str:
+    """The group's name: what an engine is told in ``/init_weights_update_group``."""
+    return f"weightsync-{rendezvous.group_id}"
+
+
+def group_backend(rendezvous: common_pb2.Rendezvous) -> str:
+    """``gloo`` (the default) or ``nccl``; InvalidArgument for anything else."""
+    backend = rendezvous.group_backend or "gloo"
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"group backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Store, deadline_at: float,
+               abort: threading.Event, stop_keys: Sequence[str] = ()) -> dist.ProcessGroup:
+    """Joins the rendezvous' group as ``rank``; returns once every rank has joined.
+
+    The backend's constructor blocks until all ranks connect and cannot be
+    interrupted, so it runs on a helper thread, on a store connection of its own,
+    while this thread watches the deadline, ``abort`` and the peers' failure keys
+    (on ``watch``): a peer that failed before joining stops the wait at once, and the
+    abandoned constructor ends at its own timeout.
+    """
+    name, world_size, backend = group_name(rendezvous), rendezvous.world_size, group_backend(rendezvous)
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise FailedPrecondition("the nccl group backend needs CUDA and torch's NCCL; use gloo",
+                                 reason="TRANSPORT_UNAVAILABLE")
+    timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
+    result: list = []
+
+    def construct() -> None:
+        try:
+            store = connect_store(rendezvous.store_host, rendezvous.store_port, timeout_s=timeout.total_seconds())
+            keyed = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
+            if backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                result.append(dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", keyed), rank, world_size, options))
+            else:
+                result.append(dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, timeout))
+        except Exception as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=construct, name=f"weightsync-join-{name}", daemon=True)
+    thread.start()
+    done = _ThreadDone(thread)
+    _wait(done, deadline_at, f"{backend} group setup", abort=abort, store=watch, stop_keys=stop_keys)
+    if isinstance(result[0], Exception):
+        raise _as_transfer_error(result[0], f"{backend} group setup") from result[0]
+    return result[0]
+
+
+class _ThreadDone:
+    """A thread seen as a finished-or-not piece of work, for ``_wait``."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self._thread = thread
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
+class _Joined:
+    """A joined group, reused while the rendezvous' group id and backend stay."""
+
+    def __init__(self, rendezvous: common_pb2.Rendezvous, pg: dist.ProcessGroup) -> None:
+        self.group_id = rendezvous.group_id
+        self.backend = group_backend(rendezvous)
+        self.pg = pg
+
+    def matches(self, rendezvous: common_pb2.Rendezvous) -> bool:
+        return self.group_id == rendezvous.group_id and self.backend == group_backend(rendezvous)
+
+
+def _device_for(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _retire(joined: _Joined | None) -> None:
+    if joined is not None:
+        _RETIRED.put(joined)  # dropped on the gloo transport's daemon thread
+
+
+class GroupSender(Sender):
+    """Rank 0 of a group on the trainer's store."""
+
+    kind = common_pb2.TRANSPORT_KIND_GROUP
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self._joined: _Joined | None = None
+
+    def send(self, rendezvous, plan, sources, *, deadline_at, abort):
+        start = time.monotonic()
+        stop = [_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
+        try:
+            backend = group_backend(rendezvous)
+            pg = self._ensure(rendezvous, deadline_at, abort, stop)
+            device = _device_for(backend)
+            pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
+            in_flight = 0
+            for slot, source in zip(plan.slots, sources, strict=True):
+                if abort.is_set():
+                    raise TransferError("send aborted")
+                wire = source.to(device=device, dtype=slot.dtype).contiguous()
+                pending.append((_broadcast(pg, wire), wire))  # the tensor lives until its op is done
+                in_flight += wire.nbytes
+                while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
+                    work, done = pending.popleft()
+                    _wait(work, deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
+                    in_flight -= done.nbytes
+            while pending:
+                work, _ = pending.popleft()
+                _wait(work, deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
+        except BaseException as exc:
+            try:  # our receivers stop waiting for tensors that will never come
+                self._store.set(_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
+            except Exception:
+                pass
+            _retire(self._joined)
+            self._joined = None
+            raise
+        return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _ensure(self, rendezvous, deadline_at: float, abort: threading.Event,
+                stop: Sequence[str]) -> dist.ProcessGroup:
+        if self._joined is None or not self._joined.matches(rendezvous):
+            self.close()
+            pg = open_group(rendezvous, 0, watch=self._store, deadline_at=deadline_at, abort=abort, stop_keys=stop)
+            self._joined = _Joined(rendezvous, pg)
+        return self._joined.pg
+
+    def close(self) -> None:
+        self._joined = None  # idle group: dropping it is immediate
+
+
+class GroupReceiver(Receiver):
+    """Rank >= 1 of a group, for engines whose agent receives (CPU, gloo)."""
+
+    kind = common_pb2.TRANSPORT_KIND_GROUP
+
+    def __init__(self) -> None:
+        self._store: tuple[tuple[str, int], dist.Store] | None = None
+        self._joined: _Joined | None = None
+
+    def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
+        start = time.monotonic()
+        try:
+            if group_backend(rendezvous) != "gloo":
+                raise InvalidArgument("this engine receives on CPU: the group backend must be gloo")
+            stop = [_key(rendezvous, "abort")]
+            pg = self._ensure(rendezvous, rank, deadline_at, abort, stop)
+            store = self._store[1]
+            buckets_done = 0
+            pending: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
+            in_flight = 0
+
+            def land(index: int, work: dist.Work, into: torch.Tensor) -> None:
+                nonlocal buckets_done
+                _wait(work, deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
+                if into is not targets[index]:
+                    targets[index].copy_(into)
+                slot = plan.slots[index]
+                last = index == len(plan.slots) - 1
+                done = plan.num_buckets if last else min(plan.num_buckets, (slot.offset + slot.nbytes)
+                                                        // plan.bucket_bytes)
+                while on_bucket is not None and buckets_done < done:
+                    on_bucket(buckets_done)
+                    buckets_done += 1
+
+            for index, slot in enumerate(plan.slots):
+                if abort.is_set():
+                    raise TransferError("receive aborted")
+                target = targets[index]
+                direct = target.dtype == slot.dtype and target.is_contiguous() and target.device.type == "cpu"
+                into = target if direct else torch.empty(slot.shape, dtype=slot.dtype)
+                pending.append((index, _broadcast(pg, into), into))
+                in_flight += into.nbytes
+                while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
+                    done_index, work, landed = pending.popleft()
+                    land(done_index, work, landed)
+                    in_flight -= landed.nbytes
+            while pending:
+                land(*pending.popleft())
+        except BaseException as exc:
+            if self._store is not None:
+                try:  # the sender stops at once instead of waiting out its deadline
+                    self._store[1].set(_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
+                except Exception:
+                    pass
+            _retire(self._joined)
+            self._joined = None
+            raise
+        return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _ensure(self, rendezvous, rank: int, deadline_at: float, abort: threading.Event,
+                stop: Sequence[str]) -> dist.ProcessGroup:
+        if self._joined is not None and self._joined.matches(rendezvous):
+            return self._joined.pg
+        self._joined = None
+        left = deadline_at - time.monotonic()
+        where = (rendezvous.store_host, rendezvous.store_port)
+        if self._store is None or self._store[0] != where:
+            self._store = (where, connect_store(*where, timeout_s=max(left, 0.001)))
+        pg = open_group(rendezvous, rank, watch=self._store[1], deadline_at=deadline_at, abort=abort,
+                        stop_keys=stop)
+        self._joined = _Joined(rendezvous, pg)
+        return pg
+
+    def close(self) -> None:
+        self._joined = None
+        self._store = None
+
+
+__all__ = ["GroupSender", "GroupReceiver", "group_name", "group_backend", "open_group", "BACKENDS"]
