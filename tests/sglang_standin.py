@@ -18,7 +18,7 @@ contract, failure modes included, so the adapter is tested against them:
 Every POST is appended to CALL_LOG (one JSON object per line). ``/start_requests``
 and ``/standin/weights`` are test hooks, not SGLang endpoints.
 
-    python sglang_standin.py PORT_FILE CALL_LOG --model-dir DIR [--tp-size N]
+    python sglang_standin.py PORT_FILE CALL_LOG --model-dir DIR [--tp-size N] [--drop-param NAME]
 """
 
 from __future__ import annotations
@@ -180,9 +180,11 @@ def main() -> None:
     parser.add_argument("call_log")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--drop-param", default="", help="serve a model that lacks this checkpoint tensor")
     parser.parse_args(namespace=ARGS)
     for path in sorted(glob.glob(os.path.join(ARGS.model_dir, "*.safetensors"))):
         params.update(load_file(path))
+    params.pop(ARGS.drop_param, None)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     with open(ARGS.port_file + ".tmp", "w") as f:
         f.write(str(server.server_address[1]))

@@ -1,5 +1,6 @@
 """The SGLang adapter against a STAND-IN server that enforces SGLang's contract
-(SGLang needs CUDA; see tests/sglang_standin.py). Agent and coordinator are real."""
+(SGLang needs CUDA; see tests/sglang_standin.py). Agent and coordinator are real
+processes; the weights move for real, through the stand-in's update group (gloo)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,48 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests.conftest import start_agent, start_coordinator, wait_available
-from weightsync.client import EngineClient, TrainerClient
+from weightsync.client import EngineClient, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.errors import FailedPrecondition, WeightSyncError
+from weightsync.errors import FailedPrecondition, InvalidArgument, TornWeightsError, WeightSyncError
 from weightsync.lifecycle import spawn, stop_process, wait_for_file
+from weightsync.plan import weights_digest
 from weightsync.v1 import agent_pb2
 
 STANDIN = str(Path(__file__).with_name("sglang_standin.py"))
 
 
-@pytest.fixture
-def sglang(tmp_path):
-    tmp = str(tmp_path)
+def tiny_weights(seed: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The tiny reference model's weights (the stand-in serves the same architecture);
+    with a seed, moved by noise so every round is different."""
+    named = [(n, p.detach().clone()) for n, p in ReferenceLM(PRESETS["tiny"]).named_parameters()]
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        named = [(n, t + torch.randn(t.shape, generator=g)) for n, t in named]
+    return named
+
+
+def start_standin(tmp: str, *extra: str):
+    model_dir = os.path.join(tmp, "model")
+    os.makedirs(model_dir, exist_ok=True)
+    save_file(dict(tiny_weights()), os.path.join(model_dir, "model.safetensors"))
     calls = os.path.join(tmp, "calls.jsonl")
-    standin = spawn([sys.executable, STANDIN, os.path.join(tmp, "sglang.port"), calls])
+    proc = spawn([sys.executable, STANDIN, os.path.join(tmp, "sglang.port"), calls, "--model-dir", model_dir,
+                  *extra])
+    url = f"http://127.0.0.1:{wait_for_file(os.path.join(tmp, 'sglang.port'), timeout_s=30, proc=proc)}"
+    return proc, url, calls
+
+
+@pytest.fixture
+def sglang(tmp_path, request):
+    tmp = str(tmp_path)
+    extra = getattr(request, "param", ())
+    standin, url, calls = start_standin(tmp, *extra)
     procs = [standin]
     try:
-        url = f"http://127.0.0.1:{wait_for_file(os.path.join(tmp, 'sglang.port'), timeout_s=30, proc=standin)}"
         coordinator, address, _ = start_coordinator(tmp)
         procs.append(coordinator)
         agent = start_agent(tmp, address, "sglang-0", "--engine", "sglang", "--engine-url", url)
@@ -43,6 +67,17 @@ def sglang(tmp_path):
 def calls_of(path: str) -> list[tuple[str, dict]]:
     with open(path) as f:
         return [(c["path"], c["body"]) for c in map(json.loads, f)]
+
+
+def get(url: str, path: str) -> dict:
+    with urllib.request.urlopen(url + path, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
 
 
 async def test_offload_kv_round_releases_and_resumes_exactly_the_released_tags(sglang):
@@ -86,15 +121,108 @@ async def test_release_while_requests_run_is_a_clear_error(sglang):
     assert standin.poll() is None
 
 
-async def test_broadcast_to_sglang_is_refused_before_anything_changes(sglang):
-    address, _, _, calls, _ = sglang
-    async with TrainerClient(address) as client:
+async def test_weights_sync_into_sglang_through_its_update_group(sglang):
+    """Three rounds under KEEP pauses with requests held in place: every round lands
+    bitwise, the group is joined once and reused, the cache is never flushed under
+    an in-place pause (that kills SGLang's scheduler), and the version is recorded."""
+    address, _, url, calls, standin = sglang
+    before = get(url, "/standin/weights")["digest"]
+    post(url, "/start_requests", {"n": 2})  # held in place across the syncs
+    async with TrainerClient(address, transport="group") as client:
+        for version in (1, 2, 3):
+            weights = tiny_weights(seed=version)
+            result = await client.update_weights(weights, version=version, mode="keep", timeout_s=60)
+            assert result.ok and result.engines[0].weight_version == version
+            assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))
+            assert get(url, "/model_info")["weight_version"] == str(version)
+    assert before != weights_digest(sorted(tiny_weights(seed=3)))
+    assert standin.poll() is None
+    paths = [p for p, _ in calls_of(calls)]
+    assert paths.count("/init_weights_update_group") == 1, "one group, reused every round"
+    updates = [b for p, b in calls_of(calls) if p == "/update_weights_from_distributed"]
+    assert len(updates) == 3 and not any(b["flush_cache"] for b in updates)
+    assert updates[0]["names"] == [n for n, _ in tiny_weights()]
+    init = next(b for p, b in calls_of(calls) if p == "/init_weights_update_group")
+    assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["backend"] == "gloo"
+    # Every round: pause, update, version, continue -- never continue before the update ended.
+    order = [p for p in paths if p in ("/pause_generation", "/update_weights_from_distributed",
+                                       "/update_weight_version", "/continue_generation")]
+    assert order == ["/pause_generation", "/update_weights_from_distributed", "/update_weight_version",
+                     "/continue_generation"] * 3
+
+
+async def test_one_broadcast_feeds_sglang_and_a_reference_engine_together(sglang, tmp_path):
+    address, _, url, _, _ = sglang
+    ref = start_agent(str(tmp_path), address, "ref-0", "--model", "tiny")
+    try:
+        wait_available(address, ["sglang-0", "ref-0"])
+        weights = tiny_weights(seed=7)
+        async with TrainerClient(address, transport="group") as client:
+            result = await client.update_weights(weights, version=1, timeout_s=60)
+            assert result.ok and {e.engine_id for e in result.engines} == {"sglang-0", "ref-0"}
+            state = await client.get_state(include_digests=True)
+        digests = {e.engine_id: e.weights_digest for e in state.engines}
+        assert digests["ref-0"] == weights_digest(weights)
+        assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))
+    finally:
+        stop_process(ref.proc, grace_s=10)
+
+
+async def test_bad_plans_are_refused_before_sglang_is_touched(sglang):
+    address, _, url, calls, _ = sglang
+    before = get(url, "/standin/weights")["digest"]
+    async with TrainerClient(address, transport="group") as client:
         await client.pause()
+        extra = tiny_weights(seed=1) + [("lm_head.bias", torch.zeros(3))]
+        with pytest.raises(InvalidArgument, match="lm_head.bias"):
+            await client.broadcast(extra, version=1, timeout_s=30)
+        wrong_shape = [(n, t[:1] if i == 0 else t) for i, (n, t) in enumerate(tiny_weights(seed=1))]
+        with pytest.raises(InvalidArgument, match="shape"):
+            await client.broadcast(wrong_shape, version=1, timeout_s=30)
         with pytest.raises(FailedPrecondition) as info:
-            await client.broadcast(ReferenceLM(PRESETS["tiny"]).named_parameters(), version=1, timeout_s=30)
-        assert info.value.reason == "ENGINE_CANNOT_RECEIVE"
+            await client.broadcast(tiny_weights(seed=1), version=1, transport="gloo", timeout_s=30)
+        assert info.value.reason == "TRANSPORT_UNSUPPORTED"
+        with pytest.raises(FailedPrecondition) as info:
+            await client.broadcast(tiny_weights(seed=1), version=1, verify_digest=True, timeout_s=30)
+        assert info.value.reason == "DIGEST_UNSUPPORTED"
         await client.resume()
     assert [p for p, _ in calls_of(calls)] == ["/pause_generation", "/continue_generation"]
+    assert get(url, "/standin/weights")["digest"] == before
+
+
+@pytest.mark.parametrize("sglang", [("--drop-param", "blocks.1.fc1.weight")], indirect=True)
+async def test_a_partial_update_leaves_sglang_paused_and_torn(sglang):
+    """The stand-in's model lacks a tensor its checkpoint has, so SGLang's load fails
+    mid-way ("partially updated"): the engine is torn, stays paused, its group is
+    destroyed, and only an explicit allow_torn resumes it."""
+    address, _, url, calls, standin = sglang
+    async with TrainerClient(address, transport="group") as client:
+        await client.pause()
+        with pytest.raises(SyncFailed, match="partially updated"):
+            await client.broadcast(tiny_weights(seed=1), version=1, timeout_s=30)
+        state = (await client.get_state()).engines[0]
+        assert state.torn and state.paused and state.weight_version == 0
+        refused = (await client.resume()).engines[0]
+        assert not refused.ok and refused.error_reason == TornWeightsError.reason
+        assert "/continue_generation" not in [p for p, _ in calls_of(calls)]
+        allowed = (await client.resume(allow_torn=True)).engines[0]
+        assert allowed.ok
+    paths = [p for p, _ in calls_of(calls)]
+    assert paths.index("/destroy_weights_update_group") > paths.index("/update_weights_from_distributed")
+    assert "/update_weight_version" not in paths
+    assert get(url, "/standin/weights")["groups"] == []
+    assert standin.poll() is None
+
+
+@pytest.mark.parametrize("sglang", [("--tp-size", "2")], indirect=True)
+async def test_sglang_with_tensor_parallel_ranks_is_refused_up_front(sglang):
+    address, _, _, calls, _ = sglang
+    async with TrainerClient(address, transport="group") as client:
+        await client.pause()
+        with pytest.raises(FailedPrecondition, match="tp x pp"):
+            await client.broadcast(tiny_weights(seed=1), version=1, timeout_s=30)
+        await client.resume()
+    assert "/init_weights_update_group" not in [p for p, _ in calls_of(calls)]
 
 
 async def test_wait_pause_is_refused_with_a_typed_error(sglang):
