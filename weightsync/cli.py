@@ -80,7 +80,7 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="coordinator + 2 reference engines + a short training run, synced every step")
     p.add_argument("--steps", type=int, default=8, help="training steps (one sync each)")
     p.add_argument("--engines", type=int, default=2, help="number of agents")
-    p.add_argument("--transport", default="gloo", choices=["gloo", "shm"], help="data plane")
+    p.add_argument("--transport", default="gloo", choices=["gloo", "shm", "group"], help="data plane")
 
 
 def _add_bench(sub) -> None:
@@ -88,7 +88,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--size", default="256MiB", help="payload size, e.g. 1GiB, 256MiB")
     p.add_argument("--tensors", type=int, default=64, help="about how many tensors the payload is split into")
     p.add_argument("--engines", type=int, default=2, help="receiving engines (agent processes)")
-    p.add_argument("--transport", action="append", choices=["gloo", "shm", "nccl", "cuda-ipc"],
+    p.add_argument("--transport", action="append", choices=["gloo", "shm", "group", "nccl", "cuda-ipc"],
                    help="weightsync transport to measure (repeatable; default gloo and shm)")
     p.add_argument("--steps", type=int, default=3, help="timed rounds per method")
     p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
