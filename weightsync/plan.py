@@ -244,6 +244,8 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.blake2b(digest_size=20)
     for name, tensor in sorted(named_tensors, key=lambda nt: nt[0]):
         t = tensor.detach().contiguous()
+        if t.device.type != "cpu":
+            t = t.cpu()  # GPU weights are hashed from a host copy
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
             h.update(byte_view(t).numpy())  # hashes the tensor's memory in place, no copy

@@ -41,7 +41,9 @@ class WeightsyncWorkerExtension:
             receiver = receivers.get(rendezvous.transport)
             if receiver is None:
                 receiver = receivers[rendezvous.transport] = transports.make_receiver(rendezvous.transport)
-            targets = [torch.empty(s.shape, dtype=s.dtype) for s in plan.slots]
+            # nccl lands the bytes in the worker's GPU; gloo and shm in host memory.
+            device = self.device if rendezvous.group_backend == "nccl" else torch.device("cpu")
+            targets = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in plan.slots]
             receiver.receive(rendezvous, int(rank), plan, targets,
                              deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event())
             named = [(s.name, t) for s, t in zip(plan.slots, targets, strict=True)]

@@ -183,7 +183,8 @@ class GroupSender(Sender):
 
 
 class GroupReceiver(Receiver):
-    """Rank >= 1 of a group, for engines whose agent receives (CPU, gloo)."""
+    """Rank >= 1 of a group: in an agent (CPU targets, gloo) or in vLLM's worker
+    (``weightsync.engine.vllm_worker``; CUDA targets with nccl)."""
 
     kind = common_pb2.TRANSPORT_KIND_GROUP
 
@@ -194,8 +195,7 @@ class GroupReceiver(Receiver):
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
         try:
-            if group_backend(rendezvous) != "gloo":
-                raise InvalidArgument("this engine receives on CPU: the group backend must be gloo")
+            wire_device = _device_for(group_backend(rendezvous))
             stop = [_key(rendezvous, "abort")]
             pg = self._ensure(rendezvous, rank, deadline_at, abort, stop)
             store = self._store[1]
@@ -220,8 +220,11 @@ class GroupReceiver(Receiver):
                 if abort.is_set():
                     raise TransferError("receive aborted")
                 target = targets[index]
-                direct = target.dtype == slot.dtype and target.is_contiguous() and target.device.type == "cpu"
-                into = target if direct else torch.empty(slot.shape, dtype=slot.dtype)
+                # Straight into the engine's tensor when it is what the wire carries, where
+                # the backend moves it; else through a staging tensor, copied after.
+                direct = (target.dtype == slot.dtype and target.is_contiguous()
+                          and target.device.type == wire_device.type)
+                into = target if direct else torch.empty(slot.shape, dtype=slot.dtype, device=wire_device)
                 pending.append((index, _broadcast(pg, into), into))
                 in_flight += into.nbytes
                 while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
