@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -124,9 +124,44 @@ def _device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def _retire(joined: _Joined | None) -> None:
+def _fail(store: dist.Store | None, key: str, message: str, joined: _Joined | None) -> None:
+    """After a failure: tells the peers (``key`` in the store) and retires the group,
+    which is never reused (peers may be mid-op); dropped on the gloo transport's
+    daemon thread."""
+    if store is not None:
+        try:
+            store.set(key, message)
+        except Exception:
+            pass  # the store is gone too: peers find out from their own deadlines
     if joined is not None:
-        _RETIRED.put(joined)  # dropped on the gloo transport's daemon thread
+        _RETIRED.put(joined)
+
+
+class _InFlight:
+    """Posted broadcasts not yet waited for, at most ``IN_FLIGHT_BYTES`` of them (the
+    oldest is finished first), so that cast copies and staging tensors stay bounded
+    without serialising the broadcasts."""
+
+    def __init__(self, finish: Callable[[dist.Work, object], None]) -> None:
+        self._pending: deque[tuple[dist.Work, torch.Tensor, object]] = deque()
+        self._bytes = 0
+        self._finish = finish
+
+    def add(self, work: dist.Work, tensor: torch.Tensor, item: object = None) -> None:
+        """``tensor`` is kept alive until ``work`` is finished; ``item`` goes to ``finish``."""
+        self._pending.append((work, tensor, item))
+        self._bytes += tensor.nbytes
+        while self._bytes > IN_FLIGHT_BYTES and len(self._pending) > 1:
+            self._pop()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pop()
+
+    def _pop(self) -> None:
+        work, tensor, item = self._pending.popleft()
+        self._finish(work, item)
+        self._bytes -= tensor.nbytes
 
 
 class GroupSender(Sender):
@@ -145,27 +180,17 @@ class GroupSender(Sender):
             backend = group_backend(rendezvous)
             pg = self._ensure(rendezvous, deadline_at, abort, stop)
             device = _device_for(backend)
-            pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
-            in_flight = 0
+            in_flight = _InFlight(lambda work, _: _wait(work, deadline_at, "broadcast", abort=abort,
+                                                        store=self._store, stop_keys=stop))
             for slot, source in zip(plan.slots, sources, strict=True):
                 if abort.is_set():
                     raise TransferError("send aborted")
                 wire = source.to(device=device, dtype=slot.dtype).contiguous()
-                pending.append((_broadcast(pg, wire), wire))  # the tensor lives until its op is done
-                in_flight += wire.nbytes
-                while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
-                    work, done = pending.popleft()
-                    _wait(work, deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
-                    in_flight -= done.nbytes
-            while pending:
-                work, _ = pending.popleft()
-                _wait(work, deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
+                in_flight.add(_broadcast(pg, wire), wire)
+            in_flight.drain()
         except BaseException as exc:
-            try:  # our receivers stop waiting for tensors that will never come
-                self._store.set(_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
-            except Exception:
-                pass
-            _retire(self._joined)
+            # our receivers stop waiting for tensors that will never come
+            _fail(self._store, _key(rendezvous, "abort"), str(exc) or type(exc).__name__, self._joined)
             self._joined = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
@@ -200,11 +225,10 @@ class GroupReceiver(Receiver):
             pg = self._ensure(rendezvous, rank, deadline_at, abort, stop)
             store = self._store[1]
             buckets_done = 0
-            pending: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
-            in_flight = 0
 
-            def land(index: int, work: dist.Work, into: torch.Tensor) -> None:
+            def land(work: dist.Work, item: object) -> None:
                 nonlocal buckets_done
+                index, into = item
                 _wait(work, deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
                 if into is not targets[index]:
                     targets[index].copy_(into)
@@ -216,6 +240,7 @@ class GroupReceiver(Receiver):
                     on_bucket(buckets_done)
                     buckets_done += 1
 
+            in_flight = _InFlight(land)
             for index, slot in enumerate(plan.slots):
                 if abort.is_set():
                     raise TransferError("receive aborted")
@@ -225,21 +250,12 @@ class GroupReceiver(Receiver):
                 direct = (target.dtype == slot.dtype and target.is_contiguous()
                           and target.device.type == wire_device.type)
                 into = target if direct else torch.empty(slot.shape, dtype=slot.dtype, device=wire_device)
-                pending.append((index, _broadcast(pg, into), into))
-                in_flight += into.nbytes
-                while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
-                    done_index, work, landed = pending.popleft()
-                    land(done_index, work, landed)
-                    in_flight -= landed.nbytes
-            while pending:
-                land(*pending.popleft())
+                in_flight.add(_broadcast(pg, into), into, (index, into))
+            in_flight.drain()
         except BaseException as exc:
-            if self._store is not None:
-                try:  # the sender stops at once instead of waiting out its deadline
-                    self._store[1].set(_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
-                except Exception:
-                    pass
-            _retire(self._joined)
+            # the sender stops at once instead of waiting out its deadline
+            _fail(self._store[1] if self._store else None, _key(rendezvous, "err", rank), f"rank {rank}: {exc}",
+                  self._joined)
             self._joined = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
