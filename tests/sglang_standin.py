@@ -19,6 +19,7 @@ Every POST is appended to CALL_LOG (one JSON object per line). ``/start_requests
 and ``/standin/weights`` are test hooks, not SGLang endpoints.
 
     python sglang_standin.py PORT_FILE CALL_LOG --model-dir DIR [--tp-size N] [--drop-param NAME]
+                             [--die-during-update]
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def receive_and_load(names, dtypes, shapes, pg) -> None:
         weight = torch.empty(shape, dtype=getattr(torch, dtype))
         handles.append(dist.broadcast(weight, src=0, group=pg, async_op=True))
         received.append((name, weight))
-    for handle in handles:
+    for i, handle in enumerate(handles):
         handle.wait()
+        if ARGS.die_during_update and i == 0:
+            os._exit(72)
     for name, weight in received:  # load_weights: stops at the first bad name, partly updated
         params[name].copy_(weight)
 
@@ -181,6 +184,8 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--drop-param", default="", help="serve a model that lacks this checkpoint tensor")
+    parser.add_argument("--die-during-update", action="store_true",
+                        help="crash (as a scheduler would) after the first tensor of an update arrived")
     parser.parse_args(namespace=ARGS)
     for path in sorted(glob.glob(os.path.join(ARGS.model_dir, "*.safetensors"))):
         params.update(load_file(path))

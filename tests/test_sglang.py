@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -212,6 +213,38 @@ async def test_a_partial_update_leaves_sglang_paused_and_torn(sglang):
     assert "/update_weight_version" not in paths
     assert get(url, "/standin/weights")["groups"] == []
     assert standin.poll() is None
+
+
+async def test_offload_kv_sync_wakes_sglangs_kv_before_it_continues(sglang):
+    address, _, url, calls, standin = sglang
+    async with TrainerClient(address, transport="group") as client:
+        result = await client.update_weights(tiny_weights(seed=5), version=1, offload_kv=True, timeout_s=60)
+        assert result.ok
+        state = (await client.get_state()).engines[0]
+    assert not state.asleep_tags and not state.paused and state.weight_version == 1
+    assert [p for p, _ in calls_of(calls)] == [
+        "/pause_generation", "/release_memory_occupation", "/init_weights_update_group",
+        "/update_weights_from_distributed", "/update_weight_version", "/resume_memory_occupation",
+        "/continue_generation"]
+    assert get(url, "/standin/weights")["digest"] == weights_digest(tiny_weights(seed=5))
+    assert standin.poll() is None
+
+
+@pytest.mark.parametrize("sglang", [("--die-during-update",)], indirect=True)
+async def test_sglang_dying_mid_update_fails_the_round_at_once(sglang):
+    """SGLang crashes with the first tensor in: the round fails well before its 60 s
+    deadline (the trainer stops sending), and the engine is reported dead, not synced."""
+    address, _, _, _, standin = sglang
+    async with TrainerClient(address, transport="group") as client:
+        await client.pause()
+        started = time.monotonic()
+        with pytest.raises(SyncFailed) as info:
+            await client.broadcast(tiny_weights(seed=1), version=1, timeout_s=60)
+        assert time.monotonic() - started < 30, "a dead engine must not hold the round to its deadline"
+        assert not info.value.result.ok
+        assert standin.wait(timeout=10) == 72
+        state = (await client.get_state()).engines[0]
+    assert state.weight_version == 0
 
 
 @pytest.mark.parametrize("sglang", [("--tp-size", "2")], indirect=True)
