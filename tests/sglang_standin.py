@@ -41,7 +41,7 @@ from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from weightsync.plan import weights_digest  # noqa: E402  (the test hook's digest)
 
-ARGS = argparse.Namespace()
+ARGS = argparse.Namespace(die_during_update=False)  # main() fills it; tests import the recipe
 state = {"paused": "", "released": set(), "running": 0, "weight_version": "0"}
 lock = threading.Lock()           # control state
 weights_lock = threading.Lock()   # one weight update at a time, as SGLang's model_update_lock
