@@ -204,6 +204,7 @@ def test_group_sender_speaks_the_recipe_sglang_joins_with():
                                  [list(s.shape) for s in plan.slots], pg)
         except BaseException as exc:
             errors.append(exc)
+            store.set(f"ws/{rdzv.group_id}/{rdzv.session_id}/err/1", repr(exc))  # the sender stops at once
 
     thread = threading.Thread(target=engine)
     thread.start()
