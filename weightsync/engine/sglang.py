@@ -140,7 +140,7 @@ class SglangAdapter(HttpEngineAdapter):
                     "rank_offset": rank, "world_size": rendezvous.world_size, "group_name": name,
                     "backend": group_backend(rendezvous)}, deadline_at)
                 self._group = name
-            result = self._post_timed("/update_weights_from_distributed", {
+            self._post_timed("/update_weights_from_distributed", {
                 "names": [s.name for s in plan.slots], "dtypes": [dtype_name(s.dtype) for s in plan.slots],
                 "shapes": [list(s.shape) for s in plan.slots], "group_name": name,
                 # A cache flush with requests held in place fails SGLang's scheduler.
@@ -149,11 +149,10 @@ class SglangAdapter(HttpEngineAdapter):
             # SGLang's side of a failed group may still wait for tensors: never reuse it.
             self._leave_group()
             raise
-        if result.get("success") is False:
-            self._leave_group()
-            raise TransferError(f"SGLang did not load the weights: {result.get('message')}")
 
     def _post_timed(self, path: str, body: dict, deadline_at: float) -> dict:
+        """POST within what is left of the deadline; SGLang's refusal (HTTP 400 or
+        ``success: false``, e.g. "partially updated") becomes a TransferError."""
         left = deadline_at - time.monotonic()
         if left <= 0:
             raise StepTimeoutError(f"deadline exceeded before {path}", operation="receive")

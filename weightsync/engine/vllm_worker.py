@@ -8,9 +8,9 @@ with string arguments (JSON), never pickle:
   plan is checked against: on CPU, vLLM repacks Linear weights, so its own
   parameters do not show checkpoint shapes.
 - ``weightsync_receive(rendezvous, rank, plan, timeout_s)``: joins the weightsync
-  transport, receives the buckets into checkpoint-shaped CPU tensors, and reloads
-  them in place with ``model_runner.reload_weights``. Returns the digest of what it
-  loaded.
+  transport (shm, gloo or group), receives into checkpoint-shaped tensors (host
+  memory; the worker's GPU when the group backend is nccl), and reloads them in
+  place with ``model_runner.reload_weights``. Returns the digest of what it loaded.
 """
 
 from __future__ import annotations
