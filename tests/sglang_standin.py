@@ -94,7 +94,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             return self._reply(200, {})
         if self.path == "/model_info":
-            return self._reply(200, {"model_path": ARGS.model_dir, "is_generation": True,
+            return self._reply(200, {"model_path": ARGS.report_model_path or ARGS.model_dir, "is_generation": True,
                                      "weight_version": state["weight_version"]})
         if self.path == "/get_server_info":
             return self._reply(200, {"model_path": ARGS.model_dir, "tp_size": ARGS.tp_size, "pp_size": 1,
@@ -184,6 +184,8 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--drop-param", default="", help="serve a model that lacks this checkpoint tensor")
+    parser.add_argument("--report-model-path", default="",
+                        help="what /model_info reports as model_path (a hub id, say), if not --model-dir")
     parser.add_argument("--die-during-update", action="store_true",
                         help="crash (as a scheduler would) after the first tensor of an update arrived")
     parser.parse_args(namespace=ARGS)

@@ -49,14 +49,19 @@ def start_standin(tmp: str, *extra: str):
 
 @pytest.fixture
 def sglang(tmp_path, request):
+    """(coordinator, agent, SGLang url, call log, stand-in process). ``param``: the
+    stand-in's extra options, optionally a dict {"standin": [...], "agent": [...]}."""
     tmp = str(tmp_path)
     extra = getattr(request, "param", ())
-    standin, url, calls = start_standin(tmp, *extra)
+    standin_args, agent_args = (extra.get("standin", ()), extra.get("agent", ())) if isinstance(extra, dict) \
+        else (extra, ())
+    standin, url, calls = start_standin(tmp, *standin_args)
     procs = [standin]
     try:
         coordinator, address, _ = start_coordinator(tmp)
         procs.append(coordinator)
-        agent = start_agent(tmp, address, "sglang-0", "--engine", "sglang", "--engine-url", url)
+        agent = start_agent(tmp, address, "sglang-0", "--engine", "sglang", "--engine-url", url,
+                            *(a.replace("{model_dir}", os.path.join(tmp, "model")) for a in agent_args))
         procs.append(agent.proc)
         wait_available(address, ["sglang-0"])
         yield address, agent.address, url, calls, standin
@@ -245,6 +250,28 @@ async def test_sglang_dying_mid_update_fails_the_round_at_once(sglang):
         assert standin.wait(timeout=10) == 72
         state = (await client.get_state()).engines[0]
     assert state.weight_version == 0
+
+
+@pytest.mark.parametrize("sglang", [
+    {"standin": ["--report-model-path", "org/hub-model"]},
+    {"standin": ["--report-model-path", "org/hub-model"], "agent": ["--checkpoint-dir", "{model_dir}"]},
+], indirect=True, ids=["hub-id", "hub-id+checkpoint-dir"])
+async def test_plans_are_checked_against_a_local_checkpoint(sglang, request):
+    """SGLang serving a hub id: without --checkpoint-dir the agent cannot check plans
+    and refuses the broadcast (typed, nothing touched); with it, the round runs."""
+    address, _, url, calls, _ = sglang
+    with_dir = bool(request.node.callspec.params["sglang"].get("agent"))
+    async with TrainerClient(address, transport="group") as client:
+        if with_dir:
+            assert (await client.update_weights(tiny_weights(seed=2), version=1, timeout_s=60)).ok
+            assert get(url, "/standin/weights")["digest"] == weights_digest(tiny_weights(seed=2))
+        else:
+            await client.pause()
+            with pytest.raises(FailedPrecondition, match="--checkpoint-dir") as info:
+                await client.broadcast(tiny_weights(seed=2), version=1, timeout_s=30)
+            assert info.value.reason == "ENGINE_CANNOT_RECEIVE"
+            await client.resume()
+            assert [p for p, _ in calls_of(calls)] == ["/pause_generation", "/continue_generation"]
 
 
 @pytest.mark.parametrize("sglang", [("--tp-size", "2")], indirect=True)
