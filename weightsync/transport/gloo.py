@@ -8,7 +8,7 @@ in order, so posting k+1 before waiting on k is safe).
 
 Failure handling. A posted gloo op cannot be cancelled, and destroying a group with
 an op still pending blocks until the op's timeout. So waits poll ``is_completed``
-and, every ``_PEER_CHECK_S``, the store: a side that fails sets ``abort`` (sender)
+and, every ``PEER_CHECK_S``, the store: a side that fails sets ``abort`` (sender)
 or ``err/<rank>`` (receiver) under the session, and its peers stop waiting at once.
 A failed group is retired, never destroyed on the transfer thread: a daemon thread
 drops it, which takes until its pending ops have timed out. An idle group (the
@@ -17,8 +17,6 @@ orderly close) is destroyed at once.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -26,10 +24,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from weightsync.errors import StepTimeoutError, TransferError
+from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan, byte_view, pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats
-from weightsync.transport.store import connect_store
+from weightsync.transport.collective import (
+    as_transfer_error,
+    broadcast_from_root,
+    retire,
+    wait_polling,
+)
+from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
 
 
@@ -45,7 +49,7 @@ class _Group:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, rendezvous.world_size,
                                             timedelta(seconds=max(timeout_s, 0.001)))
         except Exception as exc:
-            raise _as_transfer_error(exc, "gloo group setup") from exc
+            raise as_transfer_error(exc, "gloo group setup") from exc
         self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
 
     def fit(self, bucket_bytes: int) -> None:
@@ -55,34 +59,10 @@ class _Group:
             self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
 
 
-_PEER_CHECK_S = 0.05
-_RETIRED: queue.Queue = queue.Queue()
-
-
-def _drop_retired() -> None:
-    while True:
-        group = _RETIRED.get()
-        del group  # may block until the group's pending ops time out; harmless here
-
-
-threading.Thread(target=_drop_retired, name="weightsync-gloo-retire", daemon=True).start()
-
-
 def _retire(group: _Group | None) -> None:
     if group is not None:
         group.buffers = []  # free the memory now; the group object goes later
-        _RETIRED.put(group)
-
-
-def _key(rendezvous: common_pb2.Rendezvous, *parts: object) -> str:
-    return "/".join(["ws", rendezvous.group_id, rendezvous.session_id, *map(str, parts)])
-
-
-def _as_transfer_error(exc: Exception, operation: str) -> Exception:
-    text = str(exc)
-    if "timeout" in text.lower() or "timed out" in text.lower():
-        return StepTimeoutError(f"deadline exceeded during {operation}: {text}", operation=operation)
-    return TransferError(f"{operation} failed: {text}")
+        retire(group)
 
 
 def _direct(plan: BucketPlan, bucket: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -101,42 +81,6 @@ def _direct(plan: BucketPlan, bucket: int, tensors: Sequence[torch.Tensor]) -> t
     return byte_view(tensor)[piece.tensor_start:piece.tensor_start + piece.length]
 
 
-def _broadcast(pg: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    return pg.broadcast([buf], opts)
-
-
-def _wait(work: dist.Work, deadline_at: float, operation: str, *, abort: threading.Event,
-          store: dist.Store, stop_keys: Sequence[str]) -> None:
-    """Waits for ``work`` without blocking in gloo: polls completion, the abort flag,
-    the deadline, and (every _PEER_CHECK_S) the peers' failure keys in the store."""
-    delay, next_check = 0.0001, time.monotonic() + _PEER_CHECK_S
-    while not work.is_completed():
-        now = time.monotonic()
-        if abort.is_set():
-            raise TransferError(f"{operation} aborted")
-        if now >= deadline_at:
-            raise StepTimeoutError(f"deadline exceeded during {operation}", operation=operation)
-        if now >= next_check and stop_keys:
-            next_check = now + _PEER_CHECK_S
-            try:
-                for key in stop_keys:
-                    if store.check([key]):
-                        raise TransferError(f"peer failed during {operation}: "
-                                            f"{store.get(key).decode(errors='replace')}")
-            except TransferError:
-                raise
-            except Exception as exc:
-                raise TransferError(f"rendezvous store failed during {operation}: {exc}") from exc
-        time.sleep(delay)
-        delay = min(delay * 2, 0.001)
-    try:
-        work.wait()  # completed: returns at once, or raises the op's error
-    except Exception as exc:
-        raise _as_transfer_error(exc, operation) from exc
-
-
 class GlooSender(Sender):
     """Rank 0 of a gloo group on the trainer's store."""
 
@@ -148,7 +92,7 @@ class GlooSender(Sender):
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
         start = time.monotonic()
-        stop = [_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
+        stop = [session_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
         try:
             group = self._ensure_group(rendezvous, plan, deadline_at)
             works: list[dist.Work | None] = [None, None]
@@ -157,18 +101,18 @@ class GlooSender(Sender):
                     raise TransferError("send aborted")
                 slot = bucket % 2
                 if works[slot] is not None:
-                    _wait(works[slot], deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
+                    wait_polling(works[slot], deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
                 buf = _direct(plan, bucket, sources)
                 if buf is None:
                     buf = group.buffers[slot][:plan.bucket_size(bucket)]
                     pack_bucket(plan, bucket, sources, buf)
-                works[slot] = _broadcast(group.pg, buf)
+                works[slot] = broadcast_from_root(group.pg, buf)
             for work in works:
                 if work is not None:
-                    _wait(work, deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
+                    wait_polling(work, deadline_at, "broadcast", abort=abort, store=self._store, stop_keys=stop)
         except BaseException as exc:
             try:  # receivers stop waiting for buckets that will never come
-                self._store.set(_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
+                self._store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
             except Exception:
                 pass
             _retire(self._group)  # a failed group is never reused: peers may be mid-op
@@ -202,7 +146,7 @@ class GlooReceiver(Receiver):
         try:
             group = self._ensure_group(rendezvous, rank, plan, deadline_at)
             store = self._store[1]
-            stop = [_key(rendezvous, "abort")]
+            stop = [session_key(rendezvous, "abort")]
             n = plan.num_buckets
             works: list[dist.Work | None] = [None, None]
             direct = [_direct(plan, b, targets) for b in range(n)]
@@ -211,7 +155,7 @@ class GlooReceiver(Receiver):
                 into = direct[bucket]
                 if into is None:
                     into = group.buffers[bucket % 2][:plan.bucket_size(bucket)]
-                return _broadcast(group.pg, into)
+                return broadcast_from_root(group.pg, into)
 
             works[0] = post(0)
             for bucket in range(n):
@@ -220,7 +164,7 @@ class GlooReceiver(Receiver):
                 if bucket + 1 < n:
                     works[(bucket + 1) % 2] = post(bucket + 1)
                 slot = bucket % 2
-                _wait(works[slot], deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
+                wait_polling(works[slot], deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
                 if direct[bucket] is None:
                     unpack_bucket(plan, bucket, group.buffers[slot], targets)
                 if on_bucket is not None:
@@ -228,7 +172,7 @@ class GlooReceiver(Receiver):
         except BaseException as exc:
             if self._store is not None:
                 try:  # the sender stops at once instead of waiting out its deadline
-                    self._store[1].set(_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
+                    self._store[1].set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
                 except Exception:
                     pass
             _retire(self._group)

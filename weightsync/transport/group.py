@@ -33,8 +33,13 @@ import torch.distributed as dist
 
 from weightsync.errors import FailedPrecondition, InvalidArgument, TransferError
 from weightsync.transport.base import Receiver, Sender, TransferStats
-from weightsync.transport.gloo import _RETIRED, _as_transfer_error, _broadcast, _key, _wait
-from weightsync.transport.store import connect_store
+from weightsync.transport.collective import (
+    as_transfer_error,
+    broadcast_from_root,
+    retire,
+    wait_polling,
+)
+from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
 
 BACKENDS = ("gloo", "nccl")
@@ -89,14 +94,14 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
     thread = threading.Thread(target=construct, name=f"weightsync-join-{name}", daemon=True)
     thread.start()
     done = _ThreadDone(thread)
-    _wait(done, deadline_at, f"{backend} group setup", abort=abort, store=watch, stop_keys=stop_keys)
+    wait_polling(done, deadline_at, f"{backend} group setup", abort=abort, store=watch, stop_keys=stop_keys)
     if isinstance(result[0], Exception):
-        raise _as_transfer_error(result[0], f"{backend} group setup") from result[0]
+        raise as_transfer_error(result[0], f"{backend} group setup") from result[0]
     return result[0]
 
 
 class _ThreadDone:
-    """A thread seen as a finished-or-not piece of work, for ``_wait``."""
+    """A thread seen as a finished-or-not piece of work, for ``wait_polling``."""
 
     def __init__(self, thread: threading.Thread) -> None:
         self._thread = thread
@@ -126,15 +131,14 @@ def _device_for(backend: str) -> torch.device:
 
 def _fail(store: dist.Store | None, key: str, message: str, joined: _Joined | None) -> None:
     """After a failure: tells the peers (``key`` in the store) and retires the group,
-    which is never reused (peers may be mid-op); dropped on the gloo transport's
-    daemon thread."""
+    which is never reused (peers may be mid-op)."""
     if store is not None:
         try:
             store.set(key, message)
         except Exception:
             pass  # the store is gone too: peers find out from their own deadlines
     if joined is not None:
-        _RETIRED.put(joined)
+        retire(joined)
 
 
 class _InFlight:
@@ -175,22 +179,22 @@ class GroupSender(Sender):
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
         start = time.monotonic()
-        stop = [_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
+        stop = [session_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
         try:
             backend = group_backend(rendezvous)
             pg = self._ensure(rendezvous, deadline_at, abort, stop)
             device = _device_for(backend)
-            in_flight = _InFlight(lambda work, _: _wait(work, deadline_at, "broadcast", abort=abort,
+            in_flight = _InFlight(lambda work, _: wait_polling(work, deadline_at, "broadcast", abort=abort,
                                                         store=self._store, stop_keys=stop))
             for slot, source in zip(plan.slots, sources, strict=True):
                 if abort.is_set():
                     raise TransferError("send aborted")
                 wire = source.to(device=device, dtype=slot.dtype).contiguous()
-                in_flight.add(_broadcast(pg, wire), wire)
+                in_flight.add(broadcast_from_root(pg, wire), wire)
             in_flight.drain()
         except BaseException as exc:
             # our receivers stop waiting for tensors that will never come
-            _fail(self._store, _key(rendezvous, "abort"), str(exc) or type(exc).__name__, self._joined)
+            _fail(self._store, session_key(rendezvous, "abort"), str(exc) or type(exc).__name__, self._joined)
             self._joined = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
@@ -221,7 +225,7 @@ class GroupReceiver(Receiver):
         start = time.monotonic()
         try:
             wire_device = _device_for(group_backend(rendezvous))
-            stop = [_key(rendezvous, "abort")]
+            stop = [session_key(rendezvous, "abort")]
             pg = self._ensure(rendezvous, rank, deadline_at, abort, stop)
             store = self._store[1]
             buckets_done = 0
@@ -229,7 +233,7 @@ class GroupReceiver(Receiver):
             def land(work: dist.Work, item: object) -> None:
                 nonlocal buckets_done
                 index, into = item
-                _wait(work, deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
+                wait_polling(work, deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
                 if into is not targets[index]:
                     targets[index].copy_(into)
                 slot = plan.slots[index]
@@ -250,12 +254,12 @@ class GroupReceiver(Receiver):
                 direct = (target.dtype == slot.dtype and target.is_contiguous()
                           and target.device.type == wire_device.type)
                 into = target if direct else torch.empty(slot.shape, dtype=slot.dtype, device=wire_device)
-                in_flight.add(_broadcast(pg, into), into, (index, into))
+                in_flight.add(broadcast_from_root(pg, into), into, (index, into))
             in_flight.drain()
         except BaseException as exc:
             # the sender stops at once instead of waiting out its deadline
-            _fail(self._store[1] if self._store else None, _key(rendezvous, "err", rank), f"rank {rank}: {exc}",
-                  self._joined)
+            _fail(self._store[1] if self._store else None, session_key(rendezvous, "err", rank),
+                  f"rank {rank}: {exc}", self._joined)
             self._joined = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)

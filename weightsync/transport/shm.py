@@ -27,7 +27,7 @@ import torch.distributed as dist
 from weightsync.errors import TransferError
 from weightsync.plan import pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats
-from weightsync.transport.store import connect_store, wait_for_keys
+from weightsync.transport.store import connect_store, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
 SHM_DIR = os.environ.get("WEIGHTSYNC_SHM_DIR", "/dev/shm")
@@ -68,10 +68,6 @@ class _Segment:
                 pass
 
 
-def _key(rendezvous: common_pb2.Rendezvous, *parts: object) -> str:
-    return "/".join(["ws", rendezvous.group_id, rendezvous.session_id, *map(str, parts)])
-
-
 class ShmSender(Sender):
     """Owns the segment; rank 0."""
 
@@ -85,23 +81,23 @@ class ShmSender(Sender):
         start = time.monotonic()
         store = self._store
         ranks = range(1, rendezvous.world_size)
-        errors = [_key(rendezvous, "err", r) for r in ranks]
+        errors = [session_key(rendezvous, "err", r) for r in ranks]
         try:
             seg = self._ensure_segment(plan.bucket_bytes)
-            store.set(_key(rendezvous, "segment"), f"{seg.path}|{seg.bucket_bytes}")
+            store.set(session_key(rendezvous, "segment"), f"{seg.path}|{seg.bucket_bytes}")
             n = plan.num_buckets
             for bucket in range(n):
                 if bucket >= 2:
-                    wait_for_keys(store, [_key(rendezvous, "ack", bucket - 2, r) for r in ranks],
+                    wait_for_keys(store, [session_key(rendezvous, "ack", bucket - 2, r) for r in ranks],
                                   deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
                 pack_bucket(plan, bucket, sources, seg.slots[bucket % 2])
-                store.set(_key(rendezvous, "ready", bucket), b"1")
+                store.set(session_key(rendezvous, "ready", bucket), b"1")
             for bucket in range(max(0, n - 2), n):
-                wait_for_keys(store, [_key(rendezvous, "ack", bucket, r) for r in ranks],
+                wait_for_keys(store, [session_key(rendezvous, "ack", bucket, r) for r in ranks],
                               deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
         except BaseException as exc:
             try:  # tell receivers to stop waiting for buckets that will never come
-                store.set(_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
+                store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
             except Exception:
                 pass
             raise
@@ -112,8 +108,8 @@ class ShmSender(Sender):
     def _forget_keys(self, rendezvous, n: int) -> None:
         # Bounded store growth across thousands of steps; a missing key is fine.
         for bucket in range(n):
-            for key in [_key(rendezvous, "ready", bucket)] + [
-                    _key(rendezvous, "ack", bucket, r) for r in range(1, rendezvous.world_size)]:
+            for key in [session_key(rendezvous, "ready", bucket)] + [
+                    session_key(rendezvous, "ack", bucket, r) for r in range(1, rendezvous.world_size)]:
                 try:
                     self._store.delete_key(key)
                 except Exception:
@@ -147,24 +143,24 @@ class ShmReceiver(Receiver):
         if self._store is None or self._store[0] != where:
             self._store = (where, connect_store(*where, timeout_s=max(0.001, deadline_at - time.monotonic())))
         store = self._store[1]
-        stop = [_key(rendezvous, "abort")]
+        stop = [session_key(rendezvous, "abort")]
         try:
-            wait_for_keys(store, [_key(rendezvous, "segment")], deadline_at=deadline_at,
+            wait_for_keys(store, [session_key(rendezvous, "segment")], deadline_at=deadline_at,
                           operation="receive", abort=abort, fail_keys=stop)
-            path, size = store.get(_key(rendezvous, "segment")).decode().rsplit("|", 1)
+            path, size = store.get(session_key(rendezvous, "segment")).decode().rsplit("|", 1)
             if int(size) != plan.bucket_bytes:
                 raise TransferError(f"segment bucket size {size} != plan bucket size {plan.bucket_bytes}")
             seg = self._ensure_segment(path, plan.bucket_bytes)
             for bucket in range(plan.num_buckets):
-                wait_for_keys(store, [_key(rendezvous, "ready", bucket)], deadline_at=deadline_at,
+                wait_for_keys(store, [session_key(rendezvous, "ready", bucket)], deadline_at=deadline_at,
                               operation="receive", abort=abort, fail_keys=stop)
                 unpack_bucket(plan, bucket, seg.slots[bucket % 2], targets)
                 if on_bucket is not None:
                     on_bucket(bucket)
-                store.set(_key(rendezvous, "ack", bucket, rank), b"1")
+                store.set(session_key(rendezvous, "ack", bucket, rank), b"1")
         except BaseException as exc:
             try:
-                store.set(_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
+                store.set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
             except Exception:
                 pass
             raise

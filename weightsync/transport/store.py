@@ -23,6 +23,11 @@ _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.005
 
 
+def session_key(rendezvous, *parts: object) -> str:
+    """The store key ``parts`` of one Broadcast: ``ws/<group_id>/<session_id>/...``."""
+    return "/".join(["ws", rendezvous.group_id, rendezvous.session_id, *map(str, parts)])
+
+
 def host_store(host: str, *, timeout_s: float) -> dist.TCPStore:
     """Starts a TCPStore master on ``host`` with an ephemeral port (``.port`` tells it)."""
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
@@ -70,4 +75,4 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float,
         delay = min(_POLL_MAX_S, delay * 2)
 
 
-__all__ = ["host_store", "connect_store", "wait_for_keys"]
+__all__ = ["session_key", "host_store", "connect_store", "wait_for_keys"]

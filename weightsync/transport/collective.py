@@ -1,0 +1,85 @@
+"""What the torch.distributed transports (gloo, group) share: one broadcast from rank
+0, a wait that never blocks inside torch, and the retirement of failed groups.
+
+A posted op cannot be cancelled, and destroying a group with an op still pending
+blocks until the op's timeout. So ``wait_polling`` polls ``is_completed`` and, every
+``PEER_CHECK_S``, the peers' failure keys in the store; and a failed group is handed
+to ``retire``, which drops it on a daemon thread, never on a transfer thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from weightsync.errors import StepTimeoutError, TransferError
+
+PEER_CHECK_S = 0.05
+_RETIRED: queue.Queue = queue.Queue()
+
+
+def _drop_retired() -> None:
+    while True:
+        group = _RETIRED.get()
+        del group  # may block until the group's pending ops time out; harmless here
+
+
+threading.Thread(target=_drop_retired, name="weightsync-retire", daemon=True).start()
+
+
+def retire(group: object) -> None:
+    """Drops a failed group (or anything holding one) on the daemon thread."""
+    _RETIRED.put(group)
+
+
+def as_transfer_error(exc: Exception, operation: str) -> Exception:
+    """A torch error as ours: StepTimeoutError when it says it timed out, else TransferError."""
+    text = str(exc)
+    if "timeout" in text.lower() or "timed out" in text.lower():
+        return StepTimeoutError(f"deadline exceeded during {operation}: {text}", operation=operation)
+    return TransferError(f"{operation} failed: {text}")
+
+
+def broadcast_from_root(pg: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:
+    """Posts a broadcast of ``buf`` from rank 0 (asynchronous)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return pg.broadcast([buf], opts)
+
+
+def wait_polling(work: dist.Work, deadline_at: float, operation: str, *, abort: threading.Event,
+                 store: dist.Store, stop_keys: Sequence[str]) -> None:
+    """Waits for ``work`` without blocking in torch: polls completion, the abort flag,
+    the deadline, and (every PEER_CHECK_S) the peers' failure keys in the store."""
+    delay, next_check = 0.0001, time.monotonic() + PEER_CHECK_S
+    while not work.is_completed():
+        now = time.monotonic()
+        if abort.is_set():
+            raise TransferError(f"{operation} aborted")
+        if now >= deadline_at:
+            raise StepTimeoutError(f"deadline exceeded during {operation}", operation=operation)
+        if now >= next_check and stop_keys:
+            next_check = now + PEER_CHECK_S
+            try:
+                for key in stop_keys:
+                    if store.check([key]):
+                        raise TransferError(f"peer failed during {operation}: "
+                                            f"{store.get(key).decode(errors='replace')}")
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise TransferError(f"rendezvous store failed during {operation}: {exc}") from exc
+        time.sleep(delay)
+        delay = min(delay * 2, 0.001)
+    try:
+        work.wait()  # completed: returns at once, or raises the op's error
+    except Exception as exc:
+        raise as_transfer_error(exc, operation) from exc
+
+
+__all__ = ["PEER_CHECK_S", "retire", "as_transfer_error", "broadcast_from_root", "wait_polling"]
