@@ -222,11 +222,12 @@ def test_group_sender_speaks_the_recipe_sglang_joins_with():
         assert torch.equal(params[name], source)
 
 
-def test_group_receiver_failure_stops_the_sender_and_peers_at_once():
+@pytest.mark.parametrize("name", ["gloo", "group"])
+def test_failure_before_joining_stops_the_sender_and_peers_at_once(name):
     """A receiver that fails before joining reports it in the store (as an agent's
     receiver does); the sender, blocked in group setup, and the other receiver stop
     at once instead of waiting out the 30 s deadline."""
-    kind = KINDS["group"]
+    kind = KINDS[name]
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(kind, store)
     healthy = transports.make_receiver(kind)
@@ -245,7 +246,7 @@ def test_group_receiver_failure_stops_the_sender_and_peers_at_once():
 
     started = time.monotonic()
     with pytest.raises(TransferError, match="boom"):
-        run_round(sender, [healthy, Failing()], rendezvous(store, kind, 3, group="g-fail"), plan, sources,
+        run_round(sender, [healthy, Failing()], rendezvous(store, kind, 3, group=f"g-fail-{name}"), plan, sources,
                   timeout_s=30)
     assert time.monotonic() - started < 10
     sender.close()

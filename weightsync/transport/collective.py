@@ -5,6 +5,9 @@ A posted op cannot be cancelled, and destroying a group with an op still pending
 blocks until the op's timeout. So ``wait_polling`` polls ``is_completed`` and, every
 ``PEER_CHECK_S``, the peers' failure keys in the store; and a failed group is handed
 to ``retire``, which drops it on a daemon thread, never on a transfer thread.
+Joining a group blocks inside torch too, and gloo's connect to a peer that died
+meanwhile outlives the group's own timeout, so ``join_in_background`` builds the
+group on a side thread while the caller polls the same way.
 """
 
 from __future__ import annotations
@@ -12,12 +15,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from weightsync.errors import StepTimeoutError, TransferError
+from weightsync.transport.store import connect_store
+from weightsync.v1 import common_pb2
+
+T = TypeVar("T")
 
 PEER_CHECK_S = 0.05
 _RETIRED: queue.Queue = queue.Queue()
@@ -82,4 +90,42 @@ def wait_polling(work: dist.Work, deadline_at: float, operation: str, *, abort: 
         raise as_transfer_error(exc, operation) from exc
 
 
-__all__ = ["PEER_CHECK_S", "retire", "as_transfer_error", "broadcast_from_root", "wait_polling"]
+class _ThreadDone:
+    """A thread seen as a finished-or-not piece of work, for ``wait_polling``."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self._thread = thread
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
+def join_in_background(build: Callable[[dist.Store], T], rendezvous: common_pb2.Rendezvous, *, operation: str,
+                       deadline_at: float, abort: threading.Event, watch: dist.Store,
+                       stop_keys: Sequence[str]) -> T:
+    """Returns ``build(store)`` (a group joining its peers), run on a daemon thread with
+    a store connection of its own, while this thread watches the deadline, ``abort``
+    and the peers' failure keys (on ``watch``: a TCPStore connection cannot serve a
+    poll while the join blocks on it). An abandoned join ends at its own timeout."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            store = connect_store(rendezvous.store_host, rendezvous.store_port,
+                                  timeout_s=max(deadline_at - time.monotonic(), 0.001))
+            result.append(build(store))
+        except Exception as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, name=f"weightsync-join-{rendezvous.group_id}", daemon=True)
+    thread.start()
+    wait_polling(_ThreadDone(thread), deadline_at, operation, abort=abort, store=watch, stop_keys=stop_keys)
+    if isinstance(result[0], Exception):
+        raise as_transfer_error(result[0], operation) from result[0]
+    return result[0]
+
+
+__all__ = ["PEER_CHECK_S", "join_in_background", "retire", "as_transfer_error", "broadcast_from_root", "wait_polling"]

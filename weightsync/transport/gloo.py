@@ -17,6 +17,7 @@ orderly close) is destroyed at once.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -28,8 +29,8 @@ from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan, byte_view, pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats
 from weightsync.transport.collective import (
-    as_transfer_error,
     broadcast_from_root,
+    join_in_background,
     retire,
     wait_polling,
 )
@@ -40,16 +41,16 @@ from weightsync.v1 import common_pb2
 class _Group:
     """A gloo group plus its two bucket buffers, reused while the group id stays."""
 
-    def __init__(self, store: dist.Store, rendezvous: common_pb2.Rendezvous, rank: int,
-                 bucket_bytes: int, timeout_s: float) -> None:
+    def __init__(self, rendezvous: common_pb2.Rendezvous, rank: int, bucket_bytes: int, *, deadline_at: float,
+                 abort: threading.Event, watch: dist.Store, stop_keys: Sequence[str]) -> None:
         self.group_id = rendezvous.group_id
         self.bucket_bytes = bucket_bytes
-        prefixed = dist.PrefixStore(f"ws/{rendezvous.group_id}/gloo", store)
-        try:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, rendezvous.world_size,
-                                            timedelta(seconds=max(timeout_s, 0.001)))
-        except Exception as exc:
-            raise as_transfer_error(exc, "gloo group setup") from exc
+        timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
+        self.pg = join_in_background(
+            lambda store: dist.ProcessGroupGloo(dist.PrefixStore(f"ws/{rendezvous.group_id}/gloo", store), rank,
+                                                rendezvous.world_size, timeout),
+            rendezvous, operation="gloo group setup", deadline_at=deadline_at, abort=abort, watch=watch,
+            stop_keys=stop_keys)
         self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
 
     def fit(self, bucket_bytes: int) -> None:
@@ -94,7 +95,7 @@ class GlooSender(Sender):
         start = time.monotonic()
         stop = [session_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
         try:
-            group = self._ensure_group(rendezvous, plan, deadline_at)
+            group = self._ensure_group(rendezvous, plan, deadline_at, abort, stop)
             works: list[dist.Work | None] = [None, None]
             for bucket in range(plan.num_buckets):
                 if abort.is_set():
@@ -120,11 +121,13 @@ class GlooSender(Sender):
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
-    def _ensure_group(self, rendezvous, plan: BucketPlan, deadline_at: float) -> _Group:
+    def _ensure_group(self, rendezvous, plan: BucketPlan, deadline_at: float, abort: threading.Event,
+                      stop: Sequence[str]) -> _Group:
         g = self._group
         if g is None or g.group_id != rendezvous.group_id:
             self.close()
-            self._group = _Group(self._store, rendezvous, 0, plan.bucket_bytes, deadline_at - time.monotonic())
+            self._group = _Group(rendezvous, 0, plan.bucket_bytes, deadline_at=deadline_at, abort=abort,
+                                 watch=self._store, stop_keys=stop)
         self._group.fit(plan.bucket_bytes)
         return self._group
 
@@ -144,9 +147,9 @@ class GlooReceiver(Receiver):
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
         try:
-            group = self._ensure_group(rendezvous, rank, plan, deadline_at)
-            store = self._store[1]
             stop = [session_key(rendezvous, "abort")]
+            group = self._ensure_group(rendezvous, rank, plan, deadline_at, abort, stop)
+            store = self._store[1]
             n = plan.num_buckets
             works: list[dist.Work | None] = [None, None]
             direct = [_direct(plan, b, targets) for b in range(n)]
@@ -180,7 +183,8 @@ class GlooReceiver(Receiver):
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
-    def _ensure_group(self, rendezvous, rank: int, plan: BucketPlan, deadline_at: float) -> _Group:
+    def _ensure_group(self, rendezvous, rank: int, plan: BucketPlan, deadline_at: float, abort: threading.Event,
+                      stop: Sequence[str]) -> _Group:
         g = self._group
         if g is not None and g.group_id == rendezvous.group_id:
             g.fit(plan.bucket_bytes)
@@ -190,7 +194,8 @@ class GlooReceiver(Receiver):
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
             self._store = (where, connect_store(*where, timeout_s=max(left, 0.001)))
-        self._group = _Group(self._store[1], rendezvous, rank, plan.bucket_bytes, left)
+        self._group = _Group(rendezvous, rank, plan.bucket_bytes, deadline_at=deadline_at, abort=abort,
+                             watch=self._store[1], stop_keys=stop)
         return self._group
 
     def close(self) -> None:

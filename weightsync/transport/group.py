@@ -34,8 +34,8 @@ import torch.distributed as dist
 from weightsync.errors import FailedPrecondition, InvalidArgument, TransferError
 from weightsync.transport.base import Receiver, Sender, TransferStats
 from weightsync.transport.collective import (
-    as_transfer_error,
     broadcast_from_root,
+    join_in_background,
     retire,
     wait_polling,
 )
@@ -65,52 +65,25 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
                abort: threading.Event, stop_keys: Sequence[str] = ()) -> dist.ProcessGroup:
     """Joins the rendezvous' group as ``rank``; returns once every rank has joined.
 
-    The backend's constructor blocks until all ranks connect and cannot be
-    interrupted, so it runs on a helper thread, on a store connection of its own,
-    while this thread watches the deadline, ``abort`` and the peers' failure keys
-    (on ``watch``): a peer that failed before joining stops the wait at once, and the
-    abandoned constructor ends at its own timeout.
+    The join runs in ``join_in_background``: a peer that failed before joining stops
+    the wait at once, and the deadline holds whatever torch does.
     """
     name, world_size, backend = group_name(rendezvous), rendezvous.world_size, group_backend(rendezvous)
     if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
         raise FailedPrecondition("the nccl group backend needs CUDA and torch's NCCL; use gloo",
                                  reason="TRANSPORT_UNAVAILABLE")
     timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
-    result: list = []
 
-    def construct() -> None:
-        try:
-            store = connect_store(rendezvous.store_host, rendezvous.store_port, timeout_s=timeout.total_seconds())
-            keyed = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
-            if backend == "nccl":
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                result.append(dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", keyed), rank, world_size, options))
-            else:
-                result.append(dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, timeout))
-        except Exception as exc:
-            result.append(exc)
+    def build(store: dist.Store) -> dist.ProcessGroup:
+        keyed = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", keyed), rank, world_size, options)
+        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, timeout)
 
-    thread = threading.Thread(target=construct, name=f"weightsync-join-{name}", daemon=True)
-    thread.start()
-    done = _ThreadDone(thread)
-    wait_polling(done, deadline_at, f"{backend} group setup", abort=abort, store=watch, stop_keys=stop_keys)
-    if isinstance(result[0], Exception):
-        raise as_transfer_error(result[0], f"{backend} group setup") from result[0]
-    return result[0]
-
-
-class _ThreadDone:
-    """A thread seen as a finished-or-not piece of work, for ``wait_polling``."""
-
-    def __init__(self, thread: threading.Thread) -> None:
-        self._thread = thread
-
-    def is_completed(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self) -> None:
-        self._thread.join()
+    return join_in_background(build, rendezvous, operation=f"{backend} group setup", deadline_at=deadline_at,
+                              abort=abort, watch=watch, stop_keys=stop_keys)
 
 
 class _Joined:
