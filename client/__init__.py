@@ -1,9 +1,10 @@
 """Trainer-side API of weightsync."""
 
+from weightsync.attest import Probe
 from weightsync.client.engine import EngineClient
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy
 from weightsync.client.trainer import EngineResult, SyncFailed, SyncResult, TrainerClient
 
 __all__ = ["TrainerClient", "SyncResult", "EngineResult", "SyncFailed", "RetryPolicy", "LoopLagProbe",
-           "EngineClient"]
+           "EngineClient", "Probe"]

@@ -30,9 +30,11 @@ import torch
 
 from weightsync import deadline, metrics
 from weightsync import transport as transports
+from weightsync.attest import Probe
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
 from weightsync.errors import (
+    EngineOutputMismatch,
     InvalidArgument,
     StepTimeoutError,
     TransferError,
@@ -63,10 +65,12 @@ class EngineResult:
     seconds: float
     error_reason: str = ""
     error_message: str = ""
+    attest_max_diff: float | None = None  # largest |log-prob difference| on the probe, when attested
 
     @classmethod
     def from_proto(cls, o: common_pb2.EngineOutcome) -> EngineResult:
-        return cls(o.engine_id, o.ok, o.weight_version, o.torn, o.seconds, o.error_reason, o.error_message)
+        return cls(o.engine_id, o.ok, o.weight_version, o.torn, o.seconds, o.error_reason, o.error_message,
+                   o.attest_max_diff if o.attested else None)
 
 
 @dataclass(frozen=True)
@@ -98,11 +102,15 @@ class SyncFailed(TransferError):
         self.result = result
 
 
+AttestArg = Probe | Callable[[], Probe] | None
+
+
 @dataclass
 class _Prepared:
     plan: BucketPlan
     sources: list[torch.Tensor]
     digest: str
+    probe: Probe | None = None
 
     def group_backend(self, kind) -> str:
         """For the group transport: nccl when the weights are on a GPU, else gloo."""
@@ -259,10 +267,18 @@ class TrainerClient:
 
     async def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                         transport: str | None = None, key: str | None = None, timeout_s: float | None = None,
-                        verify_digest: bool = False) -> SyncResult:
+                        verify_digest: bool = False, attest: AttestArg = None) -> SyncResult:
         """Sends ``named_tensors`` as weight ``version`` to the paused engines.
 
+        ``attest``: a ``Probe``, or a function returning one (``lambda:
+        Probe.from_model(model, sequences)``), which the client calls on its worker
+        thread, never on the event loop. Every engine then scores the probe after
+        loading and before it may resume; ``EngineResult.attest_max_diff`` reports how
+        far each was from the trainer's log-probs.
+
         Raises:
+            EngineOutputMismatch: every failed engine loaded the bytes but computes
+                something else (torn, paused; ``.result`` has details).
             SyncFailed: some engine did not get the weights (``.result`` has details).
             StepTimeoutError: the deadline expired (operation ``broadcast``).
             asyncio.CancelledError: after the running transfer ended, chained to its error.
@@ -275,11 +291,12 @@ class TrainerClient:
         with deadline.scope(timeout_s, operation="broadcast"), deadline.operation("broadcast"):
             if self._store is None:  # hosted on first use: status-only clients never open a port
                 self._store = await self._in_thread(host_store, self.host, timeout_s=self.default_timeout_s)
-            prepared = await self._in_thread(self._prepare, named_tensors, verify_digest)
+            prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest)
             request = coordinator_pb2.BroadcastRequest(
                 idempotency_key=key, version=version, plan=prepared.plan.to_proto(), transport=kind,
                 store_host=self.host, store_port=self._store.port, weights_digest=prepared.digest,
-                group_backend=prepared.group_backend(kind))
+                group_backend=prepared.group_backend(kind),
+                probe=prepared.probe.to_proto() if prepared.probe is not None else None)
             # Once the Broadcast is sent, engines may already be waiting for bytes: a
             # cancellation from here on waits for the round (bounded by the deadline),
             # then propagates chained to its error, so nothing is resumed mid-transfer
@@ -336,6 +353,13 @@ class TrainerClient:
             failed = "; ".join(f"{e.engine_id}: [{e.error_reason}] {e.error_message}" for e in sync.failed)
             error = SyncFailed(f"broadcast of version {result.version} failed on {len(sync.failed)} "
                                f"engine(s): {failed}", result=sync)
+            if all(e.error_reason == EngineOutputMismatch.reason for e in sync.failed):
+                worst = max(e.attest_max_diff or 0.0 for e in sync.failed)
+                mismatch = EngineOutputMismatch(
+                    f"engines loaded version {result.version} but do not compute with it: {failed}",
+                    metadata={"failed": ",".join(e.engine_id for e in sync.failed), "max_diff": f"{worst:.6g}"})
+                mismatch.result = sync  # type: ignore[attr-defined]
+                raise mismatch from error
             if all(e.error_reason == StepTimeoutError.reason for e in sync.failed):
                 # The engines' deadline fired first; the caller sees the same error as
                 # if its own had: a timeout naming the operation.
@@ -362,8 +386,9 @@ class TrainerClient:
         ctx = contextvars.copy_context()
         return asyncio.get_running_loop().run_in_executor(self._executor, lambda: ctx.run(send))
 
-    def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], with_digest: bool) -> _Prepared:
-        """Worker thread: detach, make contiguous, plan (cached), optional digest."""
+    def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], with_digest: bool,
+                 attest: AttestArg = None) -> _Prepared:
+        """Worker thread: detach, make contiguous, plan (cached), optional digest and probe."""
         pairs = [(n, t.detach().contiguous()) for n, t in named_tensors]
         if not pairs:
             raise InvalidArgument("no tensors to send")
@@ -379,15 +404,22 @@ class TrainerClient:
         if with_digest:
             digest = weights_digest((n, t.to(s[1]) if t.dtype != s[1] else t) for (n, t), s in zip(pairs, specs,
                                                                                                   strict=True))
-        return _Prepared(plan, [t for _, t in pairs], digest)
+        probe = attest() if callable(attest) else attest
+        if probe is not None and not isinstance(probe, Probe):
+            raise InvalidArgument(f"attest must be a Probe or a function returning one, got {type(probe).__name__}")
+        return _Prepared(plan, [t for _, t in pairs], digest, probe)
 
     # ----- the whole sync -----------------------------------------------------------------
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                              transport: str | None = None, mode: str = "keep", offload_kv: bool = False,
                              timeout_s: float | None = None, verify_digest: bool = False,
-                             required_engines: Iterable[str] = ()) -> SyncResult:
+                             required_engines: Iterable[str] = (), attest: AttestArg = None) -> SyncResult:
         """Pause -> Broadcast -> Resume. Returns the broadcast's SyncResult with timings.
+
+        ``attest`` (see ``broadcast``): engines prove they compute with the new weights
+        before they resume; one that does not stays paused and torn, and this raises
+        ``EngineOutputMismatch``.
 
         Do not modify the tensors until this returns: they are read on the worker thread.
         """
@@ -396,7 +428,8 @@ class TrainerClient:
         try:
             result = await self._update_weights(named_tensors, version=version, transport=transport, mode=mode,
                                                 offload_kv=offload_kv, timeout_s=timeout_s,
-                                                verify_digest=verify_digest, required_engines=required_engines)
+                                                verify_digest=verify_digest, required_engines=required_engines,
+                                                attest=attest)
         finally:
             if probe is not None:
                 await probe.stop()
@@ -409,7 +442,7 @@ class TrainerClient:
         return dataclasses.replace(result, loop_lag_ms=lag)
 
     async def _update_weights(self, named_tensors, *, version, transport, mode, offload_kv, timeout_s,
-                              verify_digest, required_engines) -> SyncResult:
+                              verify_digest, required_engines, attest) -> SyncResult:
         started = time.monotonic()
         budget = timeout_s if timeout_s is not None else self.default_timeout_s
         with deadline.scope(budget, operation="sync"):
@@ -427,7 +460,7 @@ class TrainerClient:
             try:
                 with deadline.operation("broadcast"):
                     result = await self.broadcast(named_tensors, version=version, transport=transport,
-                                                  verify_digest=verify_digest)
+                                                  verify_digest=verify_digest, attest=attest)
             except BaseException as exc:
                 primary = exc
                 raise

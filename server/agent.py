@@ -30,10 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from weightsync import transport as transports
+from weightsync.attest import Probe
 from weightsync.engine.adapter import EngineAdapter
 from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
     EngineFault,
+    EngineOutputMismatch,
     FailedPrecondition,
     InvalidArgument,
     StepTimeoutError,
@@ -230,10 +232,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return await self._handle(context, request.idempotency_key, "receive", request,
                                   lambda: self._receive(request), common_pb2.EngineOutcome)
 
-    def validate_receive(self, request) -> tuple[BucketPlan, transports.Receiver]:
+    def validate_receive(self, request) -> tuple[BucketPlan, transports.Receiver, Probe | None]:
         """Checks everything about a Receive before anything changes."""
         check_timeout(request.timeout_s)
         plan = BucketPlan.from_proto(request.plan)
+        probe = Probe.from_proto(request.probe) if request.HasField("probe") else None
         specs = self.adapter.tensor_specs()
         names = [s.name for s in plan.slots]
         unknown = [n for n in names if n not in specs]
@@ -262,6 +265,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if rdzv.world_size < 2 or not 1 <= request.rank < rdzv.world_size:
             raise InvalidArgument(f"rank {request.rank} is not a receiver rank of world {rdzv.world_size}")
         self.adapter.check_receive(request)
+        if probe is not None:
+            self.adapter.check_probe(probe)
         if request.version <= self.adapter.weight_version:
             raise FailedPrecondition(f"version {request.version} is not newer than the served version "
                                      f"{self.adapter.weight_version}", reason="VERSION_NOT_NEWER")
@@ -269,11 +274,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if receiver is None:
             receiver = transports.make_receiver(rdzv.transport)
             self._receivers[rdzv.transport] = receiver
-        return plan, receiver
+        return plan, receiver, probe
 
     async def _receive(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
-        plan, receiver = self.validate_receive(request)
+        plan, receiver, probe = self.validate_receive(request)
         if not self.paused:
             raise FailedPrecondition("receive needs a paused engine: call Pause first")
         if self._receive_task is not None and not self._receive_task.done():
@@ -289,9 +294,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         started = time.monotonic()
         error: BaseException | None = None
         cancelled = False
+        attest_max_diff: float | None = None
         try:
             targets = self.adapter.load_targets(plan)
             faults, version, total = self.faults, request.version, plan.num_buckets
+            restore_stale = self._inject_stale_tensor(plan, targets, version)
+            skip_post_load = faults is not None and faults.take("receive", version=version,
+                                                                action="skip_post_load") is not None
             self._progress = (0, total)
 
             def on_bucket(bucket: int) -> None:
@@ -302,7 +311,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             ctx = contextvars.copy_context()
             if self.adapter.receives_in_engine:  # e.g. vLLM: its worker joins the transport itself
                 transfer = loop.run_in_executor(self._transfer, lambda: ctx.run(
-                    self.adapter.receive_in_engine, request.rendezvous, request.rank, plan, deadline_at=deadline_at))
+                    self.adapter.receive_in_engine, request.rendezvous, request.rank, plan, deadline_at=deadline_at,
+                    **({"skip_post_load": True} if skip_post_load else {})))
             else:
                 transfer = loop.run_in_executor(
                     self._transfer, lambda: ctx.run(receiver.receive, request.rendezvous, request.rank, plan,
@@ -315,10 +325,15 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 except asyncio.CancelledError:
                     cancelled = True
             error = transfer.exception()
+            if error is None and restore_stale is not None:
+                restore_stale()
             if error is None and request.weights_digest:
                 digest = await self._engine(self.adapter.weights_digest)
                 if digest != request.weights_digest:
                     error = TransferError("received weights do not match the trainer's digest")
+            if error is None and probe is not None:
+                # Invariant 11: the engine's own outputs, not the bytes, decide "ok".
+                attest_max_diff, error = await self._attest(probe, request.version, deadline_at)
         except Exception as exc:  # anything before or around the transfer: nothing trustworthy landed
             error = exc
         seconds = time.monotonic() - started
@@ -326,7 +341,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self._progress = (plan.num_buckets, plan.num_buckets)
             self.adapter.commit(request.version)
             self.torn, self.torn_version = False, 0
-            self.record("transfer_done", version=request.version, seconds=f"{seconds:.4f}")
+            self.record("transfer_done", version=request.version, seconds=f"{seconds:.4f}",
+                        **({} if attest_max_diff is None else {"attest_max_diff": f"{attest_max_diff:.3g}"}))
         else:
             self.torn, self.torn_version = True, request.version
             self.record("transfer_failed", version=request.version, error=str(error))
@@ -343,7 +359,43 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             if isinstance(error, WeightSyncError):
                 raise error
             raise TransferError(f"receive failed: {error!r}") from error
-        return self._outcome(bytes=plan.total_bytes, seconds=seconds, rank=request.rank)
+        attested = {} if attest_max_diff is None else {"attested": True, "attest_max_diff": attest_max_diff}
+        return self._outcome(bytes=plan.total_bytes, seconds=seconds, rank=request.rank, **attested)
+
+    async def _attest(self, probe: Probe, version: int, deadline_at: float) -> tuple[float, BaseException | None]:
+        """Runs the probe on the engine (transfer thread, within the receive's deadline);
+        returns the largest difference and the error that makes the engine torn, if any."""
+        ctx = contextvars.copy_context()
+        scoring = asyncio.get_running_loop().run_in_executor(self._transfer, lambda: ctx.run(
+            self.adapter.score, probe.sequences))
+        left = deadline_at - time.monotonic()
+        done, _ = await asyncio.wait({scoring}, timeout=max(left, 0.0))
+        if not done:
+            # The engine stays paused and torn; the scoring call ends by its own deadline.
+            return float("nan"), StepTimeoutError("the attestation probe ran past the receive's deadline",
+                                                  operation="attest")
+        if scoring.exception() is not None:
+            return float("nan"), scoring.exception()
+        comparison = probe.compare(scoring.result())
+        self.record("attested", version=version, max_diff=f"{comparison.max_diff:.3g}",
+                    tolerance=probe.tolerance)
+        if not comparison.max_diff <= probe.tolerance:  # NaN is a mismatch too
+            return comparison.max_diff, EngineOutputMismatch(
+                f"engine {self.engine_id} loaded version {version} but does not compute with it: "
+                f"{comparison.describe()}, tolerance {probe.tolerance:g}; it stays paused and torn",
+                metadata={"engine_id": self.engine_id, "max_diff": f"{comparison.max_diff:.6g}"})
+        return comparison.max_diff, None
+
+    def _inject_stale_tensor(self, plan: BucketPlan, targets: list, version: int) -> Callable[[], None] | None:
+        """Test-only fault ``stale_tensor``: one tensor keeps its old contents after the
+        receive (the bytes arrived; the engine does not use them), as a reload that skips
+        a layer does. Returns the function that puts the old contents back."""
+        rule = self.faults.take("receive", version=version, action="stale_tensor") if self.faults else None
+        if rule is None or not targets:
+            return None
+        index = next((i for i, s in enumerate(plan.slots) if s.name == rule.tensor), 0)
+        target, old = targets[index], targets[index].clone()
+        return lambda: target.copy_(old)
 
     # ----- RPCs: queries and generation -----------------------------------------------
 

@@ -31,6 +31,7 @@ import grpc
 
 from weightsync import metrics
 from weightsync import transport as transports
+from weightsync.attest import Probe
 from weightsync.errors import (
     EngineUnavailable,
     FailedPrecondition,
@@ -58,8 +59,14 @@ AGENT_ATTEMPTS = 3          # coordinator -> agent retries of UNAVAILABLE (keyed
 
 
 def _failed(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
-    return common_pb2.EngineOutcome(engine_id=engine_id, ok=False, error_reason=error.reason,
-                                    error_message=error.message, error_code=error.code.value[0])
+    outcome = common_pb2.EngineOutcome(engine_id=engine_id, ok=False, error_reason=error.reason,
+                                       error_message=error.message, error_code=error.code.value[0])
+    if "max_diff" in error.metadata:  # an attestation that ran and failed: report how far off
+        try:
+            outcome.attested, outcome.attest_max_diff = True, float(error.metadata["max_diff"])
+        except ValueError:
+            pass
+    return outcome
 
 
 def _engine_error(record: EngineRecord, exc: grpc.aio.AioRpcError, operation: str) -> WeightSyncError:
@@ -300,6 +307,8 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         if not request.store_host or not 0 < request.store_port < 65536:
             raise InvalidArgument("store_host and a store_port in 1..65535 are required")
         check_timeout(request.timeout_s)
+        if request.HasField("probe"):
+            Probe.from_proto(request.probe)  # InvalidArgument before any engine is asked
         if request.version <= self.weight_version:
             raise FailedPrecondition(f"version {request.version} is not newer than the current version "
                                      f"{self.weight_version}", reason="VERSION_NOT_NEWER")
@@ -330,7 +339,8 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 return agent_pb2.ReceiveRequest(
                     idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
                     plan=request.plan, rendezvous=rendezvous, rank=ranks[record.engine_id],
-                    weights_digest=request.weights_digest, timeout_s=timeout_s, validate_only=validate_only)
+                    weights_digest=request.weights_digest, timeout_s=timeout_s, validate_only=validate_only,
+                    probe=request.probe if request.HasField("probe") else None)
 
             # Phase 1: every engine checks the request; nothing changes anywhere yet.
             checks = await self._fan_out(

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.conftest import start_agent, start_coordinator, wait_available
-from weightsync.client import EngineClient, SyncFailed, TrainerClient
+from weightsync.client import Probe, EngineClient, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import FailedPrecondition, InvalidArgument, TornWeightsError, WeightSyncError
 from weightsync.lifecycle import spawn, stop_process, wait_for_file
@@ -191,6 +191,12 @@ async def test_bad_plans_are_refused_before_sglang_is_touched(sglang):
         with pytest.raises(FailedPrecondition) as info:
             await client.broadcast(tiny_weights(seed=1), version=1, verify_digest=True, timeout_s=30)
         assert info.value.reason == "DIGEST_UNSUPPORTED"
+        # SGLang has no way to score a probe while paused (no worker hook like vLLM's):
+        # attestation is refused up front, never skipped silently.
+        probe = Probe(sequences=((1, 2, 3),), logprobs=((-1.0, -1.0),), tolerance=1e-3)
+        with pytest.raises(FailedPrecondition) as info:
+            await client.broadcast(tiny_weights(seed=1), version=1, attest=probe, timeout_s=30)
+        assert info.value.reason == "ATTESTATION_UNSUPPORTED"
         await client.resume()
     assert [p for p, _ in calls_of(calls)] == ["/pause_generation", "/continue_generation"]
     assert get(url, "/standin/weights")["digest"] == before

@@ -87,6 +87,15 @@ class TornWeightsError(WeightSyncError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class EngineOutputMismatch(TornWeightsError):
+    """An engine loaded the bytes but does not compute what the trainer's model computes:
+    its log-probs on the attestation probe differ beyond the tolerance. The engine is
+    torn and stays paused; ``metadata["max_diff"]`` has the largest difference."""
+
+    reason = "ENGINE_OUTPUT_MISMATCH"
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class TransferError(WeightSyncError):
     """The data-plane transfer failed (peer died, bytes did not arrive, ...)."""
 
@@ -117,7 +126,7 @@ class StepTimeoutError(WeightSyncError, TimeoutError):
 _BY_REASON: dict[str, type[WeightSyncError]] = {
     cls.reason: cls
     for cls in (InvalidArgument, IdempotencyConflict, FailedPrecondition, EngineUnavailable,
-                EngineFault, TornWeightsError, TransferError, OperationAborted)
+                EngineFault, TornWeightsError, EngineOutputMismatch, TransferError, OperationAborted)
 }
 
 
@@ -197,6 +206,6 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 
 __all__ = [
     "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
-    "EngineUnavailable", "EngineFault", "TornWeightsError", "TransferError", "OperationAborted",
+    "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
     "StepTimeoutError", "check_timeout", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

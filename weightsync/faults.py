@@ -10,7 +10,10 @@ Rule fields: ``op``, ``action``, optional matchers, ``seconds`` for delays, and
 ``times`` (how often it may fire; default 1, 0 = always).
 
 - ``op: "receive"`` (agents' data plane), matched by ``version`` and ``bucket``:
-  ``delay`` or ``fail`` after that bucket is loaded.
+  ``delay`` or ``fail`` after that bucket is loaded; ``stale_tensor`` keeps the
+  tensor named ``tensor`` (default: the plan's first) at its old contents after the
+  receive, and ``skip_post_load`` has vLLM's worker skip re-processing tied layers
+  after its reload: two broken loads that attestation must catch.
 - ``op: "rpc"`` (any server, see ``server/fault_interceptor.py``), matched by
   ``method`` (e.g. "Broadcast"): ``drop_response`` (the handler runs, the caller
   gets UNAVAILABLE instead of the answer), ``duplicate`` (the request is delivered
@@ -41,6 +44,7 @@ class FaultRule:
     bucket: int | None = None
     method: str | None = None
     seconds: float = 0.0
+    tensor: str | None = None   # stale_tensor: which tensor keeps its old contents
     times: int = 1
     fired: int = 0
 
@@ -77,17 +81,17 @@ class FaultInjector:
         except (json.JSONDecodeError, TypeError) as exc:
             raise InvalidArgument(f"{ENV} must be a JSON list of rules: {exc}") from None
         for rule in rules:
-            allowed = {"receive": ("delay", "fail"), "rpc": ("drop_response", "duplicate", "delay"),
+            allowed = {"receive": ("delay", "fail", "stale_tensor", "skip_post_load"), "rpc": ("drop_response", "duplicate", "delay"),
                        "shutdown": ("fail",)}
             if rule.action not in allowed.get(rule.op, ()):
                 raise InvalidArgument(f"unsupported fault rule {rule}")
         log.warning("FAULT INJECTION ENABLED: %s", rules)
         return cls(rules)
 
-    def take(self, op: str, **match) -> FaultRule | None:
-        """The first matching rule, counted as fired; None if none matches."""
+    def take(self, op: str, *, action: str | None = None, **match) -> FaultRule | None:
+        """The first matching rule (of ``action``, if given), counted as fired; None if none."""
         for rule in self.rules:
-            if rule.matches(op, **match):
+            if (action is None or rule.action == action) and rule.matches(op, **match):
                 rule.fired += 1
                 return rule
         return None
@@ -95,7 +99,7 @@ class FaultInjector:
     def on_bucket(self, op: str, version: int, bucket: int, *, deadline_at: float) -> None:
         """Hook called after bucket ``bucket`` of ``version`` was loaded."""
         for rule in self.rules:
-            if not rule.matches(op, version=version, bucket=bucket):
+            if rule.action not in ("delay", "fail") or not rule.matches(op, version=version, bucket=bucket):
                 continue
             rule.fired += 1
             if rule.action == "delay":

@@ -1,10 +1,13 @@
 """Builds a tiny Llama checkpoint and byte-level BPE tokenizer on disk, with no hub access.
 
-    python make_tiny_model.py OUT_DIR [--seed N]
+    python make_tiny_model.py OUT_DIR [--seed N] [--arch llama|qwen2] [--tied]
 
 CPU attention in vLLM supports head sizes 32, 64, 80, ..., so: hidden 64, 2 heads
-of 32, 2 layers. Weights are random (seeded); the tokenizer is trained on a few
-generated sentences.
+of 32, 2 layers. ``llama``: untied head, no biases, one KV head per query head.
+``qwen2``: q/k/v biases and grouped-query attention (2 query heads share 1 KV head);
+``--tied`` ties the output layer to the input embedding, as Qwen2.5 0.5B-3B,
+Llama-3.2 1B/3B and Gemma do. Weights are random (seeded); the tokenizer is
+trained on a few generated sentences.
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ import argparse
 import os
 
 
-def build(out: str, seed: int = 0) -> str:
+def build(out: str, seed: int = 0, *, arch: str = "llama", tied: bool = False) -> str:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     os.makedirs(out, exist_ok=True)
     words = ["weights", "sync", "engine", "trainer", "policy", "reward", "token", "model", "fast", "safe"]
@@ -28,12 +37,21 @@ def build(out: str, seed: int = 0) -> str:
         vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, tie_word_embeddings=False,
-                         torch_dtype="float32")
+    common = dict(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, head_dim=32, max_position_embeddings=256, bos_token_id=fast.bos_token_id,
+                  eos_token_id=fast.eos_token_id, tie_word_embeddings=tied, torch_dtype="float32")
+    if arch == "llama":
+        config, model_class = LlamaConfig(num_key_value_heads=2, **common), LlamaForCausalLM
+    elif arch == "qwen2":
+        config, model_class = Qwen2Config(num_key_value_heads=1, **common), Qwen2ForCausalLM
+    else:
+        raise SystemExit(f"unknown arch {arch!r}: llama or qwen2")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
+    with torch.no_grad():  # HF initialises biases to zero; a q/k/v bias mapped wrong must show
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
     model.save_pretrained(out, safe_serialization=True)
     return out
 
@@ -42,5 +60,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    ap.add_argument("--tied", action="store_true", help="tie the output layer to the input embedding")
     args = ap.parse_args()
-    print(build(args.out, args.seed))
+    print(build(args.out, args.seed, arch=args.arch, tied=args.tied))

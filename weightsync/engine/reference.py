@@ -219,6 +219,32 @@ class ReferenceEngine:
             self._shapes_cache = [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
         return self._shapes_cache
 
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs of each sequence, computed the way the engine serves:
+        token by token through ``forward_cached`` on a scratch KV cache (not the
+        trainer's batched ``forward``), with the weights the engine holds now.
+
+        The request pool and its KV cache are untouched; only allowed while paused.
+        """
+        with self._cond:
+            self._raise_if_faulted()
+            if not self._paused:
+                raise FailedPrecondition("scoring a probe needs a paused engine")
+            if "weights" in self._asleep:
+                raise FailedPrecondition("scoring a probe needs the weights awake")
+            out = []
+            for seq in sequences:
+                tokens = torch.tensor([int(t) for t in seq])
+                if len(tokens) > self.config.max_seq_len or int(tokens.max()) >= self.config.vocab_size:
+                    raise InvalidArgument("probe sequence does not fit the engine's context or vocabulary")
+                cache = torch.zeros(self.model.kv_shape())
+                logprobs = []
+                for i in range(len(tokens) - 1):
+                    logits = self.model.forward_cached(tokens[i:i + 1], cache, i)
+                    logprobs.append(float(torch.log_softmax(logits.float(), -1)[tokens[i + 1]]))
+                out.append(logprobs)
+            return out
+
     # ----- state ----------------------------------------------------------------------
 
     @property

@@ -9,22 +9,30 @@ Weights: vLLM runs weightsync's worker extension
 (``--worker-extension-cls weightsync.engine.vllm_worker.WeightsyncWorkerExtension``).
 ``receive_in_engine`` calls it through ``/collective_rpc``: inside vLLM's worker it
 joins the weightsync transport (``shm`` or ``gloo``), receives the buckets and feeds
-them to ``model_runner.reload_weights``. Arguments and results are JSON; no pickle.
+them to vLLM's in-place reload, tied layers re-processed. Arguments and results are
+JSON; no pickle.
+
+Attestation: ``score`` runs the probe inside the worker with vLLM's own model while
+the scheduler stays paused (``vllm_probe.py``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 
 import torch
 from google.protobuf import json_format
 
+from weightsync.attest import Probe, check_vocab
+from weightsync.engine.adapter import ATTESTATION_UNSUPPORTED
 from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
     EngineFault,
     FailedPrecondition,
+    InvalidArgument,
     StepTimeoutError,
     TransferError,
 )
@@ -48,6 +56,7 @@ class VllmAdapter(HttpEngineAdapter):
         super().__init__(url, timeout_s=timeout_s)
         self._asleep: set[str] = set()
         self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+        self._probe_limits: dict | None = None
         self.last_received_digest = ""
 
     # ----- HTTP ---------------------------------------------------------------------
@@ -102,18 +111,45 @@ class VllmAdapter(HttpEngineAdapter):
         return []  # bytes land inside vLLM's worker, not in this process
 
     def receive_in_engine(self, rendezvous: common_pb2.Rendezvous, rank: int, plan: BucketPlan,
-                          *, deadline_at: float) -> None:
-        """Runs the receive inside vLLM's worker (blocking; the agent's transfer thread)."""
+                          *, deadline_at: float, skip_post_load: bool = False) -> None:
+        """Runs the receive inside vLLM's worker (blocking; the agent's transfer thread).
+        ``skip_post_load`` is fault injection: the tied layers keep their old kernels."""
         left = deadline_at - time.monotonic()
         if left <= 0:
             raise StepTimeoutError("deadline exceeded before the receive started", operation="receive")
         results = self.collective_rpc(
             "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
-            json_format.MessageToJson(plan.to_proto()), str(left), timeout_s=left)
+            json_format.MessageToJson(plan.to_proto()), str(left), "1" if skip_post_load else "",
+            timeout_s=left)
         result = results[0] if results else None
         if not isinstance(result, dict) or "error" in result or "digest" not in result:
             raise TransferError(f"receive inside vLLM failed: {result!r}")
         self.last_received_digest = result["digest"]
+
+    def check_probe(self, probe: Probe) -> None:
+        if self._probe_limits is None:
+            results = self.collective_rpc("weightsync_probe_limits", timeout_s=self.timeout_s)
+            if not results or not isinstance(results[0], dict):
+                raise EngineFault(f"worker extension {EXTENSION} is not loaded in vLLM (results: {results!r})")
+            self._probe_limits = results[0]
+        limits = self._probe_limits
+        if limits.get("unsupported"):
+            raise FailedPrecondition(f"vLLM cannot run the attestation probe on this model: "
+                                     f"{limits['unsupported']}", reason=ATTESTATION_UNSUPPORTED)
+        check_vocab(probe, int(limits["vocab_size"]))
+        longest = max(len(s) for s in probe.sequences)
+        if longest > int(limits["max_model_len"]):
+            raise InvalidArgument(f"probe sequence of {longest} tokens is longer than vLLM's max_model_len "
+                                  f"{limits['max_model_len']}")
+
+    def score(self, sequences):
+        results = self.collective_rpc("weightsync_score", json.dumps([list(s) for s in sequences]),
+                                      timeout_s=self.timeout_s)
+        # One result per worker; with tensor parallelism every rank computes the same logits.
+        result = results[0] if results else None
+        if not isinstance(result, dict) or "logprobs" not in result:
+            raise EngineFault(f"attestation probe inside vLLM failed: {result!r}")
+        return result["logprobs"]
 
     def commit(self, version):
         self._call("POST", "/update_weight_version", body={"new_version": str(version)})

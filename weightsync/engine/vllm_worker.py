@@ -7,14 +7,21 @@ with string arguments (JSON), never pickle:
   tensor, read from the safetensors headers of the served model. This is what a
   plan is checked against: on CPU, vLLM repacks Linear weights, so its own
   parameters do not show checkpoint shapes.
-- ``weightsync_receive(rendezvous, rank, plan, timeout_s)``: joins the weightsync
-  transport (shm, gloo or group), receives into checkpoint-shaped tensors (host
-  memory; the worker's GPU when the group backend is nccl), and reloads them in
-  place with ``model_runner.reload_weights``. Returns the digest of what it loaded.
+- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load])``: joins
+  the weightsync transport (shm, gloo or group), receives into checkpoint-shaped
+  tensors (host memory; the worker's GPU when the group backend is nccl), and reloads
+  them in place, tied layers included (``vllm_reload.py``). Returns the digest of
+  what it loaded. ``skip_post_load="1"`` is fault injection only (the agent sends it
+  only when started with ``--enable-fault-injection`` and a matching rule).
+- ``weightsync_probe_limits()``: vocabulary size and context length, to refuse a
+  probe that cannot fit before anything changes.
+- ``weightsync_score(sequences_json)``: the attestation probe through vLLM's own
+  model while paused (``vllm_probe.py``). Returns ``{"logprobs": [[...], ...]}``.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -22,7 +29,9 @@ import torch
 from google.protobuf import json_format
 
 from weightsync import transport as transports
+from weightsync.engine import vllm_probe
 from weightsync.engine.checkpoint import checkpoint_specs
+from weightsync.engine.vllm_reload import reload_in_place
 from weightsync.plan import BucketPlan, weights_digest
 from weightsync.v1 import common_pb2
 
@@ -33,7 +42,8 @@ class WeightsyncWorkerExtension:
     def weightsync_checkpoint_specs(self) -> list[list]:
         return checkpoint_specs(self.model_config.model)
 
-    def weightsync_receive(self, rendezvous_json: str, rank: str, plan_json: str, timeout_s: str) -> dict:
+    def weightsync_receive(self, rendezvous_json: str, rank: str, plan_json: str, timeout_s: str,
+                           skip_post_load: str = "") -> dict:
         try:
             rendezvous = json_format.Parse(rendezvous_json, common_pb2.Rendezvous())
             plan = BucketPlan.from_proto(json_format.Parse(plan_json, common_pb2.WeightPlan()))
@@ -47,8 +57,25 @@ class WeightsyncWorkerExtension:
             receiver.receive(rendezvous, int(rank), plan, targets,
                              deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event())
             named = [(s.name, t) for s, t in zip(plan.slots, targets, strict=True)]
-            self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            reload_in_place(self.model_runner, named, reprocess_tied=skip_post_load != "1")
             return {"digest": weights_digest(named), "bytes": plan.total_bytes}
+        except Exception as exc:  # reported to the agent as data; the agent marks the engine torn
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def weightsync_probe_limits(self) -> dict:
+        config = self.model_config
+        try:
+            vllm_probe.check_supported(self.vllm_config, 2)
+            unsupported = ""
+        except vllm_probe.ProbeUnsupported as exc:
+            unsupported = str(exc)
+        return {"vocab_size": config.get_vocab_size(), "max_model_len": config.max_model_len,
+                "unsupported": unsupported}
+
+    def weightsync_score(self, sequences_json: str) -> dict:
+        try:
+            sequences = [[int(t) for t in seq] for seq in json.loads(sequences_json)]
+            return {"logprobs": vllm_probe.score(self.model_runner, self.vllm_config, sequences)}
         except Exception as exc:  # reported to the agent as data; the agent marks the engine torn
             return {"error": f"{type(exc).__name__}: {exc}"}
 

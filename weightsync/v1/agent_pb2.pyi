@@ -61,6 +61,7 @@ class ReceiveRequest(_message.Message):
     WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     rank: _builtins.int
@@ -74,6 +75,10 @@ class ReceiveRequest(_message.Message):
     def plan(self) -> _common_pb2.WeightPlan: ...
     @_builtins.property
     def rendezvous(self) -> _common_pb2.Rendezvous: ...
+    @_builtins.property
+    def probe(self) -> _common_pb2.AttestationProbe:
+        """optional: run after loading, before the receive reports ok"""
+
     def __init__(
         self,
         *,
@@ -85,10 +90,11 @@ class ReceiveRequest(_message.Message):
         weights_digest: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
         validate_only: _builtins.bool = ...,
+        probe: _common_pb2.AttestationProbe | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "rendezvous", b"rendezvous"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "probe", b"probe", "rendezvous", b"rendezvous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "plan", b"plan", "rank", b"rank", "rendezvous", b"rendezvous", "timeout_s", b"timeout_s", "validate_only", b"validate_only", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "rank", b"rank", "rendezvous", b"rendezvous", "timeout_s", b"timeout_s", "validate_only", b"validate_only", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -190,6 +190,62 @@ class Rendezvous(_message.Message):
 Global___Rendezvous: _TypeAlias = Rendezvous  # noqa: Y015
 
 @_typing.final
+class ProbeSequence(_message.Message):
+    """One probe sequence: tokens, and the log-probability the trainer's own model gives
+    each token after the first (teacher forcing): logprobs[i] = log p(tokens[i+1] | tokens[..i]).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeSequence: _TypeAlias = ProbeSequence  # noqa: Y015
+
+@_typing.final
+class AttestationProbe(_message.Message):
+    """Behavioural attestation: after loading and before resuming, every engine scores the
+    sequences with its own forward pass; a difference above tolerance (nats) marks it
+    torn with ENGINE_OUTPUT_MISMATCH.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCES_FIELD_NUMBER: _builtins.int
+    TOLERANCE_FIELD_NUMBER: _builtins.int
+    tolerance: _builtins.float
+    @_builtins.property
+    def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbeSequence]: ...
+    def __init__(
+        self,
+        *,
+        sequences: _abc.Iterable[Global___ProbeSequence] | None = ...,
+        tolerance: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sequences", b"sequences", "tolerance", b"tolerance"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttestationProbe: _TypeAlias = AttestationProbe  # noqa: Y015
+
+@_typing.final
 class EngineOutcome(_message.Message):
     """One engine's part in a round."""
 
@@ -205,6 +261,8 @@ class EngineOutcome(_message.Message):
     TORN_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ATTESTED_FIELD_NUMBER: _builtins.int
+    ATTEST_MAX_DIFF_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     ok: _builtins.bool
     error_reason: _builtins.str
@@ -217,6 +275,11 @@ class EngineOutcome(_message.Message):
     rank: _builtins.int
     error_code: _builtins.int
     """gRPC status code of the failure (with error_reason: the typed error)"""
+    attested: _builtins.bool
+    """Behavioural attestation (when the broadcast carried a probe): the engine ran it
+    after loading, and this is the largest |log-prob difference| from the trainer's.
+    """
+    attest_max_diff: _builtins.float
     def __init__(
         self,
         *,
@@ -230,10 +293,12 @@ class EngineOutcome(_message.Message):
         torn: _builtins.bool = ...,
         rank: _builtins.int = ...,
         error_code: _builtins.int = ...,
+        attested: _builtins.bool = ...,
+        attest_max_diff: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "seconds", b"seconds", "torn", b"torn", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest_max_diff", b"attest_max_diff", "attested", b"attested", "bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "seconds", b"seconds", "torn", b"torn", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

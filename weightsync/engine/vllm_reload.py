@@ -1,0 +1,68 @@
+"""Reloading received weights into vLLM's model in place, completely (runs in vLLM's worker).
+
+vLLM's ``model_runner.reload_weights`` loads checkpoint-format tensors layer by layer
+and re-runs each layer's post-load processing (on CPU: repacking Linear weights into
+oneDNN handles). A layer that loads nothing of its own is skipped: vLLM logs
+``Failed to load weights`` and puts its old kernel tensors back. That is right for a
+layer the checkpoint does not cover, and wrong for a *tied* layer: with
+``tie_word_embeddings`` the output layer's weight is the input embedding's Parameter,
+so the checkpoint has no ``lm_head.weight``, the embedding loads new values, and the
+output layer keeps the matmul packed from the boot weights. The engine then serves
+new weights with the old output layer, while every byte check passes.
+
+``reload_in_place`` therefore re-runs the post-load processing of every layer whose
+parameters all alias parameters of another layer, after the reload, when the shared
+tensors hold the new values. Every other layer is covered: the agent refuses a plan
+that lacks any tensor of the served checkpoint. What the engine then computes is
+checked independently of this path by the attestation probe (``vllm_probe.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def tied_layers(model: nn.Module) -> list[nn.Module]:
+    """Layers with post-load processing whose every parameter is also another layer's
+    parameter (the same tensor object): e.g. ``lm_head`` tied to ``embed_tokens``."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    tied = []
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if params and getattr(module, "quant_method", None) is not None and all(
+                len(owners[id(p)]) > 1 for p in params):
+            tied.append(module)
+    return tied
+
+
+def reload_in_place(model_runner, named: list[tuple[str, torch.Tensor]], *, reprocess_tied: bool = True) -> None:
+    """Reloads ``named`` (checkpoint names and formats) into the runner's model, then
+    re-processes tied layers. ``reprocess_tied=False`` exists only for fault injection:
+    it reproduces vLLM's own behaviour so that attestation can be shown to catch it.
+    """
+    model = model_runner.get_model()
+    tied = tied_layers(model)
+    model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+    if not reprocess_tied:
+        return
+    for layer in tied:
+        _process_after_loading(layer)
+
+
+def _process_after_loading(layer: nn.Module) -> None:
+    quant_method = layer.quant_method
+    process = getattr(quant_method, "process_weights_after_loading", None)
+    if process is None:
+        return
+    # vLLM's online quantisation marks layers it already processed; a reload must redo it.
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    with torch.no_grad():
+        process(layer)
+
+
+__all__ = ["reload_in_place", "tied_layers"]
