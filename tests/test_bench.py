@@ -28,19 +28,20 @@ def test_bench_small_run_reports_every_method(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--size", "4MiB", "--tensors", "12",
                            "--engines", "2", "--steps", "1", "--bucket-bytes", "1MiB", "--json", str(out),
-                           "--plot", str(png)], capture_output=True, text=True, timeout=300)
+                           "--plot", str(png), "--attest"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert {"platform", "cpus", "torch"} <= set(report["machine"])
     results = report["results"]
-    assert {r["method"] for r in results} == METHODS
+    assert {r["method"] for r in results} == METHODS | {"weightsync+attest"}
     assert {r["transport"] for r in results if r["method"] == "weightsync"} == {"gloo", "shm"}
+    assert {r["transport"] for r in results if r["method"] == "weightsync+attest"} == {"gloo", "shm"}
     for r in results:
         assert set(r) == {"method", "transport", "bytes", "tensors", "engines", "seconds", "gbps", "loop_lag_ms"}
         assert r["engines"] == 2 and r["bytes"] > 3 * 2**20
         assert 0 < r["seconds"]["min"] <= r["seconds"]["median"] <= r["seconds"]["max"]
         assert r["gbps"] > 0
-        assert (r["loop_lag_ms"] is None) == (r["method"] != "weightsync")
+        assert (r["loop_lag_ms"] is None) == (not r["method"].startswith("weightsync"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "weightsync" in proc.stdout and "memcpy" in proc.stdout
 

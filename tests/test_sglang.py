@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.conftest import start_agent, start_coordinator, wait_available
-from weightsync.client import Probe, EngineClient, SyncFailed, TrainerClient
+from weightsync.client import EngineClient, Probe, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import FailedPrecondition, InvalidArgument, TornWeightsError, WeightSyncError
 from weightsync.lifecycle import spawn, stop_process, wait_for_file

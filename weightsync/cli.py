@@ -94,6 +94,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also run per-tensor-gloo, flat-gloo, disk, grpc-stream, memcpy")
+    p.add_argument("--attest", action="store_true",
+                   help="also run every weightsync round with the attestation probe (method weightsync+attest)")
     p.add_argument("--json", default="", help="write the report here")
     p.add_argument("--plot", default="", help="write a PNG of throughput per method here")
 
@@ -183,7 +185,7 @@ def _bench(args) -> int:
     try:
         report = run_bench(size=args.size, tensors=args.tensors, engines=args.engines, transports=chosen,
                            steps=args.steps, baselines=args.baselines, json_path=args.json, plot_path=args.plot,
-                           bucket_bytes=parse_size(args.bucket_bytes))
+                           bucket_bytes=parse_size(args.bucket_bytes), attest=args.attest)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2

@@ -159,15 +159,20 @@ class Greedy:
     logprobs: list[float]
 
 
-def greedy(url: str, model: str, prompt, max_tokens: int = 12) -> Greedy:
-    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
+def served_model(url: str) -> str:
+    """The model id a vLLM serves (its model directory, which differs between servers)."""
+    return get(url, "/v1/models")["data"][0]["id"]
+
+
+def greedy(url: str, prompt, max_tokens: int = 12) -> Greedy:
+    body = {"model": served_model(url), "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
             "ignore_eos": True, "return_tokens_as_token_ids": True}
     logprobs = post(url, "/v1/completions", body)["choices"][0]["logprobs"]
     return Greedy([int(t.split(":")[1]) for t in logprobs["tokens"]], [float(x) for x in logprobs["token_logprobs"]])
 
 
-def greedy_all(url: str, model: str) -> list[Greedy]:
-    return [greedy(url, model, prompt) for prompt in PROMPTS]
+def greedy_all(url: str) -> list[Greedy]:
+    return [greedy(url, prompt) for prompt in PROMPTS]
 
 
 def assert_same_outputs(got: list[Greedy], want: list[Greedy], what: str) -> None:

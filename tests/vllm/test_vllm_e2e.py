@@ -64,7 +64,7 @@ async def test_three_rounds_match_the_trainers_model(vllm_stack, tiny_model):
     must pass. Outputs differ round to round."""
     address, url, _, _ = vllm_stack
     original = checkpoint(tiny_model)
-    previous = greedy_all(url, tiny_model)
+    previous = greedy_all(url)
     async with TrainerClient(address) as client:
         first = (await client.get_state()).weight_version + 1
         for round_, transport in enumerate(["shm", "gloo", "group"]):
@@ -77,7 +77,7 @@ async def test_three_rounds_match_the_trainers_model(vllm_stack, tiny_model):
             assert result.ok and result.engines[0].weight_version == version
             assert result.engines[0].attest_max_diff <= 1e-3
             assert get(url, "/weight_info")["weight_version"] == str(version)
-            synced = greedy_all(url, tiny_model)
+            synced = greedy_all(url)
             assert_same_outputs(synced, [trainer_greedy(model, p) for p in PROMPTS], f"round {round_} ({transport})")
             assert [g.tokens for g in synced] != [g.tokens for g in previous], f"round {round_} changed nothing"
             previous = synced

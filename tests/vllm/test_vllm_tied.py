@@ -74,7 +74,7 @@ async def test_tied_rounds_match_a_fresh_boot_and_the_trainer(tied):
     vLLM booted fresh on the round's checkpoint and the trainer's model, and the
     attestation probe passes within the fp32 tolerance."""
     stack, fresh_urls, base_dir, rounds = tied
-    previous = greedy_all(stack.url, stack.model)
+    previous = greedy_all(stack.url)
     async with TrainerClient(stack.address) as client:
         for r, transport in enumerate(TRANSPORTS):
             model, attest = probe_for(base_dir, rounds[r])
@@ -83,8 +83,8 @@ async def test_tied_rounds_match_a_fresh_boot_and_the_trainer(tied):
             engine = result.engines[0]
             assert result.ok and engine.weight_version == r + 1 and result.resumed == ("vllm-0",)
             assert engine.attest_max_diff is not None and engine.attest_max_diff <= 1e-3, engine
-            synced = greedy_all(stack.url, stack.model)
-            assert_same_outputs(synced, greedy_all(fresh_urls[r], stack.model), f"round {r} ({transport}) vs fresh")
+            synced = greedy_all(stack.url)
+            assert_same_outputs(synced, greedy_all(fresh_urls[r]), f"round {r} ({transport}) vs fresh")
             assert_same_outputs(synced, [trainer_greedy(model, p) for p in PROMPTS],
                                 f"round {r} ({transport}) vs trainer")
             assert [g.tokens for g in synced] != [g.tokens for g in previous], f"round {r} changed nothing"
@@ -117,5 +117,5 @@ async def test_a_reload_that_skips_the_tied_layer_is_caught_by_attestation(tied)
         result = await client.update_weights(weights, version=BROKEN_VERSION + 1, timeout_s=180, attest=attest)
         assert result.ok and result.engines[0].attest_max_diff <= 1e-3
     assert get(stack.url, "/is_paused")["is_paused"] is False
-    assert_same_outputs(greedy_all(stack.url, stack.model), [trainer_greedy(model, p) for p in PROMPTS],
+    assert_same_outputs(greedy_all(stack.url), [trainer_greedy(model, p) for p in PROMPTS],
                         "the good round after the broken one")

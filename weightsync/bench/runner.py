@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from weightsync.bench.baselines import METHODS, Baselines
-from weightsync.client import LoopLagProbe, TrainerClient
+from weightsync.client import LoopLagProbe, Probe, TrainerClient
 from weightsync.engine.model import ReferenceLM, config_for_size
 from weightsync.local_cluster import LocalCluster
 from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
@@ -71,41 +71,55 @@ def _perturb(model: ReferenceLM) -> None:
             p.add_(1e-3)
 
 
+def probe_sequences(model: ReferenceLM, count: int = 4, length: int = 16) -> list[list[int]]:
+    """Fixed token sequences for the attestation probe (seeded; inside the model's vocabulary)."""
+    g = torch.Generator().manual_seed(1234)
+    length = min(length, model.cfg.max_seq_len)
+    return torch.randint(0, model.cfg.vocab_size, (count, length), generator=g).tolist()
+
+
 async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list[str], steps: int,
-                           bucket_bytes: int, engines: int, progress: Progress) -> list[dict]:
+                           bucket_bytes: int, engines: int, progress: Progress, attest: bool) -> list[dict]:
     results = []
     version = 0
     tensors = sum(1 for _ in model.parameters())
+    sequences = probe_sequences(model)
     for transport in transports:
         async with TrainerClient(address, transport=transport, bucket_bytes=bucket_bytes) as client:
             version += 1
             await client.update_weights(model.named_parameters(), version=version, timeout_s=600)  # warm-up
             progress.step(f"weightsync/{transport} warm-up")
-            seconds, lags = [], []
-            nbytes = 0
-            for _ in range(steps):
-                await asyncio.to_thread(_perturb, model)
-                version += 1
-                await client.pause()
-                async with LoopLagProbe(interval_s=0.002) as lag:
-                    start = time.perf_counter()
-                    result = await client.broadcast(model.named_parameters(), version=version, timeout_s=600)
-                    seconds.append(time.perf_counter() - start)
-                await client.resume()
-                nbytes = result.bytes
-                lags.append(lag)
-                progress.step(f"weightsync/{transport}")
+            # With --attest the same rounds run again with the probe, in this run: the
+            # ratio of the two is attestation's cost (the trainer's scoring included).
+            for method, probe in [("weightsync", None)] + ([("weightsync+attest", sequences)] if attest else []):
+                seconds, lags = [], []
+                nbytes = 0
+                for _ in range(steps):
+                    await asyncio.to_thread(_perturb, model)
+                    version += 1
+                    await client.pause()
+                    async with LoopLagProbe(interval_s=0.002) as lag:
+                        start = time.perf_counter()
+                        result = await client.broadcast(
+                            model.named_parameters(), version=version, timeout_s=600,
+                            attest=(lambda s=probe: Probe.from_model(model, s)) if probe else None)
+                        seconds.append(time.perf_counter() - start)
+                    await client.resume()
+                    nbytes = result.bytes
+                    lags.append(lag)
+                    progress.step(f"{method}/{transport}")
+                lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags)}
+                results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag))
             state = await client.get_state(include_digests=True)
             local = await asyncio.to_thread(weights_digest, model.named_parameters())
             if len(state.engines) != engines or any(e.weights_digest != local for e in state.engines):
                 raise RuntimeError(f"weightsync/{transport}: engines do not hold the bytes that were sent")
-            lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags)}
-            results.append(_summary("weightsync", transport, nbytes, tensors, engines, seconds, lag))
     return results
 
 
 def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], steps: int, baselines: bool,
-              json_path: str = "", plot_path: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+              json_path: str = "", plot_path: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              attest: bool = False) -> dict:
     """Runs the benchmark; returns (and optionally writes) the JSON report."""
     if engines < 1 or steps < 1 or tensors < 1:
         raise ValueError("engines, steps and tensors must be >= 1")
@@ -117,14 +131,15 @@ def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], s
     cfg = config_for_size(parse_size(size), tensors)
     model = ReferenceLM(cfg)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
-    total_steps = len(transports) * (steps + 1) + (len(METHODS) * steps if baselines else 0)
+    total_steps = len(transports) * (steps * (2 if attest else 1) + 1) + (len(METHODS) * steps if baselines else 0)
     progress = Progress(total_steps)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         with LocalCluster(tmp, engines=engines, agent_args=("--model", cfg.to_json()), agent_timeout_s=600,
                           settle_s=1.0) as cluster:
             results += asyncio.run(_weightsync_runs(cluster.address, model, transports=transports, steps=steps,
-                                                    bucket_bytes=bucket_bytes, engines=engines, progress=progress))
+                                                    bucket_bytes=bucket_bytes, engines=engines, progress=progress,
+                                                    attest=attest))
         if baselines:
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             with Baselines(named, engines=engines, steps=steps, tmp=tmp) as runs:
@@ -132,7 +147,8 @@ def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], s
                     seconds = runs.run(method, progress=lambda _s, m=method: progress.step(m))
                     results.append(_summary(method, None, nbytes, len(named), engines, seconds, None))
     report = {"machine": machine(), "results": results,
-              "config": {"size": size, "tensors_requested": tensors, "bucket_bytes": bucket_bytes, "steps": steps}}
+              "config": {"size": size, "tensors_requested": tensors, "bucket_bytes": bucket_bytes, "steps": steps,
+                         "attest": attest}}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
@@ -149,11 +165,11 @@ def machine() -> dict:
 
 def table(report: dict) -> str:
     """The report as a fixed-width table."""
-    rows = [f"{'method':<16} {'transport':<9} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
+    rows = [f"{'method':<18} {'transport':<9} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
             f"{'min s':>8} {'Gbit/s':>7} {'lag p99/max ms':>15}"]
     for r in report["results"]:
         lag = f"{r['loop_lag_ms']['p99']:.1f}/{r['loop_lag_ms']['max']:.1f}" if r["loop_lag_ms"] else "-"
-        rows.append(f"{r['method']:<16} {r['transport'] or '-':<9} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
+        rows.append(f"{r['method']:<18} {r['transport'] or '-':<9} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
                     f"{r['engines']:>7} {r['seconds']['median']:>9.3f} {r['seconds']['min']:>8.3f} "
                     f"{r['gbps']:>7.2f} {lag:>15}")
     return "\n".join(rows)
@@ -167,7 +183,7 @@ def plot(report: dict, path: str) -> None:
     labels = [r["method"] + (f"\n{r['transport']}" if r["transport"] else "") for r in report["results"]]
     values = [r["gbps"] for r in report["results"]]
     fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.3), 4))
-    bars = ax.bar(labels, values, color=["tab:blue" if r["method"] == "weightsync" else "tab:gray"
+    bars = ax.bar(labels, values, color=["tab:blue" if r["method"].startswith("weightsync") else "tab:gray"
                                          for r in report["results"]])
     ax.bar_label(bars, fmt="%.2f")
     r0 = report["results"][0]
