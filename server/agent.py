@@ -332,8 +332,15 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 if digest != request.weights_digest:
                     error = TransferError("received weights do not match the trainer's digest")
             if error is None and probe is not None:
-                # Invariant 11: the engine's own outputs, not the bytes, decide "ok".
-                attest_max_diff, error = await self._attest(probe, request.version, deadline_at)
+                # Invariant 11: the engine's own outputs, not the bytes, decide "ok". A
+                # cancellation waits for the (deadline-bounded) probe like for the bytes.
+                attesting = asyncio.ensure_future(self._attest(probe, request.version, deadline_at))
+                while not attesting.done():
+                    try:
+                        await asyncio.wait({attesting})
+                    except asyncio.CancelledError:
+                        cancelled = True
+                attest_max_diff, error = attesting.result()
         except Exception as exc:  # anything before or around the transfer: nothing trustworthy landed
             error = exc
         seconds = time.monotonic() - started

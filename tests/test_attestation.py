@@ -1,8 +1,8 @@
 """Behavioural attestation with reference engines: real coordinator and agent processes.
 
 The probe's expected log-probs come from the trainer's ``ReferenceLM.forward`` (the
-batched training pass); each engine scores with ``forward_cached`` token by token (its
-serving pass), so the two sides share weights, not code paths. The broken load is the
+batched training pass); each engine scores with ``forward_cached`` on a scratch KV
+cache (its serving pass), so the two sides share weights, not code paths. The broken load is the
 agents' test-only fault ``stale_tensor``: the bytes arrive, the engine keeps computing
 with one old tensor.
 """

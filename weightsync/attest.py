@@ -69,20 +69,23 @@ class Probe:
     @classmethod
     def from_model(cls, model: Callable[[torch.Tensor], torch.Tensor], sequences: Sequence[Sequence[int]], *,
                    tolerance: float | None = None, dtype: torch.dtype = torch.float32) -> Probe:
-        """Scores ``sequences`` with ``model`` (``tokens [1, T] -> logits [1, T, V]``).
+        """Scores ``sequences`` with ``model`` (``tokens [B, T] -> logits [B, T, V]``).
 
         Blocking: the trainer client calls it on its worker thread. ``tolerance``
         defaults to the stated one for engines serving ``dtype``.
         """
-        expected = []
+        sequences = [[int(t) for t in s] for s in sequences]
+        expected: list[tuple[float, ...]] = [()] * len(sequences)
+        by_length: dict[int, list[int]] = {}
+        for i, seq in enumerate(sequences):
+            by_length.setdefault(len(seq), []).append(i)
         with torch.no_grad():
-            for seq in sequences:
-                tokens = torch.tensor([list(seq)], dtype=torch.long)
-                logits = model(tokens)
-                if logits.dim() == 3:
-                    logits = logits[0]
-                expected.append(tuple(float(x) for x in token_logprobs(logits.detach().cpu(), tokens[0])))
-        return cls(tuple(tuple(int(t) for t in s) for s in sequences), tuple(expected),
+            for indices in by_length.values():  # one forward per length: a batch without padding
+                tokens = torch.tensor([sequences[i] for i in indices], dtype=torch.long)
+                logits = model(tokens).detach().float().cpu()
+                for row, i in enumerate(indices):
+                    expected[i] = tuple(token_logprobs(logits[row], tokens[row]).tolist())
+        return cls(tuple(tuple(s) for s in sequences), tuple(expected),
                    default_tolerance(dtype) if tolerance is None else tolerance)
 
     def to_proto(self) -> common_pb2.AttestationProbe:

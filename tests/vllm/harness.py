@@ -215,7 +215,7 @@ def trainer_model(model_dir: str, weights: list[tuple[str, torch.Tensor]]):
 
 
 def trainer_logits_fn(model):
-    """``tokens [1, T] -> logits [1, T, V]`` for ``Probe.from_model``."""
+    """``tokens [B, T] -> logits [B, T, V]`` for ``Probe.from_model``."""
     return lambda tokens: model(tokens).logits
 
 

@@ -167,13 +167,15 @@ class ReferenceLM(nn.Module):
         return (c.n_layers, 2, c.n_heads, c.max_seq_len, c.head_dim)
 
     @torch.no_grad()
-    def forward_cached(self, tokens: torch.Tensor, cache: torch.Tensor, start: int) -> torch.Tensor:
-        """tokens [T] at positions start.. with ``cache`` (see kv_shape) -> logits of the last token."""
+    def forward_cached(self, tokens: torch.Tensor, cache: torch.Tensor, start: int, *,
+                       all_logits: bool = False) -> torch.Tensor:
+        """tokens [T] at positions start.. with ``cache`` (see kv_shape) -> logits of the last
+        token ([V]), or of every token ([T, V]) with ``all_logits`` (scoring a probe)."""
         t = tokens.shape[0]
         x = self.embed(tokens) + self.pos(torch.arange(start, start + t))
         for i, block in enumerate(self.blocks):
             x = block.forward_cached(x, cache[i], start)
-        return self.head(self.ln_f(x[-1]))
+        return self.head(self.ln_f(x if all_logits else x[-1]))
 
 
 __all__ = ["ModelConfig", "PRESETS", "ReferenceLM", "resolve_config", "config_for_size"]

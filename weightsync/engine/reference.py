@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.attest import token_logprobs
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import EngineFault, FailedPrecondition, InvalidArgument, StepTimeoutError
 from weightsync.v1 import common_pb2
@@ -220,8 +221,8 @@ class ReferenceEngine:
         return self._shapes_cache
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Teacher-forced log-probs of each sequence, computed the way the engine serves:
-        token by token through ``forward_cached`` on a scratch KV cache (not the
+        """Teacher-forced log-probs of each sequence, computed the way the engine serves a
+        prompt: one prefill through ``forward_cached`` on a scratch KV cache (not the
         trainer's batched ``forward``), with the weights the engine holds now.
 
         The request pool and its KV cache are untouched; only allowed while paused.
@@ -237,12 +238,8 @@ class ReferenceEngine:
                 tokens = torch.tensor([int(t) for t in seq])
                 if len(tokens) > self.config.max_seq_len or int(tokens.max()) >= self.config.vocab_size:
                     raise InvalidArgument("probe sequence does not fit the engine's context or vocabulary")
-                cache = torch.zeros(self.model.kv_shape())
-                logprobs = []
-                for i in range(len(tokens) - 1):
-                    logits = self.model.forward_cached(tokens[i:i + 1], cache, i)
-                    logprobs.append(float(torch.log_softmax(logits.float(), -1)[tokens[i + 1]]))
-                out.append(logprobs)
+                logits = self.model.forward_cached(tokens, torch.zeros(self.model.kv_shape()), 0, all_logits=True)
+                out.append(token_logprobs(logits, tokens).tolist())
             return out
 
     # ----- state ----------------------------------------------------------------------
