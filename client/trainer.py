@@ -111,6 +111,7 @@ class _Prepared:
     sources: list[torch.Tensor]
     digest: str
     probe: Probe | None = None
+    plan_proto: common_pb2.WeightPlan | None = None  # built on the worker thread, not the loop
 
     def group_backend(self, kind) -> str:
         """For the group transport: nccl when the weights are on a GPU, else gloo."""
@@ -293,7 +294,7 @@ class TrainerClient:
                 self._store = await self._in_thread(host_store, self.host, timeout_s=self.default_timeout_s)
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest)
             request = coordinator_pb2.BroadcastRequest(
-                idempotency_key=key, version=version, plan=prepared.plan.to_proto(), transport=kind,
+                idempotency_key=key, version=version, plan=prepared.plan_proto, transport=kind,
                 store_host=self.host, store_port=self._store.port, weights_digest=prepared.digest,
                 group_backend=prepared.group_backend(kind),
                 probe=prepared.probe.to_proto() if prepared.probe is not None else None)
@@ -407,7 +408,7 @@ class TrainerClient:
         probe = attest() if callable(attest) else attest
         if probe is not None and not isinstance(probe, Probe):
             raise InvalidArgument(f"attest must be a Probe or a function returning one, got {type(probe).__name__}")
-        return _Prepared(plan, [t for _, t in pairs], digest, probe)
+        return _Prepared(plan, [t for _, t in pairs], digest, probe, plan.to_proto())
 
     # ----- the whole sync -----------------------------------------------------------------
 

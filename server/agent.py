@@ -71,6 +71,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
         self._receivers: dict[int, transports.Receiver] = {}
+        self._plan_fits = ""  # plan_id of the last plan checked against the engine's tensors
         self._idempotency = IdempotencyStore()
         self._receive_task: asyncio.Future | None = None
         self._abort = threading.Event()
@@ -224,8 +225,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     async def Receive(self, request, context):
         if request.validate_only:
             try:
-                self._check_alive()
-                self.validate_receive(request)
+                # Off the loop: the plan may hold 20k tensors, and an HTTP engine answers slowly.
+                await self._engine(self._check_alive)
+                await self._engine(self.validate_receive, request)
             except WeightSyncError as exc:
                 await abort_with(context, exc)
             return self._outcome()
@@ -237,24 +239,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         check_timeout(request.timeout_s)
         plan = BucketPlan.from_proto(request.plan)
         probe = Probe.from_proto(request.probe) if request.HasField("probe") else None
-        specs = self.adapter.tensor_specs()
-        names = [s.name for s in plan.slots]
-        unknown = [n for n in names if n not in specs]
-        if unknown:
-            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown[:5]}",
-                                  metadata={"tensor": unknown[0]})
-        missing = [n for n in specs if n not in set(names)]
-        if missing:
-            raise InvalidArgument(f"plan lacks engine tensors: {missing[:5]} (a sync must cover every weight)",
-                                  metadata={"tensor": missing[0]})
-        for slot in plan.slots:
-            dtype, shape = specs[slot.name]
-            if slot.dtype != dtype:
-                raise InvalidArgument(f"tensor {slot.name!r}: plan dtype {dtype_name(slot.dtype)} != engine "
-                                      f"dtype {dtype_name(dtype)}", metadata={"tensor": slot.name})
-            if tuple(slot.shape) != tuple(shape):
-                raise InvalidArgument(f"tensor {slot.name!r}: plan shape {list(slot.shape)} != engine shape "
-                                      f"{list(shape)}", metadata={"tensor": slot.name})
+        if plan.plan_id != self._plan_fits:  # the engine's specs never change: check a plan once
+            self._check_plan_fits(plan)
+            self._plan_fits = plan.plan_id
         rdzv = request.rendezvous
         if rdzv.transport not in transports.KIND_NAMES:
             raise InvalidArgument(f"unknown transport {rdzv.transport}")
@@ -276,9 +263,31 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self._receivers[rdzv.transport] = receiver
         return plan, receiver, probe
 
+    def _check_plan_fits(self, plan: BucketPlan) -> None:
+        """The plan names exactly the engine's tensors, with their dtypes and shapes."""
+        specs = self.adapter.tensor_specs()
+        names = [s.name for s in plan.slots]
+        unknown = [n for n in names if n not in specs]
+        if unknown:
+            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown[:5]}",
+                                  metadata={"tensor": unknown[0]})
+        planned = set(names)
+        missing = [n for n in specs if n not in planned]
+        if missing:
+            raise InvalidArgument(f"plan lacks engine tensors: {missing[:5]} (a sync must cover every weight)",
+                                  metadata={"tensor": missing[0]})
+        for slot in plan.slots:
+            dtype, shape = specs[slot.name]
+            if slot.dtype != dtype:
+                raise InvalidArgument(f"tensor {slot.name!r}: plan dtype {dtype_name(slot.dtype)} != engine "
+                                      f"dtype {dtype_name(dtype)}", metadata={"tensor": slot.name})
+            if tuple(slot.shape) != tuple(shape):
+                raise InvalidArgument(f"tensor {slot.name!r}: plan shape {list(slot.shape)} != engine shape "
+                                      f"{list(shape)}", metadata={"tensor": slot.name})
+
     async def _receive(self, request) -> common_pb2.EngineOutcome:
-        self._check_alive()
-        plan, receiver, probe = self.validate_receive(request)
+        await self._engine(self._check_alive)
+        plan, receiver, probe = await self._engine(self.validate_receive, request)
         if not self.paused:
             raise FailedPrecondition("receive needs a paused engine: call Pause first")
         if self._receive_task is not None and not self._receive_task.done():

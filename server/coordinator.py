@@ -297,6 +297,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                                               coordinator_pb2.BroadcastResult)
 
     def _validate_broadcast(self, request) -> BucketPlan:
+        """Runs on a worker thread: a plan may hold tens of thousands of tensors."""
         plan = BucketPlan.from_proto(request.plan)
         if request.transport not in transports.KIND_NAMES:
             raise InvalidArgument(f"unknown transport {request.transport}")
@@ -316,7 +317,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _broadcast(self, request, progress: asyncio.Queue) -> coordinator_pb2.BroadcastResult:
         async with self._round_lock:
-            plan = self._validate_broadcast(request)
+            plan = await asyncio.to_thread(self._validate_broadcast, request)
             if self.phase not in ("paused", "failed", "broadcast_done"):
                 raise FailedPrecondition(f"no paused round (phase {self.phase!r}): call Pause first")
             members = [r for r in self._members() if self.registry.is_available(r)]

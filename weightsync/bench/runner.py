@@ -84,10 +84,13 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
     version = 0
     tensors = sum(1 for _ in model.parameters())
     sequences = probe_sequences(model)
+    # Listed once, as a trainer that syncs every step does: walking the module tree
+    # (torch's named_parameters) costs ~10 us per tensor, outside weightsync.
+    named = list(model.named_parameters())
     for transport in transports:
         async with TrainerClient(address, transport=transport, bucket_bytes=bucket_bytes) as client:
             version += 1
-            await client.update_weights(model.named_parameters(), version=version, timeout_s=600)  # warm-up
+            await client.update_weights(named, version=version, timeout_s=600)  # warm-up
             progress.step(f"weightsync/{transport} warm-up")
             # With --attest the same rounds run again with the probe, in this run: the
             # ratio of the two is attestation's cost (the trainer's scoring included).
@@ -101,7 +104,7 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
                     async with LoopLagProbe(interval_s=0.002) as lag:
                         start = time.perf_counter()
                         result = await client.broadcast(
-                            model.named_parameters(), version=version, timeout_s=600,
+                            named, version=version, timeout_s=600,
                             attest=(lambda s=probe: Probe.from_model(model, s)) if probe else None)
                         seconds.append(time.perf_counter() - start)
                     await client.resume()

@@ -107,6 +107,7 @@ class ReferenceAdapter(EngineAdapter):
 
     def __init__(self, config: ModelConfig, *, step_delay_s: float = 0.0, max_running: int = 8) -> None:
         self.engine = ReferenceEngine(config, step_delay_s=step_delay_s, max_running=max_running)
+        self._targets: tuple[str, list[torch.Tensor]] | None = None
 
     def pause(self, mode, *, timeout_s):
         self.engine.pause(mode, timeout_s=timeout_s)
@@ -138,8 +139,12 @@ class ReferenceAdapter(EngineAdapter):
         return self.engine.score(sequences)
 
     def load_targets(self, plan):
-        live = dict(self.engine.named_tensors())
-        return [live[slot.name] for slot in plan.slots]
+        # The Parameters themselves (not ``.data``, a new tensor each time): one dict
+        # lookup per tensor, and the list is reused while the plan stays the same.
+        if self._targets is None or self._targets[0] != plan.plan_id:
+            live = self.engine.parameters_by_name()
+            self._targets = (plan.plan_id, [live[slot.name] for slot in plan.slots])
+        return self._targets[1]
 
     def commit(self, version):
         self.engine.weight_version = version

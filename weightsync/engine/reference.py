@@ -74,7 +74,9 @@ class ReferenceEngine:
         if max_running <= 0:
             raise InvalidArgument("max_running must be positive")
         self.config = config
-        self.model = ReferenceLM(config).eval()
+        self.model = ReferenceLM(config).eval().requires_grad_(False)  # an engine never trains
+        self._specs = {n: (p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()}
+        self._params = dict(self.model.named_parameters())
         self.max_running = max_running
         self._step_delay_s = step_delay_s   # lets tests and the demo pace generation
         self._cond = threading.Condition()
@@ -191,7 +193,7 @@ class ReferenceEngine:
             if "kv_cache" in woken:
                 self._kv = self._alloc_kv()
             if "weights" in woken:
-                shapes = dict(self._param_shapes)
+                shapes = {n: shape for n, (_, shape) in self._specs.items()}
                 for name, p in self.model.named_parameters():
                     p.data = torch.zeros(shapes[name], dtype=p.dtype)
             self._asleep.difference_update(woken)
@@ -210,15 +212,15 @@ class ReferenceEngine:
         """The live parameter tensors, in model order (writes go straight into the model)."""
         return [(n, p.data) for n, p in self.model.named_parameters()]
 
-    def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """name -> (dtype, shape) of every parameter, valid even while weights sleep."""
-        return {n: (dict(self.model.named_parameters())[n].dtype, s) for n, s in self._param_shapes}
+    def parameters_by_name(self) -> dict[str, torch.nn.Parameter]:
+        """name -> live Parameter (the same objects for the engine's lifetime: sleep and
+        wake swap their storage, not the Parameters). Writes land in the model."""
+        return self._params
 
-    @property
-    def _param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        if not hasattr(self, "_shapes_cache"):
-            self._shapes_cache = [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
-        return self._shapes_cache
+    def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """name -> (dtype, shape) of every parameter, valid even while weights sleep.
+        Computed once: the model's names, dtypes and shapes never change."""
+        return self._specs
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Teacher-forced log-probs of each sequence, computed the way the engine serves a
