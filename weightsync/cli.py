@@ -86,7 +86,9 @@ def _add_demo(sub) -> None:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="measure transfer time against the alternatives, in one run")
     p.add_argument("--size", default="256MiB", help="payload size, e.g. 1GiB, 256MiB")
-    p.add_argument("--tensors", type=int, default=64, help="about how many tensors the payload is split into")
+    p.add_argument("--tensors", type=int, default=300,
+                   help="about how many tensors the payload is split into (default: about a dense 8B model's count; "
+                        "mixture-of-experts models have tens of thousands)")
     p.add_argument("--engines", type=int, default=2, help="receiving engines (agent processes)")
     p.add_argument("--transport", action="append", choices=["gloo", "shm", "group", "nccl", "cuda-ipc"],
                    help="weightsync transport to measure (repeatable; default gloo and shm)")
