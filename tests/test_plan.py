@@ -96,3 +96,22 @@ def test_pack_unpack_roundtrip_is_bitwise(specs, bucket, seed):
     out = roundtrip(plan, sources)
     assert weights_digest(zip([n for n, _ in named], out, strict=True)) == weights_digest(named)
     assert BucketPlan.from_proto(plan.to_proto()) == plan
+
+
+def test_many_small_tensors_round_after_round_through_reused_buffers():
+    """Whole tensors go through views of the bucket buffer that are built once and then
+    reused: values from an earlier round, another buffer or a cast must never leak."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [(3,), (5, 2), (1,), (7, 3), (4,)] * 40 + [(300, 17)]  # many small ones and one that spans buckets
+    named = [(f"t{i}", torch.empty(s)) for i, s in enumerate(shapes)]
+    plan = BucketPlan.from_tensors(named, bucket_bytes=4096, wire_dtype=torch.bfloat16)
+    buffers = [torch.empty(plan.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+    targets = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+    for _ in range(3):
+        sources = [torch.randn(s, generator=g) for s in shapes]
+        for bucket in range(plan.num_buckets):
+            buf = buffers[bucket % 2][:plan.bucket_size(bucket)]
+            pack_bucket(plan, bucket, sources, buf)
+            unpack_bucket(plan, bucket, buf, targets)
+        for src, dst in zip(sources, targets, strict=True):
+            assert torch.equal(src.to(torch.bfloat16), dst)

@@ -30,7 +30,8 @@ MAX_NAME_LEN = 512
 _PLANS: OrderedDict[bytes, BucketPlan] = OrderedDict()  # validated plans by wire hash (from_proto)
 _PLANS_LOCK = threading.Lock()
 _PLANS_KEPT = 8
-_VIEW_BUFFERS = 8  # bucket buffers whose views a plan remembers (bucket_views)
+_VIEW_BUFFERS = 4  # bucket buffers whose views a plan remembers: a sender's or receiver's two, and the
+# two they replaced (a new group or segment); older ones are let go, so their memory can be freed
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -246,13 +247,14 @@ class BucketPlan:
         remembered; the views keep their buffer's memory alive until then.
         """
         lock, cache = self._views
+        key = (str(buffer.device), buffer.data_ptr())
         with lock:
-            per_buffer = cache.get(buffer.data_ptr())
+            per_buffer = cache.get(key)
             if per_buffer is None:
-                per_buffer = cache[buffer.data_ptr()] = {}
+                per_buffer = cache[key] = {}
                 while len(cache) > _VIEW_BUFFERS:
                     cache.popitem(last=False)
-            cache.move_to_end(buffer.data_ptr())
+            cache.move_to_end(key)
             views = per_buffer.get(bucket)
             if views is None:
                 views = []
