@@ -144,7 +144,7 @@ async def run_agent(options: AgentOptions) -> int:
             interceptors.append(FaultInterceptor(faults))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
         agent_pb2_grpc.add_EngineAgentServicer_to_server(core, server)
-        health = add_health_and_reflection(server, [SERVICE])
+        health = await add_health_and_reflection(server, [SERVICE])
         core.address = bind(server, options.listen, options.security)
         await server.start()
         channel = options.security.channel(options.coordinator, options=CHANNEL_OPTIONS)
@@ -183,7 +183,7 @@ async def _shutdown(core, server, channel, tasks, health, launcher, faults,
             errors.append(exc)
 
     if health is not None:
-        set_not_serving(health, [SERVICE])
+        await set_not_serving(health)
     if core is not None:
         await step("drain", lambda: core.drain(grace))
     for task in tasks:

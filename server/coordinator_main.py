@@ -77,7 +77,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
             interceptors.append(FaultInterceptor(faults))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, server)
-        health = add_health_and_reflection(server, [SERVICE])
+        health = await add_health_and_reflection(server, [SERVICE])
         address = bind(server, options.listen, options.security)
         await server.start()
         if options.port_file:
@@ -91,7 +91,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
     finally:
         grace = options.shutdown_grace_s
         if health is not None:
-            set_not_serving(health, [SERVICE])
+            await set_not_serving(health)
         if core is not None:
             core.accepting = False
         stop.set()

@@ -31,20 +31,25 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:
-    """Adds gRPC health checking (every service SERVING) and reflection."""
-    servicer = health.HealthServicer(experimental_non_blocking=True)
+async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Adds gRPC health checking (every service SERVING) and reflection.
+
+    The asyncio health servicer, not the thread-based one: a client that holds a
+    ``Watch`` stream open (load balancers and probes do) would otherwise pin a thread
+    that the server's shutdown waits for forever; the asyncio ``Watch`` is cancelled
+    with the server's other calls when the grace period ends."""
+    servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     for name in [*service_names, ""]:
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
     return servicer
 
 
-def set_not_serving(servicer: health.HealthServicer, service_names: list[str]) -> None:
-    """Marks every service NOT_SERVING (called when shutdown starts)."""
-    for name in [*service_names, ""]:
-        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+async def set_not_serving(servicer: health.aio.HealthServicer) -> None:
+    """Marks every service NOT_SERVING for good (called when shutdown starts); watchers
+    are told at once."""
+    await servicer.enter_graceful_shutdown()
 
 
 def bind(server: grpc.aio.Server, listen: str, security: Security) -> str:

@@ -231,3 +231,26 @@ async def test_health_and_reflection_on_both_servers(cluster):
                 names = {s.name for s in response.list_services_response.service}
                 assert service in names and "grpc.health.v1.Health" in names
                 break
+
+
+async def test_a_health_watcher_sees_not_serving_and_does_not_keep_servers_alive(cluster):
+    """Load balancers hold ``Health/Watch`` streams open. On SIGTERM each server tells its
+    watchers NOT_SERVING, ends their streams with its other calls, and exits 0 promptly
+    (a thread-based health servicer kept both servers running after SIGTERM)."""
+    servers = [(cluster.agents[0].address, cluster.agents[0].proc), (cluster.address, cluster.coordinator)]
+    for address, proc in servers:
+        async with grpc.aio.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            first = await watch.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            seen = []
+            try:
+                while (response := await watch.read()) is not grpc.aio.EOF:
+                    seen.append(response.status)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), exc
+            assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
+            assert await asyncio.to_thread(proc.wait, 30) == 0
+            assert time.monotonic() - started < 25, "a watcher held the server past its shutdown grace"
