@@ -451,8 +451,11 @@ class TrainerClient:
                 t0 = time.monotonic()
                 try:
                     paused = await self.pause(mode=mode, offload_kv=offload_kv, required_engines=required_engines)
-                except WeightSyncError as exc:
-                    await self._resume_after(exc)  # release the engines that did pause
+                except (WeightSyncError, asyncio.CancelledError) as exc:
+                    # Release the engines that did pause -- also when the caller cancelled:
+                    # the coordinator finishes a Pause it started, and nothing else would
+                    # ever resume those engines.
+                    await self._resume_after(exc)
                     raise
                 pause_s = time.monotonic() - t0
                 skipped = tuple(EngineResult.from_proto(o) for o in paused.engines if not o.ok)

@@ -237,3 +237,26 @@ async def test_agent_wakes_kv_before_resume_whatever_the_caller_sends(cluster_fa
         assert in_order(events, "kv_asleep", "kv_awake", "resumed"), events
         state = await engine.state()
         assert not state.faulted and not state.asleep_tags
+
+
+async def test_cancelled_while_pausing_still_resumes_the_engines(cluster_factory):
+    """A cancellation that lands while Pause is in flight: the coordinator finishes the
+    Pause it started (the agents' Pause is slowed to 2 s), so the client must resume
+    before the cancellation propagates, or the engines stay paused for good."""
+    rules = [{"op": "rpc", "action": "delay", "method": "Pause", "seconds": 2.0, "times": 0}]
+    cluster = faulty_cluster(cluster_factory, rules)
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address) as client:
+        task = asyncio.ensure_future(client.update_weights(model.named_parameters(), version=1, timeout_s=60))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for agent in cluster.agents:  # the Pause the coordinator started did land
+            await wait_for_event(agent.address, "paused")
+        state = await client.get_state()
+    assert state.weight_version == 0
+    assert all(not e.paused for e in state.engines), [(e.engine_id, e.paused) for e in state.engines]
+    for agent in cluster.agents:
+        events = await kinds(agent.address)
+        assert events.index("resumed") > events.index("paused"), (agent.engine_id, events)
