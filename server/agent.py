@@ -350,12 +350,16 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                     except asyncio.CancelledError:
                         cancelled = True
                 attest_max_diff, error = attesting.result()
+            if error is None:
+                # Inside the try, and off the loop (an HTTP call for vLLM and SGLang): an
+                # engine that cannot record the version fails the receive like any other
+                # step, and the receive still settles below.
+                await self._engine(self.adapter.commit, request.version)
         except Exception as exc:  # anything before or around the transfer: nothing trustworthy landed
             error = exc
         seconds = time.monotonic() - started
         if error is None:
             self._progress = (plan.num_buckets, plan.num_buckets)
-            self.adapter.commit(request.version)
             self.torn, self.torn_version = False, 0
             self.record("transfer_done", version=request.version, seconds=f"{seconds:.4f}",
                         **({} if attest_max_diff is None else {"attest_max_diff": f"{attest_max_diff:.3g}"}))

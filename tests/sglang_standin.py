@@ -41,7 +41,7 @@ from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from weightsync.plan import weights_digest  # noqa: E402  (the test hook's digest)
 
-ARGS = argparse.Namespace(die_during_update=False)  # main() fills it; tests import the recipe
+ARGS = argparse.Namespace(die_during_update=False, fail_version_update=False)  # main() fills it; tests import the recipe
 state = {"paused": "", "released": set(), "running": 0, "weight_version": "0"}
 lock = threading.Lock()           # control state
 weights_lock = threading.Lock()   # one weight update at a time, as SGLang's model_update_lock
@@ -137,6 +137,8 @@ class Handler(BaseHTTPRequestHandler):
                 state["released"].difference_update(tags)
                 return self._reply(200, {})
             if self.path == "/update_weight_version":
+                if ARGS.fail_version_update:
+                    return self._reply(500, {"error": "injected: update_weight_version failed"})
                 state["weight_version"] = str(body["new_version"])
                 return self._reply(200, {"success": True, "new_version": state["weight_version"]})
             if self.path == "/start_requests":  # test hook: requests in flight
@@ -188,6 +190,8 @@ def main() -> None:
                         help="what /model_info reports as model_path (a hub id, say), if not --model-dir")
     parser.add_argument("--die-during-update", action="store_true",
                         help="crash (as a scheduler would) after the first tensor of an update arrived")
+    parser.add_argument("--fail-version-update", action="store_true",
+                        help="answer /update_weight_version with HTTP 500 (the weights themselves load)")
     parser.parse_args(namespace=ARGS)
     for path in sorted(glob.glob(os.path.join(ARGS.model_dir, "*.safetensors"))):
         params.update(load_file(path))

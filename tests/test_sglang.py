@@ -297,3 +297,27 @@ async def test_wait_pause_is_refused_with_a_typed_error(sglang):
         with pytest.raises(FailedPrecondition) as info:
             await client.pause(mode="wait")
         assert info.value.reason == "PAUSE_MODE_UNSUPPORTED"
+
+
+@pytest.mark.parametrize("sglang", [("--fail-version-update",)], indirect=True)
+async def test_an_engine_that_cannot_record_the_version_fails_the_round_and_stays_usable(sglang):
+    """The weights load but SGLang refuses /update_weight_version: the round fails for
+    that engine (torn, paused), and the agent is not wedged -- Resume answers at once
+    instead of waiting for a receive that never settled, and the next Receive is not
+    refused as 'already running'."""
+    address, _, _, _, _ = sglang
+    async with TrainerClient(address, transport="group") as client:
+        await client.pause()
+        with pytest.raises(SyncFailed, match="update_weight_version"):
+            await client.broadcast(tiny_weights(seed=1), version=1, timeout_s=30)
+        state = (await client.get_state()).engines[0]
+        assert state.torn and state.paused and not state.receiving
+        started = time.monotonic()
+        refused = (await client.resume(timeout_s=20)).engines[0]
+        assert not refused.ok and refused.error_reason == TornWeightsError.reason
+        assert time.monotonic() - started < 10
+        with pytest.raises(SyncFailed) as again:
+            await client.broadcast(tiny_weights(seed=2), version=2, timeout_s=30)
+        assert "already running" not in str(again.value)
+        allowed = (await client.resume(allow_torn=True)).engines[0]
+        assert allowed.ok
