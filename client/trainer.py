@@ -31,6 +31,7 @@ import torch
 from weightsync import deadline, metrics
 from weightsync import transport as transports
 from weightsync.attest import Probe
+from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
 from weightsync.errors import (
@@ -303,7 +304,7 @@ class TrainerClient:
             # then propagates chained to its error, so nothing is resumed mid-transfer
             # and no engine is left waiting for a sender that never came.
             round_task = asyncio.ensure_future(self._broadcast(stub, request, prepared, kind))
-            if await _wait_through_cancellation(round_task):
+            if await wait_through_cancellation(round_task):
                 cause = None if round_task.cancelled() else round_task.exception()
                 raise asyncio.CancelledError("broadcast cancelled") from cause
             return round_task.result()
@@ -340,11 +341,11 @@ class TrainerClient:
         except BaseException:
             if transfer is not None:
                 self._abort.set()
-                await _wait_through_cancellation(transfer)
+                await wait_through_cancellation(transfer)
             raise
         send_seconds = 0.0
         if transfer is not None:
-            await _wait_through_cancellation(transfer)
+            await wait_through_cancellation(transfer)
             if transfer.exception() is None:
                 send_seconds = transfer.result().seconds
         sync = SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
@@ -505,17 +506,6 @@ class TrainerClient:
             return await stub.GetState(coordinator_pb2.GetStateRequest(include_digests=include_digests),
                                        timeout=left if left is not None else 60.0)
         return await call_with_retry(self.retry, attempt, operation="get_state")
-
-
-async def _wait_through_cancellation(future: asyncio.Future) -> bool:
-    """Waits until ``future`` is done even if cancelled meanwhile; True if a cancel arrived."""
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.wait({future})
-        except asyncio.CancelledError:
-            cancelled = True
-    return cancelled
 
 
 __all__ = ["TrainerClient", "SyncResult", "EngineResult", "SyncFailed", "PAUSE_MODES"]

@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from weightsync import transport as transports
 from weightsync.attest import Probe
+from weightsync.cancellation import wait_through_cancellation
 from weightsync.engine.adapter import EngineAdapter
 from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
@@ -329,26 +330,26 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                                                     on_bucket=on_bucket))
             # Invariant 6 on the engine side: a cancellation still waits for the bytes, and
             # for every step after them, so the receive always settles below.
-            cancelled |= await _settled(transfer)
+            cancelled |= await wait_through_cancellation(transfer)
             error = transfer.exception()
             if error is None and restore_stale is not None:
                 restore_stale()
             if error is None and request.weights_digest:
                 digesting = asyncio.ensure_future(self._engine(self.adapter.weights_digest))
-                cancelled |= await _settled(digesting)
+                cancelled |= await wait_through_cancellation(digesting)
                 if digesting.result() != request.weights_digest:
                     error = TransferError("received weights do not match the trainer's digest")
             if error is None and probe is not None:
                 # Invariant 11: the engine's own outputs, not the bytes, decide "ok".
                 attesting = asyncio.ensure_future(self._attest(probe, request.version, deadline_at))
-                cancelled |= await _settled(attesting)
+                cancelled |= await wait_through_cancellation(attesting)
                 attest_max_diff, error = attesting.result()
             if error is None:
                 # Inside the try, and off the loop (an HTTP call for vLLM and SGLang): an
                 # engine that cannot record the version fails the receive like any other
                 # step, and the receive still settles below.
                 committing = asyncio.ensure_future(self._engine(self.adapter.commit, request.version))
-                cancelled |= await _settled(committing)
+                cancelled |= await wait_through_cancellation(committing)
                 committing.result()
         except Exception as exc:  # anything before or around the transfer: nothing trustworthy landed
             error = exc
@@ -471,17 +472,6 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         for executor in (self._control, self._transfer):
             executor.shutdown(wait=False, cancel_futures=True)
         return errors
-
-
-async def _settled(future: asyncio.Future) -> bool:
-    """Waits until ``future`` is done even if cancelled meanwhile; True if a cancel arrived."""
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.wait({future})
-        except asyncio.CancelledError:
-            cancelled = True
-    return cancelled
 
 
 __all__ = ["AgentCore", "DEFAULT_TIMEOUT_S"]
