@@ -342,6 +342,10 @@ class TrainerClient:
             if transfer is not None:
                 self._abort.set()
                 await wait_through_cancellation(transfer)
+                if not transfer.cancelled():
+                    # Retrieved, so its "aborted" is not logged as an unhandled error when the
+                    # future is collected: the round's own error is the one that matters.
+                    transfer.exception()
             raise
         send_seconds = 0.0
         if transfer is not None:

@@ -41,6 +41,7 @@ from weightsync.errors import (
     check_timeout,
     from_rpc_error,
 )
+from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore, derive_key, validate_key
 from weightsync.plan import BucketPlan
 from weightsync.security import INSECURE, Security
@@ -69,6 +70,23 @@ def _failed(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
     return outcome
 
 
+def _channel_closed(record: EngineRecord, operation: str) -> EngineUnavailable | None:
+    """The engine's failure when grpc.aio cancelled its call because the channel closed.
+
+    Closing a channel (the engine deregistered, or re-registered at a new address)
+    raises ``CancelledError`` in every call on it, not an ``AioRpcError``. That is this
+    engine's failure, not a cancellation of the round: the caller must hear at once,
+    not wait out its deadline. Returns None when our own task is being cancelled.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return None
+    error = EngineUnavailable(f"engine {record.engine_id} went away during {operation} (its channel closed: "
+                              "it deregistered or re-registered)")
+    error.metadata["engine_id"] = record.engine_id
+    return error
+
+
 def _engine_error(record: EngineRecord, exc: grpc.aio.AioRpcError, operation: str) -> WeightSyncError:
     """The typed error of a failed agent call; an unreachable agent is ENGINE_UNAVAILABLE."""
     error = from_rpc_error(exc, operation=operation)
@@ -83,8 +101,9 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
 
     def __init__(self, db: StateDB, *, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
                  idempotency_retention_s: float = 24 * 3600.0, idempotency_max_records: int = 100_000,
-                 security: Security = INSECURE) -> None:
+                 security: Security = INSECURE, faults: FaultInjector | None = None) -> None:
         self.db = db
+        self.faults = faults
         self.heartbeat_interval_s = heartbeat_interval_s
         self.registry = EngineRegistry(heartbeat_timeout_s=heartbeat_timeout_s, security=security)
         self.idempotency = IdempotencyStore(db, retention_s=idempotency_retention_s,
@@ -175,6 +194,11 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 return _failed(record.engine_id, _engine_error(record, exc, operation))
             except WeightSyncError as exc:
                 return _failed(record.engine_id, exc)
+            except asyncio.CancelledError:
+                closed = _channel_closed(record, operation)
+                if closed is None:
+                    raise
+                return _failed(record.engine_id, closed)
         return list(await asyncio.gather(*(one(r) for r in records)))
 
     @staticmethod
@@ -360,54 +384,73 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             # Phase 2: the transfer.
             self.phase, self.target_version = "broadcasting", request.version
             await self._save_round()
-            await self.emit("broadcast_started", version=request.version, bytes=plan.total_bytes,
-                            engines=",".join(ranks), transport=transports.KIND_NAMES[request.transport])
-            progress.put_nowait(coordinator_pb2.BroadcastEvent(rendezvous=rendezvous))
-            started = time.monotonic()
-            metrics.BROADCAST_IN_PROGRESS.set(1)
-
-            async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
-                try:
-                    return await self._call_with_retry(record, lambda r: r.stub.Receive(
-                        receive_request(r, False), timeout=timeout_s + RPC_MARGIN_S))
-                except grpc.aio.AioRpcError as exc:
-                    # Tell the trainer now, so it stops sending instead of waiting out
-                    # its deadline for an engine that will never acknowledge.
-                    error = _engine_error(record, exc, "broadcast")
-                    progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, error)))
-                    raise
-
             try:
-                outcomes = await self._fan_out(members, receive, operation="broadcast", retry=False)
-            finally:
-                metrics.BROADCAST_IN_PROGRESS.set(0)
-            for o in outcomes:
-                o.rank = ranks[o.engine_id]
-            for engine_id in gone:
-                outcomes.append(_failed(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
-            seconds = time.monotonic() - started
-            ok = all(o.ok for o in outcomes)
-            if ok:
-                self.weight_version = request.version
-                self.phase = "broadcast_done"
-            else:
-                self.phase = "failed"
-                self.epoch += 1  # never reuse a group that saw a failure
-            await self._save_round()
-            metrics.ROUNDS.labels("broadcast", "ok" if ok else "failed").inc()
-            metrics.SYNC_SECONDS.observe(seconds)
-            if ok:
-                metrics.SYNC_BYTES.observe(plan.total_bytes)
-                metrics.WEIGHT_VERSION.set(self.weight_version)
-            for o in outcomes:
-                if not o.ok:
-                    metrics.FAILURES.labels("broadcast", o.error_reason).inc()
-                await self.emit("engine_received" if o.ok else "engine_failed", o.engine_id,
-                                version=request.version, reason=o.error_reason, message=o.error_message)
-            await self.emit("broadcast_done" if ok else "broadcast_failed", version=request.version,
-                            seconds=f"{seconds:.4f}")
-            return coordinator_pb2.BroadcastResult(version=request.version, ok=ok, engines=outcomes,
-                                                   bytes=plan.total_bytes, seconds=seconds)
+                await self.emit("broadcast_started", version=request.version, bytes=plan.total_bytes,
+                                engines=",".join(ranks), transport=transports.KIND_NAMES[request.transport])
+                progress.put_nowait(coordinator_pb2.BroadcastEvent(rendezvous=rendezvous))
+                started = time.monotonic()
+                metrics.BROADCAST_IN_PROGRESS.set(1)
+                if self.faults is not None and self.faults.take("round", method="transfer") is not None:
+                    raise RuntimeError("injected failure in the transfer phase")
+
+                async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
+                    try:
+                        return await self._call_with_retry(record, lambda r: r.stub.Receive(
+                            receive_request(r, False), timeout=timeout_s + RPC_MARGIN_S))
+                    except grpc.aio.AioRpcError as exc:
+                        # Tell the trainer now, so it stops sending instead of waiting out
+                        # its deadline for an engine that will never acknowledge.
+                        error = _engine_error(record, exc, "broadcast")
+                        progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, error)))
+                        raise
+                    except asyncio.CancelledError:
+                        closed = _channel_closed(record, "broadcast")
+                        if closed is None:
+                            raise
+                        progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, closed)))
+                        raise closed from None
+
+                try:
+                    outcomes = await self._fan_out(members, receive, operation="broadcast", retry=False)
+                finally:
+                    metrics.BROADCAST_IN_PROGRESS.set(0)
+                for o in outcomes:
+                    o.rank = ranks[o.engine_id]
+                for engine_id in gone:
+                    outcomes.append(_failed(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
+                seconds = time.monotonic() - started
+                ok = all(o.ok for o in outcomes)
+                if ok:
+                    self.weight_version = request.version
+                    self.phase = "broadcast_done"
+                else:
+                    self.phase = "failed"
+                    self.epoch += 1  # never reuse a group that saw a failure
+                await self._save_round()
+                metrics.ROUNDS.labels("broadcast", "ok" if ok else "failed").inc()
+                metrics.SYNC_SECONDS.observe(seconds)
+                if ok:
+                    metrics.SYNC_BYTES.observe(plan.total_bytes)
+                    metrics.WEIGHT_VERSION.set(self.weight_version)
+                for o in outcomes:
+                    if not o.ok:
+                        metrics.FAILURES.labels("broadcast", o.error_reason).inc()
+                    await self.emit("engine_received" if o.ok else "engine_failed", o.engine_id,
+                                    version=request.version, reason=o.error_reason, message=o.error_message)
+                await self.emit("broadcast_done" if ok else "broadcast_failed", version=request.version,
+                                seconds=f"{seconds:.4f}")
+                return coordinator_pb2.BroadcastResult(version=request.version, ok=ok, engines=outcomes,
+                                                       bytes=plan.total_bytes, seconds=seconds)
+            except BaseException as exc:
+                if self.phase == "broadcasting":
+                    # Whatever broke (a bug, a cancellation at shutdown), the round must not
+                    # stay "broadcasting": that phase refuses every Pause until a restart.
+                    self.phase = "failed"
+                    self.epoch += 1  # never reuse a group that saw a failure
+                    metrics.BROADCAST_IN_PROGRESS.set(0)
+                    await asyncio.shield(self._save_round())
+                    await self.emit("broadcast_failed", version=request.version, error=repr(exc))
+                raise
 
     # ----- Resume -----------------------------------------------------------------------
 

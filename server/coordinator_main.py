@@ -62,7 +62,8 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
     try:
         options.security.require_server_mode()
         db = StateDB(options.state_db)
-        core = CoordinatorCore(db, heartbeat_interval_s=options.heartbeat_interval_s,
+        faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
+        core = CoordinatorCore(db, faults=faults, heartbeat_interval_s=options.heartbeat_interval_s,
                                heartbeat_timeout_s=options.heartbeat_timeout_s,
                                idempotency_retention_s=options.idempotency_retention_s,
                                idempotency_max_records=options.idempotency_max_records,
@@ -71,7 +72,6 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
         metrics.WEIGHT_VERSION.set(core.weight_version)
         if options.metrics_port:
             metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
-        faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
         interceptors = options.security.server_interceptors()
         if faults is not None:
             interceptors.append(FaultInterceptor(faults))

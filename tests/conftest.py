@@ -122,9 +122,9 @@ def cluster_factory(tmp_path) -> Callable[..., Cluster]:
     started: list[subprocess.Popen] = []
 
     def make(engines: int = 2, *, agent_args: tuple[str, ...] = (), coordinator_args: tuple[str, ...] = (),
-             agent_env: dict | None = None) -> Cluster:
+             agent_env: dict | None = None, coordinator_env: dict | None = None) -> Cluster:
         tmp = str(tmp_path)
-        coordinator, address, state_db = start_coordinator(tmp, *coordinator_args)
+        coordinator, address, state_db = start_coordinator(tmp, *coordinator_args, env=coordinator_env)
         started.append(coordinator)
         agents = []
         for i in range(engines):

@@ -20,6 +20,8 @@ Rule fields: ``op``, ``action``, optional matchers, ``seconds`` for delays, and
   twice, concurrently), ``delay`` (the hop takes ``seconds`` longer).
 - ``op: "shutdown"``, matched by ``method`` (a shutdown step's name): ``fail``
   makes that cleanup step raise, to prove the other steps still run.
+- ``op: "round"`` (the coordinator), matched by ``method`` (a step of a round, e.g.
+  "transfer"): ``fail`` raises an unexpected exception there, as a bug would.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class FaultInjector:
             raise InvalidArgument(f"{ENV} must be a JSON list of rules: {exc}") from None
         for rule in rules:
             allowed = {"receive": ("delay", "fail", "stale_tensor", "skip_post_load"), "rpc": ("drop_response", "duplicate", "delay"),
-                       "shutdown": ("fail",)}
+                       "shutdown": ("fail",), "round": ("fail",)}
             if rule.action not in allowed.get(rule.op, ()):
                 raise InvalidArgument(f"unsupported fault rule {rule}")
         log.warning("FAULT INJECTION ENABLED: %s", rules)

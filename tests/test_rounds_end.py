@@ -1,0 +1,97 @@
+"""Rounds always end, promptly and in a known state (issue: chaos-proof rounds).
+
+Real coordinator and agent processes and real signals throughout; a coordinator bug
+is provoked with its test-only fault injection (``op: "round"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import pytest
+
+from tests.conftest import start_agent, wait_available
+from tests.test_sync_safety import BUCKET, slow, wait_for_event
+from weightsync.client import SyncFailed, TrainerClient
+from weightsync.engine.model import PRESETS, ReferenceLM
+from weightsync.errors import WeightSyncError
+from weightsync.lifecycle import stop_process
+from weightsync.plan import weights_digest
+
+
+async def test_agent_that_deregisters_during_a_pause_fails_that_engine_at_once(cluster_factory):
+    # engine-1's Pause hangs for 30 s in its interceptor; SIGTERM makes it deregister,
+    # which closes the coordinator's channel under the call in flight.
+    cluster = cluster_factory(1)
+    slow_pause = [{"op": "rpc", "action": "delay", "method": "Pause", "seconds": 30}]
+    stuck = start_agent(cluster.tmp, cluster.address, "engine-1", "--enable-fault-injection",
+                        "--shutdown-grace", "1", env={"WEIGHTSYNC_FAULTS": json.dumps(slow_pause)})
+    try:
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
+        async with TrainerClient(cluster.address) as client:
+            pausing = asyncio.create_task(client.pause(timeout_s=45))
+            await asyncio.sleep(1.0)  # the Pause is in flight to both engines
+            started = time.monotonic()
+            stuck.proc.send_signal(signal.SIGTERM)
+            response = await asyncio.wait_for(pausing, timeout=40)
+            waited = time.monotonic() - started
+            outcomes = {o.engine_id: o for o in response.engines}
+            assert outcomes["engine-0"].ok
+            assert not outcomes["engine-1"].ok
+            assert outcomes["engine-1"].error_reason == "ENGINE_UNAVAILABLE", outcomes["engine-1"]
+            # Before the fix the trainer waited out its whole deadline (the call was
+            # cancelled by the closed channel and nobody answered).
+            assert waited < 15, f"the trainer waited {waited:.1f}s for a deregistered engine"
+            await client.resume()
+        assert await asyncio.to_thread(stuck.proc.wait, 30) == 0
+    finally:
+        stop_process(stuck.proc, grace_s=10)
+
+
+async def test_agent_that_deregisters_during_a_receive_fails_the_round_promptly(cluster_factory):
+    cluster = cluster_factory(1)
+    slow_receive = [slow(1, 0.5)]  # 9 buckets x 0.5 s: the transfer is still running at SIGTERM
+    stuck = start_agent(cluster.tmp, cluster.address, "engine-1", "--enable-fault-injection",
+                        "--shutdown-grace", "0.5", env={"WEIGHTSYNC_FAULTS": json.dumps(slow_receive)})
+    model = ReferenceLM(PRESETS["tiny"])
+    try:
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
+        async with TrainerClient(cluster.address, bucket_bytes=BUCKET) as client:
+            await client.pause()
+            sync = asyncio.create_task(client.broadcast(model.named_parameters(), version=1, timeout_s=60))
+            await wait_for_event(stuck.address, "transfer_started")
+            started = time.monotonic()
+            stuck.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(SyncFailed) as failure:
+                await asyncio.wait_for(sync, timeout=50)
+            waited = time.monotonic() - started
+            # The collective breaks for every member when one leaves; engine-1 is among the failed.
+            assert "engine-1" in {e.engine_id for e in failure.value.result.failed}
+            assert waited < 20, f"the round took {waited:.1f}s to notice a deregistered engine"
+            state = await client.get_state()
+            assert state.round.phase == "failed"
+        assert await asyncio.to_thread(stuck.proc.wait, 30) in (0, 1)
+    finally:
+        stop_process(stuck.proc, grace_s=10)
+
+
+async def test_an_unexpected_error_inside_a_broadcast_does_not_leave_the_round_broadcasting(cluster_factory):
+    # The coordinator raises once inside the transfer phase, as a bug would.
+    bug = [{"op": "round", "action": "fail", "method": "transfer"}]
+    cluster = cluster_factory(2, coordinator_args=("--enable-fault-injection",),
+                              coordinator_env={"WEIGHTSYNC_FAULTS": json.dumps(bug)})
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address, bucket_bytes=BUCKET) as client:
+        await client.pause()
+        with pytest.raises(WeightSyncError, match="injected failure in the transfer phase"):
+            await client.broadcast(model.named_parameters(), version=1, timeout_s=60)
+        state = await client.get_state()
+        assert state.round.phase == "failed", "the round must not stay 'broadcasting'"
+        # The next round runs: its Pause is not refused as "a broadcast is running".
+        result = await client.update_weights(model.named_parameters(), version=2, timeout_s=60)
+        assert result.ok
+        state = await client.get_state(include_digests=True)
+    assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
