@@ -123,7 +123,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         def read(conn):
             meta = {k: get_meta(conn, k, d) for k, d in
                     (("weight_version", "0"), ("epoch", "0"), ("round_id", "0"), ("phase", "idle"),
-                     ("round_engines", "[]"), ("target_version", "0"))}
+                     ("round_engines", "[]"), ("target_version", "0"), ("group_key", ""))}
             engines = conn.execute("SELECT engine_id, address, model FROM engines").fetchall()
             if meta["phase"] == "broadcasting":
                 # A Broadcast was running when we died: its transfer did not complete
@@ -141,6 +141,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         self.phase = meta["phase"]
         self.round_engines: list[str] = json.loads(meta["round_engines"])
         self.target_version = int(meta["target_version"])
+        self.group_key = meta["group_key"]
         self._persisted_engines = engines
         if aborted:
             log.warning("finished %d interrupted operation(s) as ABORTED", aborted)
@@ -153,7 +154,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     async def _save_round(self, **extra: object) -> None:
         values = {"round_id": self.round_id, "phase": self.phase, "round_engines": json.dumps(self.round_engines),
                   "epoch": self.epoch, "weight_version": self.weight_version,
-                  "target_version": self.target_version, **extra}
+                  "target_version": self.target_version, "group_key": self.group_key, **extra}
 
         def save(conn):
             for key, value in values.items():
@@ -220,6 +221,27 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             if record is not None:
                 records.append(record)
         return records
+
+    async def _group_id(self, request, members: list[EngineRecord], ranks: dict[str, int]) -> str:
+        """The data-plane group id of this Broadcast: the same id only for the same group.
+
+        Members keep their group between rounds while the id stays (plan once, replay).
+        So an id must never name two different groups: whenever anything that defines
+        the group differs from the last round's (transport, backend, the trainer's
+        store, the members, their ranks, a member's registration), the epoch moves on
+        and the id is new -- also when an earlier membership recurs, whose store keys
+        and half-dropped groups still exist. A failed round moves it on as well.
+        """
+        membership = "|".join(f"{r.engine_id}={ranks[r.engine_id]}@{r.incarnation}"
+                              for r in sorted(members, key=lambda r: r.engine_id))
+        group_key = hashlib.blake2b(
+            f"{request.transport}|{request.group_backend}|{request.store_host}:{request.store_port}|{membership}"
+            .encode(), digest_size=8).hexdigest()
+        if group_key != self.group_key:
+            self.epoch += 1
+            self.group_key = group_key
+            await self._save_round()
+        return f"e{self.epoch}-{group_key}"
 
     # ----- Pause ------------------------------------------------------------------------
 
@@ -350,13 +372,9 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 raise EngineUnavailable("no engine of the paused round is available")
             timeout_s = request.timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
             ranks = {r.engine_id: i + 1 for i, r in enumerate(members)}
-            membership = "|".join(f"{e}={ranks[e]}" for e in sorted(ranks))
-            group_hash = hashlib.blake2b(
-                f"{request.transport}|{request.group_backend}|{request.store_host}:{request.store_port}|{membership}"
-                .encode(),
-                digest_size=8).hexdigest()
+            group_id = await self._group_id(request, members, ranks)
             rendezvous = common_pb2.Rendezvous(
-                group_id=f"e{self.epoch}-{group_hash}", transport=request.transport,
+                group_id=group_id, transport=request.transport,
                 store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
                 session_id=uuid.uuid4().hex, group_backend=request.group_backend)
 

@@ -9,6 +9,7 @@ until its agent heartbeats again.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,6 +29,9 @@ class EngineRecord:
     channel: grpc.aio.Channel
     stub: agent_pb2_grpc.EngineAgentStub
     last_heartbeat: float = 0.0                       # time.monotonic(); 0 = never
+    # Changes on every registration: an agent that registers again (a restarted
+    # process) holds no data-plane group, so no group id may carry over to it.
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
     state: common_pb2.EngineState = field(default_factory=common_pb2.EngineState)
 
     def heartbeat_age(self) -> float:
@@ -54,8 +58,9 @@ class EngineRegistry:
             record = EngineRecord(engine_id, address, model, channel, agent_pb2_grpc.EngineAgentStub(channel))
             stale_channel = old.channel if old is not None else None
             self._engines[engine_id] = record
-        if heartbeat:
+        if heartbeat:  # a registration
             record.last_heartbeat = time.monotonic()
+            record.incarnation = uuid.uuid4().hex
         return record, stale_channel
 
     def remove(self, engine_id: str) -> EngineRecord | None:

@@ -39,9 +39,17 @@ class Cluster:
     tmp: str
     state_db: str
     coordinator_args: list[str] = field(default_factory=list)
+    started: list[subprocess.Popen] = field(default_factory=list)  # every process to stop at teardown
 
     def agent(self, engine_id: str) -> AgentProc:
         return next(a for a in self.agents if a.engine_id == engine_id)
+
+    def start_agent(self, engine_id: str, *extra: str, env: dict | None = None) -> AgentProc:
+        """Starts (or restarts) an agent; the fixture stops it at teardown."""
+        agent = start_agent(self.tmp, self.address, engine_id, *extra, env=env)
+        self.started.append(agent.proc)
+        self.agents = [a for a in self.agents if a.engine_id != engine_id] + [agent]
+        return agent
 
     def logs(self) -> str:
         out = []
@@ -132,7 +140,7 @@ def cluster_factory(tmp_path) -> Callable[..., Cluster]:
             started.append(agent.proc)
             agents.append(agent)
         wait_available(address, [a.engine_id for a in agents])
-        cluster = Cluster(address, coordinator, agents, tmp, state_db, list(coordinator_args))
+        cluster = Cluster(address, coordinator, agents, tmp, state_db, list(coordinator_args), started)
         return cluster
 
     yield make

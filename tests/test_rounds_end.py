@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 
 import pytest
 
 from tests.conftest import start_agent, wait_available
+from tests.test_attestation import perturbed
 from tests.test_sync_safety import BUCKET, slow, wait_for_event
 from weightsync.client import SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
@@ -95,3 +97,40 @@ async def test_an_unexpected_error_inside_a_broadcast_does_not_leave_the_round_b
         assert result.ok
         state = await client.get_state(include_digests=True)
     assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+
+
+async def test_two_trainers_alternating_never_reuse_a_dropped_group(cluster_factory):
+    # Each agent keeps one gloo group; A's group is dropped when B's round builds its
+    # own, so A's third round must get a new group id, not the one A still holds.
+    cluster = cluster_factory(2)
+    models = [perturbed(seed) for seed in (1, 2, 3)]
+    async with TrainerClient(cluster.address) as a, TrainerClient(cluster.address) as b:
+        for version, client in enumerate((a, b, a), start=1):
+            result = await client.update_weights(models[version - 1].named_parameters(), version=version,
+                                                 timeout_s=60)
+            assert result.ok, result
+        state = await a.get_state(include_digests=True)
+    assert {e.weights_digest for e in state.engines} == {weights_digest(models[2].named_parameters())}
+
+
+async def test_a_membership_that_recurs_gets_a_new_group(cluster_factory):
+    # Rounds over {0,1,2}, then {0,2} while engine-1 is down, then {0,1,2} again after
+    # it restarts: the third round must not reuse the first round's id and store keys.
+    cluster = cluster_factory(3)
+    models = [perturbed(seed) for seed in (1, 2, 3)]
+    async with TrainerClient(cluster.address) as client:
+        assert (await client.update_weights(models[0].named_parameters(), version=1, timeout_s=60)).ok
+        os.kill(cluster.agent("engine-1").proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(cluster.agent("engine-1").proc.wait, 10)
+        end = time.monotonic() + 15
+        while any(e.available for e in (await client.get_state()).engines if e.engine_id == "engine-1"):
+            assert time.monotonic() < end, "the killed engine still counts as available"
+            await asyncio.sleep(0.1)
+        result = await client.update_weights(models[1].named_parameters(), version=2, timeout_s=60)
+        assert [e.engine_id for e in result.engines] == ["engine-0", "engine-2"]
+        await asyncio.to_thread(cluster.start_agent, "engine-1")
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1", "engine-2"])
+        result = await client.update_weights(models[2].named_parameters(), version=3, timeout_s=60)
+        assert result.ok and len(result.engines) == 3, result
+        state = await client.get_state(include_digests=True)
+    assert {e.weights_digest for e in state.engines} == {weights_digest(models[2].named_parameters())}
