@@ -43,6 +43,7 @@ from weightsync.errors import (
     from_rpc_error,
     outcome_error,
 )
+from weightsync.idempotency import derive_key, validate_key
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, dtype_name, weights_digest
 from weightsync.security import Security
 from weightsync.server.serving import CHANNEL_OPTIONS
@@ -420,8 +421,14 @@ class TrainerClient:
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                              transport: str | None = None, mode: str = "keep", offload_kv: bool = False,
                              timeout_s: float | None = None, verify_digest: bool = False,
-                             required_engines: Iterable[str] = (), attest: AttestArg = None) -> SyncResult:
+                             required_engines: Iterable[str] = (), attest: AttestArg = None,
+                             key: str | None = None) -> SyncResult:
         """Pause -> Broadcast -> Resume. Returns the broadcast's SyncResult with timings.
+
+        ``key``: the idempotency key of this logical sync (default: a new one). Its
+        three steps use keys derived from it, so a trainer that restarts and calls
+        ``update_weights`` again with the same key and the same weights and version
+        gets the first run's outcome, and no step runs twice.
 
         ``attest`` (see ``broadcast``): engines prove they compute with the new weights
         before they resume; one that does not stays paused and torn, and this raises
@@ -430,12 +437,14 @@ class TrainerClient:
         Do not modify the tensors until this returns: they are read on the worker thread.
         """
         started = time.monotonic()
+        keys = {step: derive_key(validate_key(key), step) if key else new_key(step)
+                for step in ("pause", "broadcast", "resume")}
         probe = LoopLagProbe().start() if self.measure_loop_lag else None
         try:
             result = await self._update_weights(named_tensors, version=version, transport=transport, mode=mode,
                                                 offload_kv=offload_kv, timeout_s=timeout_s,
                                                 verify_digest=verify_digest, required_engines=required_engines,
-                                                attest=attest)
+                                                attest=attest, keys=keys)
         finally:
             if probe is not None:
                 await probe.stop()
@@ -448,19 +457,20 @@ class TrainerClient:
         return dataclasses.replace(result, loop_lag_ms=lag)
 
     async def _update_weights(self, named_tensors, *, version, transport, mode, offload_kv, timeout_s,
-                              verify_digest, required_engines, attest) -> SyncResult:
+                              verify_digest, required_engines, attest, keys: dict[str, str]) -> SyncResult:
         started = time.monotonic()
         budget = timeout_s if timeout_s is not None else self.default_timeout_s
         with deadline.scope(budget, operation="sync"):
             with deadline.operation("pause"):
                 t0 = time.monotonic()
                 try:
-                    paused = await self.pause(mode=mode, offload_kv=offload_kv, required_engines=required_engines)
+                    paused = await self.pause(mode=mode, offload_kv=offload_kv, required_engines=required_engines,
+                                              key=keys["pause"])
                 except (WeightSyncError, asyncio.CancelledError) as exc:
                     # Release the engines that did pause -- also when the caller cancelled:
                     # the coordinator finishes a Pause it started, and nothing else would
                     # ever resume those engines.
-                    await self._resume_after(exc)
+                    await self._resume_after(exc, keys["resume"])
                     raise
                 pause_s = time.monotonic() - t0
                 skipped = tuple(EngineResult.from_proto(o) for o in paused.engines if not o.ok)
@@ -469,13 +479,13 @@ class TrainerClient:
             try:
                 with deadline.operation("broadcast"):
                     result = await self.broadcast(named_tensors, version=version, transport=transport,
-                                                  verify_digest=verify_digest, attest=attest)
+                                                  verify_digest=verify_digest, attest=attest, key=keys["broadcast"])
             except BaseException as exc:
                 primary = exc
                 raise
             finally:
                 t1 = time.monotonic()
-                resumed = await self._resume_after(primary)
+                resumed = await self._resume_after(primary, keys["resume"])
                 resume_s = time.monotonic() - t1
         assert result is not None
         return SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
@@ -483,14 +493,14 @@ class TrainerClient:
                           resume_seconds=resume_s, total_seconds=time.monotonic() - started,
                           resumed=tuple(resumed), skipped=skipped)
 
-    async def _resume_after(self, primary: BaseException | None) -> list[str]:
+    async def _resume_after(self, primary: BaseException | None, key: str) -> list[str]:
         """Resume that always runs, with at least ``resume_grace_s`` even if the sync's
         deadline is spent: engines must not stay paused because the trainer ran late."""
         left = deadline.remaining()
         budget = max(left or 0.0, self.resume_grace_s)
         try:
             with deadline.fresh(budget, operation="resume"), deadline.operation("resume"):
-                response = await self.resume()
+                response = await self.resume(key=key)
         except WeightSyncError as exc:
             if primary is None:
                 raise

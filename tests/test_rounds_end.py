@@ -17,11 +17,17 @@ import pytest
 from tests.conftest import start_agent, wait_available
 from tests.test_attestation import perturbed
 from tests.test_sync_safety import BUCKET, slow, wait_for_event
-from weightsync.client import SyncFailed, TrainerClient
+from weightsync.client import EngineClient, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import WeightSyncError
+from weightsync.idempotency import derive_key
 from weightsync.lifecycle import stop_process
 from weightsync.plan import weights_digest
+
+
+async def agent_events(address: str):
+    async with EngineClient(address) as engine:
+        return await engine.events()
 
 
 async def test_agent_that_deregisters_during_a_pause_fails_that_engine_at_once(cluster_factory):
@@ -134,3 +140,29 @@ async def test_a_membership_that_recurs_gets_a_new_group(cluster_factory):
         assert result.ok and len(result.engines) == 3, result
         state = await client.get_state(include_digests=True)
     assert {e.weights_digest for e in state.engines} == {weights_digest(models[2].named_parameters())}
+
+
+async def test_a_restarted_trainer_retries_its_whole_sync_with_its_key(cluster):
+    model = perturbed(7)
+    async with TrainerClient(cluster.address) as first:
+        result = await first.update_weights(model.named_parameters(), version=1, key="sync-v1", timeout_s=60)
+        assert result.ok
+    # A new process hosts a new store (another port): the retry must get the stored
+    # outcome, not IDEMPOTENCY_KEY_REUSED, and nothing may run again.
+    async with TrainerClient(cluster.address) as restarted:
+        again = await restarted.update_weights(model.named_parameters(), version=1, key="sync-v1", timeout_s=60)
+        assert again.ok and again.version == 1
+        assert sorted(e.engine_id for e in again.engines) == ["engine-0", "engine-1"]
+        # A trainer that died right after its Pause: the retry replays that Pause and
+        # runs the rest once.
+        await restarted.pause(key=derive_key("sync-v2", "pause"))
+    async with TrainerClient(cluster.address) as third:
+        result = await third.update_weights(perturbed(8).named_parameters(), version=2, key="sync-v2",
+                                            timeout_s=60)
+        assert result.ok
+        state = await third.get_state(include_digests=True)
+    assert {e.weights_digest for e in state.engines} == {weights_digest(perturbed(8).named_parameters())}
+    for agent in cluster.agents:
+        events = [e.kind for e in await agent_events(agent.address)]
+        assert events.count("transfer_started") == 2, events  # one per logical sync
+        assert events.count("paused") == 2, events

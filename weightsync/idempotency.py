@@ -9,8 +9,10 @@
 - same key, different request -> ``IdempotencyConflict`` (``IDEMPOTENCY_KEY_REUSED``).
 
 The request fingerprint is the operation name plus the request's deterministic
-protobuf serialisation with the key and ``timeout_s`` cleared: a retry naturally
-carries less of its deadline, and that does not make it a different request. Records live in memory (agents:
+protobuf serialisation with the call-scoped fields cleared: the key, ``timeout_s``
+(a retry naturally carries less of its deadline) and the trainer's store address (a
+restarted trainer retrying its own key hosts a new store; where the bytes come from
+is not what the operation means -- version, plan, transport and digest are). Records live in memory (agents:
 for the life of the process) or in the coordinator's SQLite state, where an operation
 that was running when the process died is finished as ``OPERATION_ABORTED`` on the
 next start, never re-run. Retention is bounded by age and by count.
@@ -64,11 +66,11 @@ def derive_key(key: str, scope: str) -> str:
     return f"d-{digest}"
 
 
-CALL_SCOPED_FIELDS = ("idempotency_key", "timeout_s")
+CALL_SCOPED_FIELDS = ("idempotency_key", "timeout_s", "store_host", "store_port")
 
 
 def fingerprint(operation: str, request: Message) -> str:
-    """Operation + request contents, ignoring the call-scoped fields (key, timeout)."""
+    """Operation + request contents, ignoring the call-scoped fields (key, timeout, store)."""
     copy = type(request)()
     copy.CopyFrom(request)
     for name in CALL_SCOPED_FIELDS:
