@@ -40,6 +40,7 @@ from weightsync.errors import (
     abort_with,
     check_timeout,
     from_rpc_error,
+    nothing_changed,
 )
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore, derive_key, validate_key
@@ -113,6 +114,10 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         self._seq = 0
         self._round_lock = asyncio.Lock()
         self.accepting = True
+        self.started_at = time.monotonic()
+        # An agent's next heartbeat after a restart comes within its interval plus the
+        # channel's reconnect backoff (at most 1 s); the heartbeat timeout bounds both.
+        self.rejoin_window_s = heartbeat_timeout_s + 1.0
         self._load()
 
     # ----- persistent state -------------------------------------------------------------
@@ -249,27 +254,47 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         return await self._guard(context, lambda: self.idempotency.execute(
             request.idempotency_key, "pause", request, lambda: self._pause(request), coordinator_pb2.PauseResponse))
 
+    async def _pause_members(self, request, timeout_s: float) -> list[EngineRecord]:
+        """The engines a Pause takes in, or the reason it cannot start (nothing changed yet)."""
+        if self.phase == "broadcasting":
+            raise FailedPrecondition("a broadcast is running; wait for its result")
+        await self._await_rejoin([r.engine_id for r in self.registry.all()], timeout_s)
+        available = {r.engine_id: r for r in self.registry.available()}
+        missing = [e for e in request.required_engines if e not in available]
+        if missing:
+            raise EngineUnavailable(f"required engines unavailable: {missing}",
+                                    metadata={"engines": ",".join(missing)})
+        members = list(available.values())
+        # Engines of an unfinished round (for example torn ones) stay members.
+        for engine_id in self.round_engines:
+            record = self.registry.get(engine_id)
+            if record is not None and engine_id not in available and self.registry.is_available(record):
+                members.append(record)
+        if not members:
+            raise EngineUnavailable("no engine is available")
+        return members
+
+    async def _await_rejoin(self, engine_ids: list[str], timeout_s: float) -> None:
+        """Right after a restart every known engine counts as unavailable until its
+        first heartbeat. A round that starts in that window waits (bounded by its
+        deadline) for those engines to report, instead of deciding on a subset that
+        would then be final for its key."""
+        end = min(self.started_at + self.rejoin_window_s, time.monotonic() + timeout_s)
+        while time.monotonic() < end:
+            silent = [e for e in engine_ids
+                      if (record := self.registry.get(e)) is not None and not record.last_heartbeat]
+            if not silent:
+                return
+            await asyncio.sleep(0.05)
+
     async def _pause(self, request) -> coordinator_pb2.PauseResponse:
         if request.mode not in (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT):
             raise InvalidArgument(f"pause mode must be KEEP, ABORT or WAIT, got {request.mode}")
         check_timeout(request.timeout_s)
+        timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
         async with self._round_lock:
-            if self.phase == "broadcasting":
-                raise FailedPrecondition("a broadcast is running; wait for its result")
-            available = {r.engine_id: r for r in self.registry.available()}
-            missing = [e for e in request.required_engines if e not in available]
-            if missing:
-                raise EngineUnavailable(f"required engines unavailable: {missing}",
-                                        metadata={"engines": ",".join(missing)})
-            members = list(available.values())
-            # Engines of an unfinished round (for example torn ones) stay members.
-            for engine_id in self.round_engines:
-                record = self.registry.get(engine_id)
-                if record is not None and engine_id not in available and self.registry.is_available(record):
-                    members.append(record)
-            if not members:
-                raise EngineUnavailable("no engine is available")
-            timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
+            with nothing_changed():
+                members = await self._pause_members(request, timeout_s)
 
             def call(record: EngineRecord):
                 return record.stub.Pause(agent_pb2.AgentPauseRequest(
@@ -363,41 +388,43 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _broadcast(self, request, progress: asyncio.Queue) -> coordinator_pb2.BroadcastResult:
         async with self._round_lock:
-            plan = await asyncio.to_thread(self._validate_broadcast, request)
-            if self.phase not in ("paused", "failed", "broadcast_done"):
-                raise FailedPrecondition(f"no paused round (phase {self.phase!r}): call Pause first")
-            members = [r for r in self._members() if self.registry.is_available(r)]
-            gone = [e for e in self.round_engines if e not in {r.engine_id for r in members}]
-            if not members:
-                raise EngineUnavailable("no engine of the paused round is available")
-            timeout_s = request.timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
-            ranks = {r.engine_id: i + 1 for i, r in enumerate(members)}
-            group_id = await self._group_id(request, members, ranks)
-            rendezvous = common_pb2.Rendezvous(
-                group_id=group_id, transport=request.transport,
-                store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
-                session_id=uuid.uuid4().hex, group_backend=request.group_backend)
+            with nothing_changed():  # until the transfer starts, a failure leaves everything as it was
+                plan = await asyncio.to_thread(self._validate_broadcast, request)
+                if self.phase not in ("paused", "failed", "broadcast_done"):
+                    raise FailedPrecondition(f"no paused round (phase {self.phase!r}): call Pause first")
+                timeout_s = request.timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
+                await self._await_rejoin(self.round_engines, timeout_s)
+                members = [r for r in self._members() if self.registry.is_available(r)]
+                gone = [e for e in self.round_engines if e not in {r.engine_id for r in members}]
+                if not members:
+                    raise EngineUnavailable("no engine of the paused round is available")
+                ranks = {r.engine_id: i + 1 for i, r in enumerate(members)}
+                group_id = await self._group_id(request, members, ranks)
+                rendezvous = common_pb2.Rendezvous(
+                    group_id=group_id, transport=request.transport,
+                    store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
+                    session_id=uuid.uuid4().hex, group_backend=request.group_backend)
 
-            def receive_request(record: EngineRecord, validate_only: bool) -> agent_pb2.ReceiveRequest:
-                return agent_pb2.ReceiveRequest(
-                    idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
-                    plan=request.plan, rendezvous=rendezvous, rank=ranks[record.engine_id],
-                    weights_digest=request.weights_digest, timeout_s=timeout_s, validate_only=validate_only,
-                    probe=request.probe if request.HasField("probe") else None)
+                def receive_request(record: EngineRecord, validate_only: bool) -> agent_pb2.ReceiveRequest:
+                    return agent_pb2.ReceiveRequest(
+                        idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
+                        plan=request.plan, rendezvous=rendezvous, rank=ranks[record.engine_id],
+                        weights_digest=request.weights_digest, timeout_s=timeout_s, validate_only=validate_only,
+                        probe=request.probe if request.HasField("probe") else None)
 
-            # Phase 1: every engine checks the request; nothing changes anywhere yet.
-            checks = await self._fan_out(
-                members, lambda r: r.stub.Receive(receive_request(r, True), timeout=30.0), operation="validate")
-            rejected = [o for o in checks if not o.ok]
-            if rejected:
-                first = rejected[0]
-                detail = "; ".join(f"{o.engine_id}: {o.error_message}" for o in rejected)
-                if first.error_reason == InvalidArgument.reason:
-                    raise InvalidArgument(f"engine rejected the broadcast: {detail}",
-                                          metadata={"engine_id": first.engine_id})
-                raise FailedPrecondition(f"engine cannot take the broadcast: {detail}",
-                                         reason=first.error_reason or "FAILED_PRECONDITION",
-                                         metadata={"engine_id": first.engine_id})
+                # Phase 1: every engine checks the request; nothing changes anywhere yet.
+                checks = await self._fan_out(
+                    members, lambda r: r.stub.Receive(receive_request(r, True), timeout=30.0), operation="validate")
+                rejected = [o for o in checks if not o.ok]
+                if rejected:
+                    first = rejected[0]
+                    detail = "; ".join(f"{o.engine_id}: {o.error_message}" for o in rejected)
+                    if first.error_reason == InvalidArgument.reason:
+                        raise InvalidArgument(f"engine rejected the broadcast: {detail}",
+                                              metadata={"engine_id": first.engine_id})
+                    raise FailedPrecondition(f"engine cannot take the broadcast: {detail}",
+                                             reason=first.error_reason or "FAILED_PRECONDITION",
+                                             metadata={"engine_id": first.engine_id})
 
             # Phase 2: the transfer.
             self.phase, self.target_version = "broadcasting", request.version

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from tests.conftest import start_agent, wait_available
+from tests.conftest import start_agent, start_coordinator, wait_available
 from tests.test_attestation import perturbed
 from tests.test_sync_safety import BUCKET, slow, wait_for_event
 from weightsync.client import EngineClient, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.errors import WeightSyncError
+from weightsync.errors import EngineUnavailable, WeightSyncError
 from weightsync.idempotency import derive_key
 from weightsync.lifecycle import stop_process
 from weightsync.plan import weights_digest
@@ -166,3 +166,43 @@ async def test_a_restarted_trainer_retries_its_whole_sync_with_its_key(cluster):
         events = [e.kind for e in await agent_events(agent.address)]
         assert events.count("transfer_started") == 2, events  # one per logical sync
         assert events.count("paused") == 2, events
+
+
+async def test_a_sync_right_after_a_coordinator_restart_waits_for_the_engines(cluster):
+    model = perturbed(3)
+    port = cluster.address.rsplit(":", 1)[1]
+    cluster.coordinator.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(cluster.coordinator.wait, 30) == 0
+    restarted, _, _ = await asyncio.to_thread(start_coordinator, cluster.tmp, state_db=cluster.state_db,
+                                              name="coordinator2", listen=f"127.0.0.1:{port}")
+    cluster.started.append(restarted)
+    # No waiting for the agents to heartbeat again: the coordinator waits for them
+    # (they are known from before the restart) instead of syncing a subset or none.
+    async with TrainerClient(cluster.address) as client:
+        result = await client.update_weights(model.named_parameters(), version=1, key="after-restart",
+                                             timeout_s=60)
+        assert result.ok
+        assert sorted(e.engine_id for e in result.engines) == ["engine-0", "engine-1"], result
+        assert result.skipped == ()
+
+
+async def test_try_again_outcomes_are_not_stored_for_the_key(cluster_factory):
+    cluster = cluster_factory(1)
+    agent = cluster.agents[0].proc
+    async with TrainerClient(cluster.address) as client:
+        os.kill(agent.pid, signal.SIGSTOP)  # frozen: its heartbeats stop
+        try:
+            end = time.monotonic() + 15
+            while any(e.available for e in (await client.get_state()).engines):
+                assert time.monotonic() < end, "a frozen engine still counts as available"
+                await asyncio.sleep(0.1)
+            with pytest.raises(EngineUnavailable, match="no engine is available"):
+                await client.pause(key="pause-1", timeout_s=10)
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0"])
+        # Nothing ran the first time, so the same key now runs (before: the stored
+        # "no engine is available" was replayed for ever).
+        response = await client.pause(key="pause-1", timeout_s=10)
+        assert [o.engine_id for o in response.engines if o.ok] == ["engine-0"]
+        await client.resume()

@@ -8,7 +8,8 @@ same typed exception back. The reason string is the contract, not the class name
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import grpc
 from google.protobuf import any_pb2
@@ -29,6 +30,10 @@ class WeightSyncError(Exception):
 
     reason = "INTERNAL"
     code = grpc.StatusCode.INTERNAL
+    # True when the operation failed before it changed anything anywhere: the
+    # idempotency store then forgets the key instead of storing the failure, so a
+    # retry once the system is healthy runs afresh (see ``nothing_changed``).
+    nothing_ran = False
 
     def __init__(self, message: str, *, reason: str | None = None,
                  code: grpc.StatusCode | None = None,
@@ -43,6 +48,20 @@ class WeightSyncError(Exception):
 
     def __str__(self) -> str:
         return f"[{self.reason}] {self.message}"
+
+
+@contextlib.contextmanager
+def nothing_changed() -> Iterator[None]:
+    """Marks every ``WeightSyncError`` raised inside as "nothing ran" (see ``nothing_ran``).
+
+    Wrap only checks that precede the first change: "no engine is available right
+    now" must not become the key's final answer.
+    """
+    try:
+        yield
+    except WeightSyncError as exc:
+        exc.nothing_ran = True
+        raise
 
 
 class InvalidArgument(WeightSyncError):

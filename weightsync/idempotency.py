@@ -5,7 +5,10 @@
 - first time -> runs ``fn`` as a task of its own (a caller that goes away does not
   cancel it), records the outcome, returns it;
 - same key and same request while running -> attaches to the running task;
-- same key and same request once finished -> the stored response, or the stored error;
+- same key and same request once finished -> the stored response, or the stored error
+  -- except an error raised before anything changed (``WeightSyncError.nothing_ran``,
+  e.g. "no engine is available" right after a coordinator restart): the key is then
+  forgotten, so a retry runs afresh instead of replaying "try again" forever;
 - same key, different request -> ``IdempotencyConflict`` (``IDEMPOTENCY_KEY_REUSED``).
 
 The request fingerprint is the operation name plus the request's deterministic
@@ -181,7 +184,10 @@ class IdempotencyStore:
         try:
             response = await fn()
         except WeightSyncError as exc:
-            await self._update(key, state="failed", error=exc)
+            if exc.nothing_ran:
+                await self._forget(key)
+            else:
+                await self._update(key, state="failed", error=exc)
             raise
         except asyncio.CancelledError:
             err = OperationAborted("the operation was cancelled (server shutting down)")
@@ -252,6 +258,12 @@ class IdempotencyStore:
                          "error_message=?, error_metadata=? WHERE key=?", (state, response, *fields, key))
 
         await self._db.run(update)
+
+    async def _forget(self, key: str) -> None:
+        if self._db is None:
+            self._memory.pop(key, None)
+            return
+        await self._db.run(lambda conn: conn.execute("DELETE FROM idempotency WHERE key=?", (key,)))
 
     def _prune_memory(self) -> None:
         cutoff = time.time() - self.retention_s
