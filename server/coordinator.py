@@ -46,6 +46,7 @@ from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore, derive_key, validate_key
 from weightsync.plan import BucketPlan
 from weightsync.security import INSECURE, Security
+from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -113,6 +114,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         self._event_cond = asyncio.Condition()
         self._seq = 0
         self._round_lock = asyncio.Lock()
+        self._progress: dict[str, BroadcastProgress] = {}  # by key, while a Broadcast runs or is watched
         self.accepting = True
         self.started_at = time.monotonic()
         # An agent's next heartbeat after a restart comes within its interval plus the
@@ -335,23 +337,44 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             validate_key(request.idempotency_key)
         except WeightSyncError as exc:
             await abort_with(context, exc)
-        # Only the caller that starts the operation gets its progress events; a caller
-        # that attaches to a running or finished one gets just the result.
+        # Every caller of this key -- the one that starts the operation and any retry
+        # that attaches to it -- gets its progress events, the ones so far included;
+        # but only once the idempotency store accepted the request as the same one (a
+        # conflicting request must never see another round's rendezvous).
+        key = request.idempotency_key
         progress: asyncio.Queue[coordinator_pb2.BroadcastEvent] = asyncio.Queue()
-        operation = asyncio.ensure_future(self._guard_broadcast(request, progress))
-        while True:
-            getter = asyncio.ensure_future(progress.get())
-            try:
-                await asyncio.wait({operation, getter}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if getter.done() and not getter.cancelled():
-                yield getter.result()
-                continue
-            break
-        while not progress.empty():
-            yield progress.get_nowait()
+        subscribed: list[BroadcastProgress] = []
+
+        def accepted() -> None:
+            channel = self._progress.setdefault(key, BroadcastProgress())
+            channel.subscribe(progress)
+            subscribed.append(channel)
+
+        def forget_channel(_operation: asyncio.Future | None = None) -> None:
+            channel = self._progress.get(key)
+            if channel is not None and not channel.subscribers and not self.idempotency.is_running(key):
+                del self._progress[key]
+
+        try:
+            operation = asyncio.ensure_future(self._guard_broadcast(request, accepted))
+            operation.add_done_callback(forget_channel)
+            while True:
+                getter = asyncio.ensure_future(progress.get())
+                try:
+                    await asyncio.wait({operation, getter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if getter.done() and not getter.cancelled():
+                    yield getter.result()
+                    continue
+                break
+            while not progress.empty():
+                yield progress.get_nowait()
+        finally:
+            for channel in subscribed:
+                channel.unsubscribe(progress)
+            forget_channel()
         try:
             # shield: a caller that goes away does not cancel the round; its retry attaches.
             result = await asyncio.shield(operation)
@@ -360,12 +383,13 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             return
         yield coordinator_pb2.BroadcastEvent(result=result)
 
-    async def _guard_broadcast(self, request, progress) -> coordinator_pb2.BroadcastResult:
+    async def _guard_broadcast(self, request, accepted: Callable[[], None]) -> coordinator_pb2.BroadcastResult:
         if not self.accepting:
             raise EngineUnavailable("coordinator is shutting down", reason="SHUTTING_DOWN")
-        return await self.idempotency.execute(request.idempotency_key, "broadcast", request,
-                                              lambda: self._broadcast(request, progress),
-                                              coordinator_pb2.BroadcastResult)
+        return await self.idempotency.execute(
+            request.idempotency_key, "broadcast", request,
+            lambda: self._broadcast(request, self._progress[request.idempotency_key]),
+            coordinator_pb2.BroadcastResult, on_accept=accepted)
 
     def _validate_broadcast(self, request) -> BucketPlan:
         """Runs on a worker thread: a plan may hold tens of thousands of tensors."""
@@ -386,7 +410,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                                      f"{self.weight_version}", reason="VERSION_NOT_NEWER")
         return plan
 
-    async def _broadcast(self, request, progress: asyncio.Queue) -> coordinator_pb2.BroadcastResult:
+    async def _broadcast(self, request, progress: BroadcastProgress) -> coordinator_pb2.BroadcastResult:
         async with self._round_lock:
             with nothing_changed():  # until the transfer starts, a failure leaves everything as it was
                 plan = await asyncio.to_thread(self._validate_broadcast, request)
@@ -432,7 +456,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             try:
                 await self.emit("broadcast_started", version=request.version, bytes=plan.total_bytes,
                                 engines=",".join(ranks), transport=transports.KIND_NAMES[request.transport])
-                progress.put_nowait(coordinator_pb2.BroadcastEvent(rendezvous=rendezvous))
+                progress.publish(coordinator_pb2.BroadcastEvent(rendezvous=rendezvous))
                 started = time.monotonic()
                 metrics.BROADCAST_IN_PROGRESS.set(1)
                 if self.faults is not None and self.faults.take("round", method="transfer") is not None:
@@ -446,13 +470,13 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                         # Tell the trainer now, so it stops sending instead of waiting out
                         # its deadline for an engine that will never acknowledge.
                         error = _engine_error(record, exc, "broadcast")
-                        progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, error)))
+                        progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, error)))
                         raise
                     except asyncio.CancelledError:
                         closed = _channel_closed(record, "broadcast")
                         if closed is None:
                             raise
-                        progress.put_nowait(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, closed)))
+                        progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=_failed(record.engine_id, closed)))
                         raise closed from None
 
                 try:

@@ -58,6 +58,11 @@ class FaultInterceptor(grpc.aio.ServerInterceptor):
                     await asyncio.sleep(rule.seconds)
                     rule = None
                 async for message in inner_stream(request, context):
+                    if rule is not None and rule.action == "drop_stream":
+                        # The stream breaks before its first message reaches the caller;
+                        # the operation it started goes on.
+                        log.warning("injecting drop_stream into %s", method)
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"injected: stream of {method} broken")
                     if rule is not None and rule.action == "drop_response" and _is_final(message):
                         log.warning("injecting drop_response into %s", method)
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"injected: result of {method} dropped")

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import start_agent, start_coordinator, wait_available
 from tests.test_attestation import perturbed
 from tests.test_sync_safety import BUCKET, slow, wait_for_event
-from weightsync.client import EngineClient, SyncFailed, TrainerClient
+from weightsync.client import EngineClient, RetryPolicy, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import EngineUnavailable, WeightSyncError
 from weightsync.idempotency import derive_key
@@ -206,3 +206,22 @@ async def test_try_again_outcomes_are_not_stored_for_the_key(cluster_factory):
         response = await client.pause(key="pause-1", timeout_s=10)
         assert [o.engine_id for o in response.engines if o.ok] == ["engine-0"]
         await client.resume()
+
+
+async def test_a_retry_that_attaches_to_a_running_broadcast_gets_its_rendezvous(cluster_factory):
+    # The first Broadcast stream breaks before the rendezvous reaches the trainer; the
+    # round goes on. The retry (same key) attaches to it and must be told where to send.
+    broken = [{"op": "rpc", "action": "drop_stream", "method": "Broadcast"}]
+    cluster = cluster_factory(2, coordinator_args=("--enable-fault-injection",),
+                              coordinator_env={"WEIGHTSYNC_FAULTS": json.dumps(broken)})
+    model = perturbed(5)
+    async with TrainerClient(cluster.address, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.1)) as client:
+        started = time.monotonic()
+        result = await client.update_weights(model.named_parameters(), version=1, timeout_s=60)
+        assert result.ok
+        assert time.monotonic() - started < 30  # before the fix it waited out the deadline, then failed
+        state = await client.get_state(include_digests=True)
+    assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+    assert "injecting drop_stream into Broadcast" in open(os.path.join(cluster.tmp, "coordinator.log")).read()
+    for agent in cluster.agents:
+        assert [e.kind for e in await agent_events(agent.address)].count("transfer_started") == 1

@@ -17,7 +17,9 @@ Rule fields: ``op``, ``action``, optional matchers, ``seconds`` for delays, and
 - ``op: "rpc"`` (any server, see ``server/fault_interceptor.py``), matched by
   ``method`` (e.g. "Broadcast"): ``drop_response`` (the handler runs, the caller
   gets UNAVAILABLE instead of the answer), ``duplicate`` (the request is delivered
-  twice, concurrently), ``delay`` (the hop takes ``seconds`` longer).
+  twice, concurrently), ``delay`` (the hop takes ``seconds`` longer), ``drop_stream``
+  (a server stream breaks with UNAVAILABLE before its first message; what it started
+  goes on).
 - ``op: "shutdown"``, matched by ``method`` (a shutdown step's name): ``fail``
   makes that cleanup step raise, to prove the other steps still run.
 - ``op: "round"`` (the coordinator), matched by ``method`` (a step of a round, e.g.
@@ -83,7 +85,7 @@ class FaultInjector:
         except (json.JSONDecodeError, TypeError) as exc:
             raise InvalidArgument(f"{ENV} must be a JSON list of rules: {exc}") from None
         for rule in rules:
-            allowed = {"receive": ("delay", "fail", "stale_tensor", "skip_post_load"), "rpc": ("drop_response", "duplicate", "delay"),
+            allowed = {"receive": ("delay", "fail", "stale_tensor", "skip_post_load"), "rpc": ("drop_response", "drop_stream", "duplicate", "delay"),
                        "shutdown": ("fail",), "round": ("fail",)}
             if rule.action not in allowed.get(rule.op, ()):
                 raise InvalidArgument(f"unsupported fault rule {rule}")

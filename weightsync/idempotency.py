@@ -142,8 +142,13 @@ class IdempotencyStore:
         return self._db.run_sync(fix)
 
     async def execute(self, key: str, operation: str, request: Message,
-                      fn: Callable[[], Awaitable[M]], response_type: type[M]) -> M:
-        """Runs ``fn`` at most once for ``key``; see the module docstring."""
+                      fn: Callable[[], Awaitable[M]], response_type: type[M], *,
+                      on_accept: Callable[[], None] | None = None) -> M:
+        """Runs ``fn`` at most once for ``key``; see the module docstring.
+
+        ``on_accept`` is called once the request is known to be the key's own (new,
+        attaching or replayed; never for a conflicting one), before ``fn`` starts.
+        """
         validate_key(key)
         fp = fingerprint(operation, request)
         lock = self._locks.setdefault(key, asyncio.Lock())
@@ -155,10 +160,14 @@ class IdempotencyStore:
                         f"idempotency key {key!r} was already used for a different {record.operation} request",
                         metadata={"key": key, "operation": record.operation})
                 task = self._running.get(key)
+                if on_accept is not None:
+                    on_accept()
                 if task is None:
                     self._count_replay()
                     return self._outcome(record, response_type)
             else:
+                if on_accept is not None:
+                    on_accept()
                 await self._insert(key, _Record(operation, fp, "running", created_at=time.time()))
                 self.executions += 1
                 task = asyncio.ensure_future(self._run_and_record(key, fn))
@@ -168,6 +177,10 @@ class IdempotencyStore:
             self._count_replay()
         response = await asyncio.shield(task)
         return response  # type: ignore[return-value]
+
+    def is_running(self, key: str) -> bool:
+        """Whether the operation of ``key`` is running now."""
+        return key in self._running
 
     def _count_replay(self) -> None:
         self.replays += 1
