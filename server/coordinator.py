@@ -386,10 +386,15 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     async def _guard_broadcast(self, request, accepted: Callable[[], None]) -> coordinator_pb2.BroadcastResult:
         if not self.accepting:
             raise EngineUnavailable("coordinator is shutting down", reason="SHUTTING_DOWN")
-        return await self.idempotency.execute(
-            request.idempotency_key, "broadcast", request,
-            lambda: self._broadcast(request, self._progress[request.idempotency_key]),
-            coordinator_pb2.BroadcastResult, on_accept=accepted)
+        async def run() -> coordinator_pb2.BroadcastResult:
+            channel = self._progress[request.idempotency_key]
+            try:
+                return await self._broadcast(request, channel)
+            finally:
+                channel.finish()
+
+        return await self.idempotency.execute(request.idempotency_key, "broadcast", request, run,
+                                              coordinator_pb2.BroadcastResult, on_accept=accepted)
 
     def _validate_broadcast(self, request) -> BucketPlan:
         """Runs on a worker thread: a plan may hold tens of thousands of tensors."""
