@@ -37,6 +37,7 @@ from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
     EngineFault,
     EngineOutputMismatch,
+    EngineUnavailable,
     FailedPrecondition,
     InvalidArgument,
     StepTimeoutError,
@@ -49,6 +50,7 @@ from weightsync.errors import (
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore
 from weightsync.plan import BucketPlan, dtype_name
+from weightsync.server.engine_watch import EngineWatch
 from weightsync.server.launcher import EngineLauncher
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
@@ -68,6 +70,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.adapter = adapter
         self.faults = faults
         self.launcher = launcher
+        self.watch = EngineWatch(adapter, launcher=launcher)
         self.address = ""
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
@@ -100,9 +103,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         ctx = contextvars.copy_context()
         return await loop.run_in_executor(self._control, lambda: ctx.run(fn, *args, **kwargs))
 
-    def fault(self) -> str | None:
-        """Why this engine cannot serve: the engine's own fault or its launched process's."""
-        return self.adapter.fault() or (self.launcher.fault() if self.launcher is not None else None)
+    def fault(self) -> str:
+        """Why this engine cannot serve: the engine's own fault or its launched process's.
+
+        Never asks an HTTP engine (see ``EngineWatch``): safe on the event loop."""
+        return self.watch.fault()
 
     def _check_alive(self) -> None:
         fault = self.fault()
@@ -110,7 +115,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             raise EngineFault(f"engine {self.engine_id} is dead: {fault}", metadata={"engine_id": self.engine_id})
 
     def _outcome(self, ok: bool = True, **fields) -> common_pb2.EngineOutcome:
-        return common_pb2.EngineOutcome(engine_id=self.engine_id, ok=ok, weight_version=self.adapter.weight_version,
+        return common_pb2.EngineOutcome(engine_id=self.engine_id, ok=ok,
+                                        weight_version=self.watch.current().weight_version,
                                         torn=self.torn, **fields)
 
     async def _handle(self, context, key: str, operation: str, request, fn, response_type):
@@ -126,16 +132,20 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return list(self.adapter.asleep)
 
     def state(self, *, include_digest: bool = False) -> common_pb2.EngineState:
-        """This engine's state as reported to the coordinator and to GetState."""
-        running, queued = self.adapter.counts()
-        fault = self.fault() or ""
+        """This engine's state as reported to the coordinator and to GetState.
+
+        Built from the watched snapshot, so it never blocks (heartbeats call it on the
+        loop); only ``include_digest`` reads the engine (call that off the loop)."""
+        engine = self.watch.current()
+        fault = self.fault()
         return common_pb2.EngineState(
             engine_id=self.engine_id, address=self.address, available=not fault, paused=self.paused,
             receiving=self._receive_task is not None and not self._receive_task.done(),
-            faulted=bool(fault), fault=fault, weight_version=self.adapter.weight_version, torn=self.torn,
+            faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
+            weight_version_unknown=not engine.version_known, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
             weights_digest=self.adapter.weights_digest() if include_digest else "",
-            running_requests=running, queued_requests=queued, buckets_done=self._progress[0],
+            running_requests=engine.running, queued_requests=engine.queued, buckets_done=self._progress[0],
             buckets_total=self._progress[1])
 
     # ----- RPCs: control --------------------------------------------------------------
@@ -255,9 +265,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.adapter.check_receive(request)
         if probe is not None:
             self.adapter.check_probe(probe)
-        if request.version <= self.adapter.weight_version:
+        served = self.adapter.weight_version  # a live reading: this runs on the control thread
+        if served is None:
+            raise EngineUnavailable(f"engine {self.engine_id}'s weight version cannot be read, so a newer one "
+                                    "cannot be checked; try again when it answers", reason="VERSION_UNKNOWN")
+        if request.version <= served:
             raise FailedPrecondition(f"version {request.version} is not newer than the served version "
-                                     f"{self.adapter.weight_version}", reason="VERSION_NOT_NEWER")
+                                     f"{served}", reason="VERSION_NOT_NEWER")
         receiver = self._receivers.get(rdzv.transport)
         if receiver is None:
             receiver = transports.make_receiver(rdzv.transport)
@@ -351,6 +365,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 committing = asyncio.ensure_future(self._engine(self.adapter.commit, request.version))
                 cancelled |= await wait_through_cancellation(committing)
                 committing.result()
+                self.watch.committed(request.version)
         except Exception as exc:  # anything before or around the transfer: nothing trustworthy landed
             error = exc
         seconds = time.monotonic() - started
@@ -469,6 +484,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self.adapter.close()
         except Exception as exc:
             errors.append(exc)
+        self.watch.close()
         for executor in (self._control, self._transfer):
             executor.shutdown(wait=False, cancel_futures=True)
         return errors

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from weightsync import metrics
 from weightsync.engine.adapter import ReferenceAdapter
 from weightsync.engine.model import resolve_config
 from weightsync.errors import InvalidArgument
 from weightsync.faults import FaultInjector
+from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import Security
 from weightsync.server.agent import AgentCore
 from weightsync.server.fault_interceptor import FaultInterceptor
@@ -63,6 +65,7 @@ class AgentOptions:
     engine_url: str = ""
     checkpoint_dir: str = ""
     security: Security = field(default_factory=Security)
+    metrics_port: int = 0
 
 
 async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
@@ -119,7 +122,7 @@ async def run_agent(options: AgentOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    core = server = channel = heartbeat = health = launcher = monitor = faults = None
+    core = server = channel = heartbeat = health = launcher = monitor = faults = watcher = lag = None
     errors: list[BaseException] = []
     try:
         options.security.require_server_mode()
@@ -139,6 +142,13 @@ async def run_agent(options: AgentOptions) -> int:
         else:
             adapter = ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s)
         core = AgentCore(engine_id=engine_id, adapter=adapter, faults=faults, launcher=launcher)
+        lag = asyncio.create_task(LoopLagMonitor("agent").run())
+        if options.metrics_port:
+            metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
+        # The engine is asked how it is on the watch's own thread, never on this loop;
+        # the first answer is in before the coordinator hears of us.
+        await core.watch.refresh()
+        watcher = asyncio.create_task(core.watch.run())
         interceptors = options.security.server_interceptors()
         if faults is not None:
             interceptors.append(FaultInterceptor(faults))
@@ -159,7 +169,8 @@ async def run_agent(options: AgentOptions) -> int:
         log.error("agent failed: %r", exc)
         errors.append(exc)
     finally:
-        errors += await _shutdown(core, server, channel, [heartbeat, monitor], health, launcher, faults, options)
+        errors += await _shutdown(core, server, channel, [heartbeat, monitor, watcher, lag], health, launcher, faults,
+                                  options)
     if errors:
         log.error("agent %s stopped with errors: %r", engine_id, ExceptionGroup("agent shutdown", errors))
         return 1

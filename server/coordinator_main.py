@@ -17,6 +17,7 @@ import grpc
 
 from weightsync import metrics
 from weightsync.faults import FaultInjector
+from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import Security
 from weightsync.server.coordinator import CoordinatorCore
 from weightsync.server.fault_interceptor import FaultInterceptor
@@ -57,7 +58,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # a second signal only sets it again
-    db = core = server = health = liveness = None
+    db = core = server = health = liveness = lag = None
     errors: list[BaseException] = []
     try:
         options.security.require_server_mode()
@@ -85,6 +86,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
         log.info("coordinator serving on %s (state %s, weight version %d)", address, options.state_db,
                  core.weight_version)
         liveness = asyncio.create_task(core.watch_liveness(stop))
+        lag = asyncio.create_task(LoopLagMonitor("coordinator").run())
         await stop.wait()
     except Exception as exc:
         errors.append(exc)
@@ -95,6 +97,8 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
         if core is not None:
             core.accepting = False
         stop.set()
+        if lag is not None:
+            lag.cancel()
         for name, coro_fn in (("liveness", lambda: asyncio.wait({liveness}, timeout=grace) if liveness else None),
                               ("server", lambda: server.stop(grace) if server else None),
                               ("channels", lambda: core.registry.close() if core else None)):

@@ -15,8 +15,9 @@ contract, failure modes included, so the adapter is tested against them:
   ``load_weights`` does;
 - an update with ``flush_cache`` while requests are held by an in-place pause fails
   the cache flush, which SGLang's scheduler asserts on: the process exits.
-Every POST is appended to CALL_LOG (one JSON object per line). ``/start_requests``
-and ``/standin/weights`` are test hooks, not SGLang endpoints.
+Every POST is appended to CALL_LOG (one JSON object per line). ``/start_requests``,
+``/standin/weights`` and ``/standin/break_version`` are test hooks, not SGLang
+endpoints; ``--slow-state S`` makes ``/health`` and ``/model_info`` take S seconds.
 
     python sglang_standin.py PORT_FILE CALL_LOG --model-dir DIR [--tp-size N] [--drop-param NAME]
                              [--die-during-update]
@@ -30,6 +31,7 @@ import json
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -41,7 +43,7 @@ from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from weightsync.plan import weights_digest  # noqa: E402  (the test hook's digest)
 
-ARGS = argparse.Namespace(die_during_update=False, fail_version_update=False)  # main() fills it; tests import the recipe
+ARGS = argparse.Namespace(die_during_update=False, fail_version_update=False, slow_state=0.0)  # main() fills it; tests import the recipe
 state = {"paused": "", "released": set(), "running": 0, "weight_version": "0"}
 lock = threading.Lock()           # control state
 weights_lock = threading.Lock()   # one weight update at a time, as SGLang's model_update_lock
@@ -91,9 +93,13 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
+        if self.path in ("/health", "/model_info"):
+            time.sleep(ARGS.slow_state)  # an engine too busy to answer quickly
         if self.path == "/health":
             return self._reply(200, {})
         if self.path == "/model_info":
+            if state.get("version_broken"):
+                return self._reply(500, {"error": "test hook: /model_info broken"})
             return self._reply(200, {"model_path": ARGS.report_model_path or ARGS.model_dir, "is_generation": True,
                                      "weight_version": state["weight_version"]})
         if self.path == "/get_server_info":
@@ -114,6 +120,9 @@ class Handler(BaseHTTPRequestHandler):
                          "/destroy_weights_update_group"):
             return self._weights(body)
         with lock:
+            if self.path == "/standin/break_version":  # test hook: /model_info answers HTTP 500
+                state["version_broken"] = bool(body.get("broken", True))
+                return self._reply(200, {})
             if self.path == "/pause_generation":
                 if body.get("mode") not in ("abort", "retract", "in_place"):
                     return self._reply(400, {"error": f"bad mode {body.get('mode')}"})
@@ -190,6 +199,8 @@ def main() -> None:
                         help="what /model_info reports as model_path (a hub id, say), if not --model-dir")
     parser.add_argument("--die-during-update", action="store_true",
                         help="crash (as a scheduler would) after the first tensor of an update arrived")
+    parser.add_argument("--slow-state", type=float, default=0.0,
+                        help="seconds /health and /model_info take to answer (a busy engine)")
     parser.add_argument("--fail-version-update", action="store_true",
                         help="answer /update_weight_version with HTTP 500 (the weights themselves load)")
     parser.parse_args(namespace=ARGS)

@@ -4,8 +4,10 @@ processes; the weights move for real, through the stand-in's update group (gloo)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import socket
 import sys
 import time
 import urllib.request
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from tests.conftest import start_agent, start_coordinator, wait_available
@@ -321,3 +324,72 @@ async def test_an_engine_that_cannot_record_the_version_fails_the_round_and_stay
         assert "already running" not in str(again.value)
         allowed = (await client.resume(allow_torn=True)).engines[0]
         assert allowed.ok
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRICS_PORT = _free_port()
+
+
+def scrape(port: int, name: str, **labels: str) -> float:
+    """One sample of a Prometheus metric served on ``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        for family in text_string_to_metric_families(response.read().decode()):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+    raise LookupError(f"{name}{labels} not exported on port {port}")
+
+
+@pytest.mark.parametrize("sglang", [{"standin": ["--slow-state", "3"], "agent": ["--metrics-port",
+                                                                                str(METRICS_PORT)]}],
+                         indirect=True)
+async def test_a_slow_engine_does_not_block_the_agents_loop(sglang):
+    # /health and /model_info each take 3 s. Before: every heartbeat and every RPC
+    # start asked them on the agent's loop, so Pause, Resume and heartbeats stalled
+    # and the coordinator (heartbeat timeout 1.5 s) marked the engine unavailable.
+    address, agent_address, url, calls, standin = sglang
+    async with TrainerClient(address, transport="group") as client:
+        end = time.monotonic() + 10
+        rounds = 0
+        while time.monotonic() < end:
+            await client.pause(timeout_s=20)
+            await client.resume(timeout_s=20)
+            rounds += 1
+            state = await client.get_state()
+            assert [e.available for e in state.engines] == [True], state
+            assert state.engines[0].heartbeat_age_s < 1.5, state
+        lag_ms = scrape(METRICS_PORT, "weightsync_loop_lag_ms", process="agent", window="all")
+        assert lag_ms < 50, f"the agent's loop stalled {lag_ms:.0f} ms"
+        assert rounds >= 3, f"only {rounds} pause/resume rounds in 10 s"
+        result = await client.update_weights(tiny_weights(1), version=1, timeout_s=120)
+        assert result.ok
+    assert standin.poll() is None
+
+
+async def test_an_unreadable_version_is_reported_unknown_not_zero(sglang):
+    address, agent_address, url, calls, standin = sglang
+    async with TrainerClient(address, transport="group") as client:
+        assert (await client.update_weights(tiny_weights(1), version=1, timeout_s=120)).ok
+        post(url, "/standin/break_version", {"broken": True})
+        end = time.monotonic() + 10
+        while not (state := await client.get_state()).engines[0].weight_version_unknown:
+            assert time.monotonic() < end, "the agent never noticed the version cannot be read"
+            await asyncio.sleep(0.1)
+        # The last known version, flagged unknown -- never a made-up 0 going backwards.
+        assert state.engines[0].weight_version == 1
+        async with EngineClient(agent_address) as engine:
+            assert (await engine.state()).weight_version == 1
+        # A sync cannot check "newer" against an unknown version: a typed refusal, nothing changes.
+        with pytest.raises(WeightSyncError, match="VERSION_UNKNOWN|cannot be read"):
+            await client.update_weights(tiny_weights(2), version=2, timeout_s=60)
+        post(url, "/standin/break_version", {"broken": False})
+        end = time.monotonic() + 10
+        while (await client.get_state()).engines[0].weight_version_unknown:
+            assert time.monotonic() < end
+            await asyncio.sleep(0.1)
+        assert (await client.update_weights(tiny_weights(2), version=2, timeout_s=120)).ok

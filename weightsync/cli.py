@@ -68,6 +68,7 @@ def _add_agent(sub) -> None:
     p.add_argument("--step-delay", type=float, default=0.0, help="reference engine: sleep between steps (s)")
     p.add_argument("--health-url", default="", help="launched engine's health URL (e.g. http://127.0.0.1:8000/health)")
     p.add_argument("--launch-timeout", type=float, default=120.0, help="seconds the launched engine gets to be healthy")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     # Tests only: honour WEIGHTSYNC_FAULTS. Hidden so nobody turns it on from --help.
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     _add_security(p, server=True)
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 enable_fault_injection=args.enable_fault_injection,
                 launch=tuple(launch),
                 health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
-                engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir))))
+                engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port))))
         if args.command == "demo":
             from weightsync.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)

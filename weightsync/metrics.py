@@ -1,7 +1,8 @@
 """Prometheus metrics (``--metrics-port``). Names and meanings are listed in the README.
 
 Metrics live in the process's default registry; each process exposes its own:
-the coordinator its rounds and engines, a trainer its client-side timings.
+the coordinator its rounds and engines, an agent its loop lag, a trainer its
+client-side timings.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ ENGINE_PAUSED = Gauge("weightsync_engine_paused", "1 while the engine is paused"
 ENGINE_TORN = Gauge("weightsync_engine_torn", "1 while the engine holds torn weights", ["engine"])
 CLIENT_SYNC_SECONDS = Histogram("weightsync_client_sync_seconds", "update_weights duration seen by the trainer",
                                 buckets=_SECONDS)
+LOOP_LAG_MS = Gauge("weightsync_loop_lag_ms", "Largest event-loop lag of this server process (window: all = since "
+                    "start, recent = the last 10 s)", ["process", "window"])
 CLIENT_LOOP_LAG_MS = Gauge("weightsync_trainer_loop_lag_ms", "Trainer event-loop lag during the last sync",
                            ["stat"])
 

@@ -26,6 +26,9 @@ class EngineAdapter(abc.ABC):
     name: str = "engine"
     receives_in_engine = False  # True: the engine process receives (receive_in_engine), not the agent
     wake_resumes = False        # True: waking the last sleeping tag resumes the engine by itself
+    # True: fault(), weight_version and counts() read local memory (never block), so
+    # the agent may read them live on its loop instead of from the polled snapshot.
+    state_is_local = False
 
     @abc.abstractmethod
     def pause(self, mode: int, *, timeout_s: float) -> None: ...
@@ -77,7 +80,8 @@ class EngineAdapter(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def weight_version(self) -> int: ...
+    def weight_version(self) -> int | None:
+        """The version the engine serves; None when it cannot be read now (blocking)."""
 
     @abc.abstractmethod
     def fault(self) -> str | None:
@@ -104,6 +108,7 @@ class ReferenceAdapter(EngineAdapter):
     """Hosts a ``ReferenceEngine`` in the agent process."""
 
     name = "reference"
+    state_is_local = True
 
     def __init__(self, config: ModelConfig, *, step_delay_s: float = 0.0, max_running: int = 8) -> None:
         self.engine = ReferenceEngine(config, step_delay_s=step_delay_s, max_running=max_running)

@@ -53,12 +53,15 @@ class HttpEngineAdapter(EngineAdapter):
         except json.JSONDecodeError:
             return {"text": text}
 
-    def _version_from(self, path: str) -> int:
-        """The integer ``weight_version`` at ``path``; 0 when absent or not a number."""
+    def _version_from(self, path: str) -> int | None:
+        """The integer ``weight_version`` at ``path``: 0 when the engine never set one,
+        None (unknown) when it cannot be read or is not a number -- never a made-up 0,
+        which would make versions go backwards."""
         try:
-            return int(self._call("GET", path).get("weight_version") or 0)
-        except (ValueError, EngineUnavailable, EngineFault, StepTimeoutError):
-            return 0
+            value = self._call("GET", path).get("weight_version")
+            return int(value) if value not in (None, "") else 0
+        except (TypeError, ValueError, EngineUnavailable, EngineFault, StepTimeoutError):
+            return None
 
     def fault(self) -> str | None:
         try:

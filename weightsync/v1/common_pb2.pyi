@@ -328,6 +328,7 @@ class EngineState(_message.Message):
     QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     BUCKETS_DONE_FIELD_NUMBER: _builtins.int
     BUCKETS_TOTAL_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_UNKNOWN_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     available: _builtins.bool
@@ -349,6 +350,10 @@ class EngineState(_message.Message):
     buckets_done: _builtins.int
     """progress of the running (or last) receive"""
     buckets_total: _builtins.int
+    weight_version_unknown: _builtins.bool
+    """The engine's version could not be read (engine slow or unreachable):
+    weight_version is then the last one known, not a fresh reading.
+    """
     @_builtins.property
     def asleep_tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -372,10 +377,11 @@ class EngineState(_message.Message):
         queued_requests: _builtins.int = ...,
         buckets_done: _builtins.int = ...,
         buckets_total: _builtins.int = ...,
+        weight_version_unknown: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "engine_id", b"engine_id", "fault", b"fault", "faulted", b"faulted", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "weight_version", b"weight_version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "engine_id", b"engine_id", "fault", b"fault", "faulted", b"faulted", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -412,10 +418,13 @@ class Event(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     unix_time: _builtins.float
     kind: _builtins.str
     engine_id: _builtins.str
+    idempotency_key: _builtins.str
+    """of the operation the event belongs to, when it has one"""
     @_builtins.property
     def fields(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -426,10 +435,11 @@ class Event(_message.Message):
         kind: _builtins.str = ...,
         engine_id: _builtins.str = ...,
         fields: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "fields", b"fields", "kind", b"kind", "seq", b"seq", "unix_time", b"unix_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "fields", b"fields", "idempotency_key", b"idempotency_key", "kind", b"kind", "seq", b"seq", "unix_time", b"unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,115 @@
+"""EngineWatch: the agent's view of its engine, refreshed off the event loop.
+
+Asking an HTTP engine how it is (``GET /health``, ``GET /weight_info``) takes
+seconds when vLLM or SGLang is busy. The agent's loop must keep answering Pause,
+Resume, GetState and heartbeats meanwhile, so no RPC handler and no heartbeat asks
+the engine: they read the last ``EngineSnapshot``, which a poller refreshes on a
+thread of its own, at its own cadence. It is not the control thread either: a
+slow health check must not hold up a Pause queued behind it.
+
+A version the engine does not report (unreachable, slow, garbage) is *unknown*:
+the snapshot keeps the last known one and says so, so versions never go backwards
+in GetState or the metrics. A version the agent just committed is known at once; a
+poll that was reading while a commit happened is discarded for the version, as it
+may predate the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from weightsync.engine.adapter import EngineAdapter
+from weightsync.server.launcher import EngineLauncher
+
+log = logging.getLogger("weightsync.agent")
+
+DEFAULT_POLL_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine last said about itself."""
+
+    fault: str = ""              # why it cannot serve; "" when healthy
+    weight_version: int = 0      # the last version known
+    version_known: bool = False  # False: the last reading failed (or none finished yet)
+    running: int = 0
+    queued: int = 0
+    polled_at: float = 0.0       # time.monotonic() of the poll; 0 = never
+
+
+class EngineWatch:
+    """Polls an adapter on its own thread; ``snapshot`` is always ready to read."""
+
+    def __init__(self, adapter: EngineAdapter, *, launcher: EngineLauncher | None = None,
+                 interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
+        self.adapter = adapter
+        self.launcher = launcher
+        self.interval_s = interval_s
+        self.snapshot = EngineSnapshot()
+        self._commits = 0                # bumped by committed(); guards a poll that raced a commit
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-health")
+
+    def current(self) -> EngineSnapshot:
+        """The snapshot; read live instead when the adapter's state is local memory."""
+        if self.adapter.state_is_local:
+            return self.poll_once()
+        return self.snapshot
+
+    def fault(self) -> str:
+        """The engine's fault, or its launched process's (checked now: a poll())."""
+        launched = self.launcher.fault() if self.launcher is not None else None
+        return self.current().fault or launched or ""
+
+    def committed(self, version: int) -> None:
+        """The agent recorded ``version`` in the engine: it is known without asking."""
+        with self._lock:
+            self._commits += 1
+            self.snapshot = dataclasses.replace(self.snapshot, weight_version=version, version_known=True)
+
+    def poll_once(self) -> EngineSnapshot:
+        """Asks the engine (blocking: call on the watch's thread) and stores the answer."""
+        with self._lock:
+            commits = self._commits
+        fault = self.adapter.fault() or ""
+        version = self.adapter.weight_version
+        running, queued = self.adapter.counts()
+        with self._lock:
+            last = self.snapshot
+            if commits != self._commits:  # a commit landed mid-poll: the reading may predate it
+                version, version_known = last.weight_version, last.version_known
+            elif version is None:  # not readable now: keep the last known, flagged unknown
+                version, version_known = last.weight_version, False
+            else:
+                version_known = True
+            self.snapshot = EngineSnapshot(fault=fault, weight_version=version, version_known=version_known,
+                                           running=running, queued=queued, polled_at=time.monotonic())
+            return self.snapshot
+
+    async def refresh(self) -> EngineSnapshot:
+        """One poll, off the loop."""
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: ctx.run(self.poll_once))
+
+    async def run(self) -> None:
+        """Polls until cancelled; a failing poll is logged and retried next interval."""
+        while True:
+            try:
+                await self.refresh()
+            except Exception as exc:
+                log.warning("engine poll failed: %r", exc)
+            await asyncio.sleep(self.interval_s)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["EngineSnapshot", "EngineWatch", "DEFAULT_POLL_INTERVAL_S"]
