@@ -56,6 +56,9 @@ from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger("weightsync.agent")
 T = TypeVar("T")
+# The idempotency key of the operation the current task serves: events it records
+# carry it, so an operator can count executions per key.
+OPERATION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("weightsync_agent_operation_key", default="")
 
 DEFAULT_TIMEOUT_S = 60.0
 MAX_EVENTS = 10_000
@@ -94,7 +97,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         """Appends to the agent's event log (GetEvents): what happened, in order."""
         self._seq += 1
         self._events.append(common_pb2.Event(seq=self._seq, unix_time=time.time(), kind=kind,
-                                             engine_id=self.engine_id,
+                                             engine_id=self.engine_id, idempotency_key=OPERATION_KEY.get(),
                                              fields={k: str(v) for k, v in fields.items()}))
         log.info("%s %s", kind, fields or "")
 
@@ -124,6 +127,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         try:
             if not self.accepting and operation not in ("resume",):
                 raise FailedPrecondition("agent is shutting down", reason="SHUTTING_DOWN")
+            OPERATION_KEY.set(key)  # this handler's context; the operation's task copies it
             return await self._idempotency.execute(key, operation, request, fn, response_type)
         except WeightSyncError as exc:
             await abort_with(context, exc)

@@ -19,6 +19,7 @@ second receive on any engine. Round state and the weight version persist in SQLi
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
@@ -52,6 +53,9 @@ from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("weightsync.coordinator")
+# The idempotency key of the operation the current task serves: events it emits
+# carry it, so an operator can count executions per key.
+OPERATION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("weightsync_operation_key", default="")
 
 DEFAULT_PAUSE_TIMEOUT_S = 60.0
 DEFAULT_TRANSFER_TIMEOUT_S = 300.0
@@ -175,6 +179,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         """Adds an event to the stream WatchEvents serves."""
         self._seq += 1
         self._events.append(common_pb2.Event(seq=self._seq, unix_time=time.time(), kind=kind, engine_id=engine_id,
+                                             idempotency_key=OPERATION_KEY.get(),
                                              fields={k: str(v) for k, v in fields.items()}))
         log.info("%s %s %s", kind, engine_id, fields or "")
         async with self._event_cond:
@@ -182,8 +187,9 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
 
     # ----- helpers ----------------------------------------------------------------------
 
-    async def _guard(self, context, coro_fn: Callable[[], Awaitable]):
+    async def _guard(self, context, coro_fn: Callable[[], Awaitable], *, key: str = ""):
         try:
+            OPERATION_KEY.set(key)  # this handler's context; the operation's task copies it
             if not self.accepting:
                 raise EngineUnavailable("coordinator is shutting down", reason="SHUTTING_DOWN")
             return await coro_fn()
@@ -253,7 +259,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     # ----- Pause ------------------------------------------------------------------------
 
     async def Pause(self, request, context):
-        return await self._guard(context, lambda: self.idempotency.execute(
+        return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self.idempotency.execute(
             request.idempotency_key, "pause", request, lambda: self._pause(request), coordinator_pb2.PauseResponse))
 
     async def _pause_members(self, request, timeout_s: float) -> list[EngineRecord]:
@@ -384,6 +390,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         yield coordinator_pb2.BroadcastEvent(result=result)
 
     async def _guard_broadcast(self, request, accepted: Callable[[], None]) -> coordinator_pb2.BroadcastResult:
+        OPERATION_KEY.set(request.idempotency_key)  # this task's context; the operation's task copies it
         if not self.accepting:
             raise EngineUnavailable("coordinator is shutting down", reason="SHUTTING_DOWN")
         async def run() -> coordinator_pb2.BroadcastResult:
@@ -529,7 +536,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     # ----- Resume -----------------------------------------------------------------------
 
     async def Resume(self, request, context):
-        return await self._guard(context, lambda: self.idempotency.execute(
+        return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self.idempotency.execute(
             request.idempotency_key, "resume", request, lambda: self._resume(request),
             coordinator_pb2.ResumeResponse))
 
@@ -562,7 +569,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     # ----- registry ---------------------------------------------------------------------
 
     async def RegisterEngine(self, request, context):
-        return await self._guard(context, lambda: self.idempotency.execute(
+        return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self.idempotency.execute(
             request.idempotency_key, "register", request, lambda: self._register(request),
             coordinator_pb2.RegisterEngineResponse))
 
@@ -590,7 +597,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                                                       weight_version=self.weight_version)
 
     async def DeregisterEngine(self, request, context):
-        return await self._guard(context, lambda: self.idempotency.execute(
+        return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self.idempotency.execute(
             request.idempotency_key, "deregister", request, lambda: self._deregister(request),
             coordinator_pb2.DeregisterEngineResponse))
 

@@ -225,3 +225,37 @@ async def test_a_retry_that_attaches_to_a_running_broadcast_gets_its_rendezvous(
     assert "injecting drop_stream into Broadcast" in open(os.path.join(cluster.tmp, "coordinator.log")).read()
     for agent in cluster.agents:
         assert [e.kind for e in await agent_events(agent.address)].count("transfer_started") == 1
+
+
+async def coordinator_events(address: str, timeout_s: float = 2.0) -> list:
+    """The coordinator's event stream so far (WatchEvents, read until it goes quiet)."""
+    import grpc
+
+    from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    events = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stream = coordinator_pb2_grpc.CoordinatorStub(channel).WatchEvents(coordinator_pb2.WatchEventsRequest())
+        try:
+            while True:
+                events.append(await asyncio.wait_for(stream.read(), timeout=timeout_s))
+        except TimeoutError:
+            stream.cancel()
+    return events
+
+
+async def test_events_carry_the_key_of_their_operation(cluster):
+    model = perturbed(11)
+    async with TrainerClient(cluster.address) as client:
+        assert (await client.update_weights(model.named_parameters(), version=1, key="sync-events")).ok
+    keys = {step: derive_key("sync-events", step) for step in ("pause", "broadcast", "resume")}
+    by_kind = {}
+    for event in await coordinator_events(cluster.address):
+        by_kind.setdefault(event.kind, []).append(event.idempotency_key)
+    assert by_kind["paused"] == [keys["pause"]]
+    assert by_kind["broadcast_started"] == by_kind["broadcast_done"] == [keys["broadcast"]]
+    assert by_kind["resumed"] == [keys["resume"]]
+    for agent in cluster.agents:
+        mine = derive_key(keys["broadcast"], agent.engine_id)  # the coordinator's key for this engine
+        started = [e.idempotency_key for e in await agent_events(agent.address) if e.kind == "transfer_started"]
+        assert started == [mine], "one execution per key, and the event says which"
