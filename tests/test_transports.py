@@ -4,6 +4,8 @@ sockets and real shared memory (the cross-process path is covered by test_e2e)."
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -251,3 +253,12 @@ def test_failure_before_joining_stops_the_sender_and_peers_at_once(name):
     assert time.monotonic() - started < 10
     sender.close()
     healthy.close()
+
+
+def test_closing_an_shm_receiver_under_a_running_receive_is_memory_safe():
+    # A real process: before the fix the unmap under unpack_bucket was a SIGSEGV
+    # (the agent died with signal 11 at SIGTERM and skipped its other shutdown steps).
+    script = os.path.join(os.path.dirname(__file__), "shm_close_race.py")
+    done = subprocess.run([sys.executable, script, "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split("\n")[-2] == "survived 2"

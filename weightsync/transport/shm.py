@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 import uuid
 
@@ -34,12 +35,22 @@ SHM_DIR = os.environ.get("WEIGHTSYNC_SHM_DIR", "/dev/shm")
 
 
 class _Segment:
-    """A mapped shared-memory file with two bucket slots."""
+    """A mapped shared-memory file with two bucket slots.
+
+    Never unmapped under a reader: a transfer holds the segment (``acquire`` /
+    ``release``) while it packs or unpacks, and ``close`` during a transfer (an agent
+    shutting down while an abandoned receive is still copying) only marks it; the
+    last ``release`` unmaps. ``torch.frombuffer`` views do not pin the mapping, so an
+    unmap under them is a SIGSEGV, not an exception.
+    """
 
     def __init__(self, path: str, bucket_bytes: int, *, create: bool) -> None:
         self.path = path
         self.bucket_bytes = bucket_bytes
         self.owner = create
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closing = False
         size = 2 * bucket_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
@@ -55,7 +66,28 @@ class _Segment:
         self.slots = [whole[:bucket_bytes], whole[bucket_bytes:2 * bucket_bytes]]
         del whole
 
+    def acquire(self) -> None:
+        """A transfer starts using the slots."""
+        with self._lock:
+            if self._closing:
+                raise TransferError("the shared memory segment is closed")
+            self._users += 1
+
+    def release(self) -> None:
+        """A transfer stopped using the slots; unmaps if a close was waiting for it."""
+        with self._lock:
+            self._users -= 1
+            if self._closing and self._users == 0:
+                self._unmap()
+
     def close(self) -> None:
+        """Unmaps now, or when the running transfer releases the segment."""
+        with self._lock:
+            self._closing = True
+            if self._users == 0:
+                self._unmap()
+
+    def _unmap(self) -> None:
         self.slots = []
         try:
             self._map.close()
@@ -86,12 +118,16 @@ class ShmSender(Sender):
             seg = self._ensure_segment(plan.bucket_bytes)
             store.set(session_key(rendezvous, "segment"), f"{seg.path}|{seg.bucket_bytes}")
             n = plan.num_buckets
-            for bucket in range(n):
-                if bucket >= 2:
-                    wait_for_keys(store, [session_key(rendezvous, "ack", bucket - 2, r) for r in ranks],
-                                  deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
-                pack_bucket(plan, bucket, sources, seg.slots[bucket % 2])
-                store.set(session_key(rendezvous, "ready", bucket), b"1")
+            seg.acquire()
+            try:
+                for bucket in range(n):
+                    if bucket >= 2:
+                        wait_for_keys(store, [session_key(rendezvous, "ack", bucket - 2, r) for r in ranks],
+                                      deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
+                    pack_bucket(plan, bucket, sources, seg.slots[bucket % 2])
+                    store.set(session_key(rendezvous, "ready", bucket), b"1")
+            finally:
+                seg.release()
             for bucket in range(max(0, n - 2), n):
                 wait_for_keys(store, [session_key(rendezvous, "ack", bucket, r) for r in ranks],
                               deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
@@ -151,13 +187,17 @@ class ShmReceiver(Receiver):
             if int(size) != plan.bucket_bytes:
                 raise TransferError(f"segment bucket size {size} != plan bucket size {plan.bucket_bytes}")
             seg = self._ensure_segment(path, plan.bucket_bytes)
-            for bucket in range(plan.num_buckets):
-                wait_for_keys(store, [session_key(rendezvous, "ready", bucket)], deadline_at=deadline_at,
-                              operation="receive", abort=abort, fail_keys=stop)
-                unpack_bucket(plan, bucket, seg.slots[bucket % 2], targets)
-                if on_bucket is not None:
-                    on_bucket(bucket)
-                store.set(session_key(rendezvous, "ack", bucket, rank), b"1")
+            seg.acquire()
+            try:
+                for bucket in range(plan.num_buckets):
+                    wait_for_keys(store, [session_key(rendezvous, "ready", bucket)], deadline_at=deadline_at,
+                                  operation="receive", abort=abort, fail_keys=stop)
+                    unpack_bucket(plan, bucket, seg.slots[bucket % 2], targets)
+                    if on_bucket is not None:
+                        on_bucket(bucket)
+                    store.set(session_key(rendezvous, "ack", bucket, rank), b"1")
+            finally:
+                seg.release()
         except BaseException as exc:
             try:
                 store.set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
