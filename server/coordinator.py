@@ -314,7 +314,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             # Registered engines that are down are reported, not silently skipped.
             for record in self.registry.all():
                 if record.engine_id not in member_ids:
-                    why = record.state.fault or f"no heartbeat for {record.heartbeat_age():.1f}s"
+                    why = self.registry.why_unavailable(record)
                     outcomes.append(_failed(record.engine_id, EngineUnavailable(
                         f"engine {record.engine_id} is unavailable: {why}")))
             self.round_id += 1
@@ -617,6 +617,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         was_available = self.registry.is_available(record)
         last_done = record.state.buckets_done
         record.last_heartbeat = time.monotonic()
+        record.unreachable = ""
         record.state.CopyFrom(request.state)
         if self.phase == "broadcasting" and request.state.receiving and request.state.buckets_done != last_done:
             await self.emit("bucket_progress", record.engine_id, done=request.state.buckets_done,
@@ -665,8 +666,11 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     agent_pb2.AgentStateRequest(include_digest=request.include_digests),
                     timeout=30.0 if request.include_digests else 2.0)
             except grpc.aio.AioRpcError as exc:
+                # Recorded in the registry, not just this answer: a Pause right after
+                # must not count in an engine GetState just reported unavailable.
+                record.unreachable = f"GetState failed: {exc.code().name}"
                 view.available = False
-                view.fault = f"GetState failed: {exc.code().name}"
+                view.fault = record.unreachable
                 return
             available, age = view.available, view.heartbeat_age_s
             view.CopyFrom(fresh)

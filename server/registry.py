@@ -32,6 +32,9 @@ class EngineRecord:
     # Changes on every registration: an agent that registers again (a restarted
     # process) holds no data-plane group, so no group id may carry over to it.
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Set when a direct call (GetState's probe) found the agent unreachable; cleared
+    # by its next heartbeat. Part of availability, so every path sees the same thing.
+    unreachable: str = ""
     state: common_pb2.EngineState = field(default_factory=common_pb2.EngineState)
 
     def heartbeat_age(self) -> float:
@@ -73,7 +76,17 @@ class EngineRegistry:
         return sorted(self._engines.values(), key=lambda r: r.engine_id)
 
     def is_available(self, record: EngineRecord) -> bool:
-        return record.heartbeat_age() < self.heartbeat_timeout_s and not record.state.faulted
+        """The one availability view (Pause, Broadcast, GetState, metrics): heartbeats
+        arriving, no fault reported, and not found unreachable since the last one."""
+        return (record.heartbeat_age() < self.heartbeat_timeout_s and not record.state.faulted
+                and not record.unreachable)
+
+    def why_unavailable(self, record: EngineRecord) -> str:
+        if record.state.faulted:
+            return record.state.fault or "the engine reports a fault"
+        if record.unreachable:
+            return record.unreachable
+        return f"no heartbeat for {record.heartbeat_age():.1f}s"
 
     def available(self) -> list[EngineRecord]:
         return [r for r in self.all() if self.is_available(r)]

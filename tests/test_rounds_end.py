@@ -259,3 +259,28 @@ async def test_events_carry_the_key_of_their_operation(cluster):
         mine = derive_key(keys["broadcast"], agent.engine_id)  # the coordinator's key for this engine
         started = [e.idempotency_key for e in await agent_events(agent.address) if e.kind == "transfer_started"]
         assert started == [mine], "one execution per key, and the event says which"
+
+
+async def test_pause_does_not_count_in_an_engine_getstate_reported_unavailable(cluster_factory):
+    # A long heartbeat timeout widens the window in which heartbeats alone still say
+    # "available" for a frozen engine; GetState's own probe finds it unreachable first.
+    cluster = cluster_factory(2, coordinator_args=("--heartbeat-timeout", "20"))
+    frozen = cluster.agent("engine-1").proc
+    async with TrainerClient(cluster.address) as client:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + 15
+            while any(e.available for e in (await client.get_state()).engines if e.engine_id == "engine-1"):
+                assert time.monotonic() < end, "GetState never noticed the frozen engine"
+            started = time.monotonic()
+            response = await client.pause(timeout_s=30)
+            waited = time.monotonic() - started
+            outcomes = {o.engine_id: o for o in response.engines}
+            assert outcomes["engine-0"].ok
+            assert not outcomes["engine-1"].ok and outcomes["engine-1"].error_reason == "ENGINE_UNAVAILABLE"
+            # Before: Pause counted it in and waited its whole timeout on it.
+            assert waited < 10, f"Pause waited {waited:.1f}s on an engine reported unavailable"
+            await client.resume()
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
