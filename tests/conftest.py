@@ -78,6 +78,8 @@ def start_coordinator(tmp: str, *extra: str, state_db: str | None = None, name: 
 def start_agent(tmp: str, coordinator: str, engine_id: str, *extra: str, env: dict | None = None,
                 insecure: bool = True) -> AgentProc:
     port_file = os.path.join(tmp, f"{engine_id}.addr")
+    if os.path.exists(port_file):  # a restart: never read the previous process's address
+        os.unlink(port_file)
     log_path = os.path.join(tmp, f"{engine_id}.log")
     log = open(log_path, "a")
     mode = ["--insecure"] if insecure else []
