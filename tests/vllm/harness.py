@@ -9,6 +9,7 @@ trainer's own model (Hugging Face transformers) scoring the same tokens.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -106,6 +107,32 @@ def agent_stack(model: str, tmp: str, *, engine_id: str = "vllm-0", faults: str 
         if agent is not None:
             stop_process(agent, grace_s=20)
         stop_process(coordinator, grace_s=10)
+
+
+async def ready_for_a_test(address: str, url: str, timeout_s: float = 300) -> None:
+    """Brings a shared stack to a known state whatever the previous test left behind
+    (a timeout mid-pause, torn weights): the round resumed (torn allowed: the test
+    syncs what it needs), vLLM unpaused and healthy, the engine available. Waits by
+    readiness, each wait bounded by ``timeout_s``."""
+    from weightsync.client import TrainerClient
+
+    end = time.monotonic() + timeout_s
+    await asyncio.to_thread(wait_available, address, ["vllm-0"], timeout_s)
+    async with TrainerClient(address) as client:
+        state = await client.get_state()
+        if state.round.phase != "idle" or any(e.paused for e in state.engines):
+            await client.resume(allow_torn=True, timeout_s=max(1.0, end - time.monotonic()))
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                pass
+            if get(url, "/is_paused")["is_paused"] is False:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            raise TimeoutError(f"vLLM at {url} not serving (healthy and unpaused) after {timeout_s}s")
+        await asyncio.sleep(0.1)
 
 
 class FreshVllms:

