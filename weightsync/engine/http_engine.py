@@ -55,13 +55,16 @@ class HttpEngineAdapter(EngineAdapter):
 
     def _version_from(self, path: str) -> int | None:
         """The integer ``weight_version`` at ``path``: 0 when the engine never set one,
-        None (unknown) when it cannot be read or is not a number -- never a made-up 0,
-        which would make versions go backwards."""
+        or a non-number; None (unknown) when the engine cannot be asked (unreachable,
+        HTTP error, slow) -- never a made-up 0, which would make versions go backwards."""
         try:
             value = self._call("GET", path).get("weight_version")
-            return int(value) if value not in (None, "") else 0
-        except (TypeError, ValueError, EngineUnavailable, EngineFault, StepTimeoutError):
+        except (EngineUnavailable, EngineFault, StepTimeoutError):
             return None
+        try:  # an engine that answers but never set a numeric version (vLLM boots with a name)
+            return int(value)
+        except (TypeError, ValueError):
+            return 0
 
     def fault(self) -> str | None:
         try:
