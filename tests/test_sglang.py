@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import time
 import urllib.request
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from tests.conftest import start_agent, start_coordinator, wait_available
+from tests.test_lifecycle import free_port
 from weightsync.client import EngineClient, Probe, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import FailedPrecondition, InvalidArgument, TornWeightsError, WeightSyncError
@@ -326,13 +326,7 @@ async def test_an_engine_that_cannot_record_the_version_fails_the_round_and_stay
         assert allowed.ok
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-METRICS_PORT = _free_port()
+METRICS_PORT = free_port()
 
 
 def scrape(port: int, name: str, **labels: str) -> float:
