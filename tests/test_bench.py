@@ -52,3 +52,26 @@ def test_bench_bad_arguments_exit_2(args):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "weightsync bench:" in proc.stderr
+
+
+def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--size", "2MiB", "--tensors", "30,300",
+                           "--shape-profile", "moe", "--engines", "1", "--steps", "1", "--bucket-bytes", "1MiB",
+                           "--transport", "shm", "--no-baselines", "--json", str(out), "--plot", str(png)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["shape_profile"] == "moe" and report["config"]["tensors_requested"] == [30, 300]
+    counts = sorted(r["tensors"] for r in report["results"])
+    assert len(counts) == 2 and 25 <= counts[0] <= 35 and 270 <= counts[1] <= 330
+    assert "time per byte at" in proc.stdout  # the sweep's ratio line
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("value", ["0", "12,x", ""])
+def test_bench_bad_tensor_counts_exit_2(value):
+    proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--tensors", value, "--no-baselines"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "tensor count" in proc.stderr

@@ -168,3 +168,42 @@ def test_configs():
     size = sum(p.numel() * 4 for p in ReferenceLM(cfg).parameters())
     assert 0.5 < size / (64 * 1024 * 1024) < 2.0
     assert ModelConfig().head_dim == 16
+
+
+@pytest.mark.parametrize("tensors", [89, 512, 2048, 20000])
+def test_moe_shape_profile_makes_many_small_expert_tensors(tensors):
+    cfg = config_for_size(1 << 30, tensors, profile="moe")
+    with torch.device("meta"):  # shapes only: no 1 GiB allocation
+        named = list(ReferenceLM(cfg).named_parameters())
+    assert 0.9 < len(named) / tensors < 1.1
+    assert 0.85 < sum(p.numel() * 4 for _, p in named) / (1 << 30) < 1.05
+    experts = [n for n, _ in named if ".moe.experts." in n]
+    assert len(experts) / len(named) > 0.5  # most tensors are expert matrices
+    assert max(p.numel() for n, p in named if n in set(experts)) < max(p.numel() for _, p in named)
+
+
+def test_moe_model_routes_tokens_and_caches_like_the_batched_pass():
+    cfg = ModelConfig(d_model=32, n_heads=2, d_ff=16, n_layers=2, n_experts=8, experts_per_token=2,
+                      max_seq_len=32)
+    model = ReferenceLM(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (12,))
+    batched = model(tokens.unsqueeze(0))[0]
+    cache = torch.zeros(model.kv_shape())
+    cached = torch.cat([model.forward_cached(tokens[:5], cache, 0, all_logits=True),
+                        model.forward_cached(tokens[5:], cache, 5, all_logits=True)])
+    assert torch.allclose(batched, cached, atol=1e-5)
+    # Changing one expert's weights changes the output only through the tokens routed to it.
+    with torch.no_grad():
+        for expert in model.blocks[0].moe.experts:
+            expert.down.weight.zero_()
+        assert not torch.allclose(model(tokens.unsqueeze(0))[0], batched)
+
+
+def test_moe_configs_are_checked():
+    for bad in ('{"n_experts": -1}', '{"n_experts": 4, "experts_per_token": 5}',
+                '{"n_experts": 4, "experts_per_token": 0}', '{"n_experts": true}'):
+        with pytest.raises(InvalidArgument):
+            resolve_config(bad)
+    with pytest.raises(InvalidArgument):
+        config_for_size(1 << 20, 100, profile="sparse")
+    assert resolve_config('{"n_experts": 4}').experts_per_token == 2

@@ -84,12 +84,27 @@ def _add_demo(sub) -> None:
     p.add_argument("--transport", default="gloo", choices=["gloo", "shm", "group"], help="data plane")
 
 
+def _tensor_counts(text: str) -> list[int]:
+    """``300`` or ``89,512,2048`` -> tensor counts (argparse type)."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a tensor count or a comma-separated list of them: {text!r}") from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"tensor counts must be >= 1: {text!r}")
+    return counts
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="measure transfer time against the alternatives, in one run")
     p.add_argument("--size", default="256MiB", help="payload size, e.g. 1GiB, 256MiB")
-    p.add_argument("--tensors", type=int, default=300,
+    p.add_argument("--tensors", type=_tensor_counts, default=[300],
                    help="about how many tensors the payload is split into (default: about a dense 8B model's count; "
-                        "mixture-of-experts models have tens of thousands)")
+                        "mixture-of-experts models have tens of thousands); a comma-separated list "
+                        "(89,512,2048,20000) runs every method at each count in one run")
+    p.add_argument("--shape-profile", default="dense", choices=["dense", "moe"],
+                   help="dense layers, or moe: most tensors are small expert matrices (128 experts per layer "
+                        "where the count allows)")
     p.add_argument("--engines", type=int, default=2, help="receiving engines (agent processes)")
     p.add_argument("--transport", action="append", choices=["gloo", "shm", "group", "nccl", "cuda-ipc"],
                    help="weightsync transport to measure (repeatable; default gloo and shm)")
@@ -177,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(args) -> int:
     from weightsync import transport as transports
-    from weightsync.bench.runner import parse_size, run_bench, table
+    from weightsync.bench.runner import parse_size, ratios, run_bench, table
 
     chosen = args.transport or ["gloo", "shm"]
     for name in chosen:
@@ -188,11 +203,14 @@ def _bench(args) -> int:
     try:
         report = run_bench(size=args.size, tensors=args.tensors, engines=args.engines, transports=chosen,
                            steps=args.steps, baselines=args.baselines, json_path=args.json, plot_path=args.plot,
-                           bucket_bytes=parse_size(args.bucket_bytes), attest=args.attest)
+                           bucket_bytes=parse_size(args.bucket_bytes), attest=args.attest,
+                           shape_profile=args.shape_profile)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
     print(table(report))
+    for line in ratios(report):
+        print(line)
     return 0
 
 

@@ -24,7 +24,7 @@ import torch
 
 from weightsync.bench.baselines import METHODS, Baselines
 from weightsync.client import LoopLagProbe, Probe, TrainerClient
-from weightsync.engine.model import ReferenceLM, config_for_size
+from weightsync.engine.model import SHAPE_PROFILES, ReferenceLM, config_for_size
 from weightsync.local_cluster import LocalCluster
 from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
 
@@ -120,22 +120,52 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
     return results
 
 
-def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], steps: int, baselines: bool,
-              json_path: str = "", plot_path: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              attest: bool = False) -> dict:
-    """Runs the benchmark; returns (and optionally writes) the JSON report."""
-    if engines < 1 or steps < 1 or tensors < 1:
+def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: list[str], steps: int,
+              baselines: bool, json_path: str = "", plot_path: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              attest: bool = False, shape_profile: str = "dense") -> dict:
+    """Runs the benchmark; returns (and optionally writes) the JSON report.
+
+    ``tensors``: one count, or several for a sweep -- the same payload split into each
+    count in turn, every method at every count, all in this one run (so the ratios
+    between counts compare like with like). ``shape_profile``: ``dense`` layers, or
+    ``moe`` (most tensors are small expert matrices).
+    """
+    counts = [tensors] if isinstance(tensors, int) else list(tensors)
+    if engines < 1 or steps < 1 or not counts or any(n < 1 for n in counts):
         raise ValueError("engines, steps and tensors must be >= 1")
+    if shape_profile not in SHAPE_PROFILES:
+        raise ValueError(f"unknown shape profile {shape_profile!r}; known: {', '.join(SHAPE_PROFILES)}")
     if plot_path:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'weightsync[bench]'") from None
-    cfg = config_for_size(parse_size(size), tensors)
+    nbytes_requested = parse_size(size)
+    per_count = len(transports) * (steps * (2 if attest else 1) + 1) + (len(METHODS) * steps if baselines else 0)
+    progress = Progress(per_count * len(counts))
+    results: list[dict] = []
+    for count in counts:
+        cfg = config_for_size(nbytes_requested, count, profile=shape_profile)
+        results += _run_one_shape(cfg, engines=engines, transports=transports, steps=steps, baselines=baselines,
+                                  bucket_bytes=bucket_bytes, attest=attest, progress=progress)
+    report = {"machine": machine(), "results": results,
+              "config": {"size": size, "tensors_requested": counts if len(counts) > 1 else counts[0],
+                         "shape_profile": shape_profile, "bucket_bytes": bucket_bytes, "steps": steps,
+                         "attest": attest}}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    if plot_path:
+        plot(report, plot_path)
+    return report
+
+
+def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, baselines: bool, bucket_bytes: int,
+                   attest: bool, progress: Progress) -> list[dict]:
+    """Every method at one model shape: the weightsync transports on a fresh local
+    cluster whose engines hold that shape, then the baselines."""
     model = ReferenceLM(cfg)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
-    total_steps = len(transports) * (steps * (2 if attest else 1) + 1) + (len(METHODS) * steps if baselines else 0)
-    progress = Progress(total_steps)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         with LocalCluster(tmp, engines=engines, agent_args=("--model", cfg.to_json()), agent_timeout_s=600,
@@ -149,15 +179,7 @@ def run_bench(*, size: str, tensors: int, engines: int, transports: list[str], s
                 for method in METHODS:
                     seconds = runs.run(method, progress=lambda _s, m=method: progress.step(m))
                     results.append(_summary(method, None, nbytes, len(named), engines, seconds, None))
-    report = {"machine": machine(), "results": results,
-              "config": {"size": size, "tensors_requested": tensors, "bucket_bytes": bucket_bytes, "steps": steps,
-                         "attest": attest}}
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    if plot_path:
-        plot(report, plot_path)
-    return report
+    return results
 
 
 def machine() -> dict:
@@ -178,18 +200,61 @@ def table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def ratios(report: dict) -> list[str]:
+    """For a sweep: each method's median time per byte at the largest tensor count over
+    the same at the smallest (1.0 = the tensor count costs nothing). Per byte, because
+    the shapes of one ``--size`` total slightly different byte counts."""
+    by_method: dict[tuple, dict[int, float]] = {}
+    for r in report["results"]:
+        by_method.setdefault((r["method"], r["transport"]), {})[r["tensors"]] = r["seconds"]["median"] / r["bytes"]
+    lines = []
+    for (method, transport), medians in by_method.items():
+        if len(medians) > 1:
+            low, high = min(medians), max(medians)
+            lines.append(f"{method}{'/' + transport if transport else ''}: time per byte at {high} tensors / "
+                         f"at {low} tensors = {medians[high] / medians[low]:.2f}x")
+    return lines
+
+
 def plot(report: dict, path: str) -> None:
+    """One count: throughput per method (bars). A sweep: median seconds against tensor
+    count, a line per method."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
+    r0 = report["results"][0]
+    counts = sorted({r["tensors"] for r in report["results"]})
+    if len(counts) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for r in report["results"]:
+            label = r["method"] + (f"/{r['transport']}" if r["transport"] else "")
+            lines.setdefault(label, []).append((r["tensors"], r["seconds"]["median"]))
+        for label, points in lines.items():
+            points.sort()
+            style = "-o" if label.startswith("weightsync") else "--x"
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("tensors in the payload")
+        ax.set_ylabel("median seconds to every engine")
+        ax.set_title(f"{report['config']['size']} ({report['config'].get('shape_profile', 'dense')}), "
+                     f"{r0['engines']} engines")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return
     labels = [r["method"] + (f"\n{r['transport']}" if r["transport"] else "") for r in report["results"]]
     values = [r["gbps"] for r in report["results"]]
     fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.3), 4))
     bars = ax.bar(labels, values, color=["tab:blue" if r["method"].startswith("weightsync") else "tab:gray"
                                          for r in report["results"]])
     ax.bar_label(bars, fmt="%.2f")
-    r0 = report["results"][0]
     ax.set_ylabel("Gbit/s of payload to every engine")
     ax.set_title(f"{r0['bytes'] / 2**20:.0f} MiB, {r0['tensors']} tensors, {r0['engines']} engines")
     fig.tight_layout()
@@ -197,4 +262,4 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["run_bench", "parse_size", "table", "plot", "machine"]
+__all__ = ["run_bench", "parse_size", "table", "ratios", "plot", "machine"]
