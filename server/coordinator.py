@@ -441,16 +441,20 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
                     session_id=uuid.uuid4().hex, group_backend=request.group_backend)
 
-                def receive_request(record: EngineRecord, validate_only: bool) -> agent_pb2.ReceiveRequest:
+                def receive_request(record: EngineRecord, validate_only: bool) -> bytes:
                     return agent_pb2.ReceiveRequest(
                         idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
                         plan=request.plan, rendezvous=rendezvous, rank=ranks[record.engine_id],
                         weights_digest=request.weights_digest, timeout_s=timeout_s, validate_only=validate_only,
-                        probe=request.probe if request.HasField("probe") else None)
+                        probe=request.probe if request.HasField("probe") else None).SerializeToString()
+
+                async def call_receive(record: EngineRecord, validate_only: bool, rpc_timeout_s: float):
+                    # Built and serialised on a worker thread: the plan may name 20k tensors.
+                    payload = await asyncio.to_thread(receive_request, record, validate_only)
+                    return await record.receive_serialized(payload, timeout=rpc_timeout_s)
 
                 # Phase 1: every engine checks the request; nothing changes anywhere yet.
-                checks = await self._fan_out(
-                    members, lambda r: r.stub.Receive(receive_request(r, True), timeout=30.0), operation="validate")
+                checks = await self._fan_out(members, lambda r: call_receive(r, True, 30.0), operation="validate")
                 rejected = [o for o in checks if not o.ok]
                 if rejected:
                     first = rejected[0]
@@ -476,8 +480,8 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
 
                 async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
                     try:
-                        return await self._call_with_retry(record, lambda r: r.stub.Receive(
-                            receive_request(r, False), timeout=timeout_s + RPC_MARGIN_S))
+                        return await self._call_with_retry(
+                            record, lambda r: call_receive(r, False, timeout_s + RPC_MARGIN_S))
                     except grpc.aio.AioRpcError as exc:
                         # Tell the trainer now, so it stops sending instead of waiting out
                         # its deadline for an engine that will never acknowledge.

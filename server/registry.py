@@ -36,9 +36,20 @@ class EngineRecord:
     # by its next heartbeat. Part of availability, so every path sees the same thing.
     unreachable: str = ""
     state: common_pb2.EngineState = field(default_factory=common_pb2.EngineState)
+    _receive_raw: grpc.aio.UnaryUnaryMultiCallable | None = field(default=None, repr=False)
 
     def heartbeat_age(self) -> float:
         return float("inf") if not self.last_heartbeat else time.monotonic() - self.last_heartbeat
+
+    def receive_serialized(self, payload: bytes, *, timeout: float) -> grpc.aio.UnaryUnaryCall:
+        """``Receive`` with a request the caller already serialised (off the event loop):
+        a plan of 20k tensors is a megabyte, and the stub would serialise it on the loop
+        for every engine, twice a round."""
+        if self._receive_raw is None:
+            self._receive_raw = self.channel.unary_unary(
+                "/weightsync.v1.EngineAgent/Receive", request_serializer=None,
+                response_deserializer=common_pb2.EngineOutcome.FromString)
+        return self._receive_raw(payload, timeout=timeout)
 
 
 class EngineRegistry:

@@ -150,7 +150,9 @@ class IdempotencyStore:
         attaching or replayed; never for a conflicting one), before ``fn`` starts.
         """
         validate_key(key)
-        fp = fingerprint(operation, request)
+        # Off the loop: a Broadcast's or Receive's request holds the whole plan (a
+        # megabyte at 20k tensors), copied and hashed here.
+        fp = await asyncio.to_thread(fingerprint, operation, request)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:  # makes look-up + insert atomic for concurrent duplicates
             record = await self._load(key)
