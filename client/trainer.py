@@ -37,6 +37,7 @@ from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, 
 from weightsync.errors import (
     EngineOutputMismatch,
     InvalidArgument,
+    PlanUnknown,
     StepTimeoutError,
     TransferError,
     WeightSyncError,
@@ -44,7 +45,13 @@ from weightsync.errors import (
     outcome_error,
 )
 from weightsync.idempotency import derive_key, validate_key
-from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, dtype_name, weights_digest
+from weightsync.plan import (
+    DEFAULT_BUCKET_BYTES,
+    BucketPlan,
+    dtype_name,
+    is_reference,
+    weights_digest,
+)
 from weightsync.security import Security
 from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.transport.store import host_store
@@ -113,7 +120,6 @@ class _Prepared:
     sources: list[torch.Tensor]
     digest: str
     probe: Probe | None = None
-    plan_proto: common_pb2.WeightPlan | None = None  # built on the worker thread, not the loop
 
     def group_backend(self, kind) -> str:
         """For the group transport: nccl when the weights are on a GPU, else gloo."""
@@ -169,6 +175,10 @@ class TrainerClient:
         # (bucket_bytes, wire dtype, names, dtypes, shapes, plan) of the last step: a
         # trainer syncs the same tensors every step
         self._plan_cache: tuple | None = None
+        # Plan ids this client's coordinator has taken in whole: later Broadcasts name
+        # them by id (a megabyte less per step at 20k tensors). A coordinator that no
+        # longer holds one answers PLAN_UNKNOWN and gets the whole plan again.
+        self._plans_sent: set[str] = set()
         self._abort = threading.Event()
         self._closed = False
 
@@ -297,9 +307,11 @@ class TrainerClient:
             if self._store is None:  # hosted on first use: status-only clients never open a port
                 self._store = await self._in_thread(host_store, self.host, timeout_s=self.default_timeout_s)
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest)
-            # Built on the worker thread too: the request copies a plan of every tensor.
+            # Built on the worker thread too: a request with the whole plan lists every tensor.
+            by_reference = prepared.plan.plan_id in self._plans_sent
             request = await self._in_thread(lambda: coordinator_pb2.BroadcastRequest(
-                idempotency_key=key, version=version, plan=prepared.plan_proto, transport=kind,
+                idempotency_key=key, version=version, transport=kind,
+                plan=prepared.plan.reference_proto() if by_reference else prepared.plan.to_proto(),
                 store_host=self.host, store_port=self._store.port, weights_digest=prepared.digest,
                 group_backend=prepared.group_backend(kind),
                 probe=prepared.probe.to_proto() if prepared.probe is not None else None))
@@ -325,6 +337,7 @@ class TrainerClient:
                 request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
                 try:
                     async for event in stub.Broadcast(request, timeout=left):
+                        self._plans_sent.add(prepared.plan.plan_id)  # validated: the coordinator holds it
                         which = event.WhichOneof("event")
                         if which == "rendezvous" and transfer is None:
                             transfer = self._start_send(event.rendezvous, prepared, kind)
@@ -335,6 +348,12 @@ class TrainerClient:
                     if result is None:
                         raise TransferError("broadcast stream ended without a result")
                 except grpc.aio.AioRpcError as exc:
+                    if isinstance(from_rpc_error(exc), PlanUnknown) and is_reference(request.plan):
+                        # The coordinator restarted (or forgot the plan): nothing ran, and
+                        # the same key with the whole plan is the same request.
+                        self._plans_sent.discard(prepared.plan.plan_id)
+                        await self._in_thread(request.plan.CopyFrom, prepared.plan.to_proto())
+                        continue
                     delay = self.retry.backoff(attempt)
                     left = deadline.remaining()
                     # A retry with the same key attaches to the running round, never re-runs it.
@@ -429,7 +448,7 @@ class TrainerClient:
         probe = attest() if callable(attest) else attest
         if probe is not None and not isinstance(probe, Probe):
             raise InvalidArgument(f"attest must be a Probe or a function returning one, got {type(probe).__name__}")
-        return _Prepared(plan, sources, digest, probe, plan.to_proto())
+        return _Prepared(plan, sources, digest, probe)
 
     def _cached_plan(self, pairs: list) -> BucketPlan | None:
         """The last step's plan if ``pairs`` still have its names, dtypes and shapes.

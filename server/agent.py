@@ -49,7 +49,7 @@ from weightsync.errors import (
 )
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore
-from weightsync.plan import BucketPlan, dtype_name
+from weightsync.plan import BucketPlan, dtype_name, is_reference
 from weightsync.server.engine_watch import EngineWatch
 from weightsync.server.launcher import EngineLauncher
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -318,7 +318,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         timeout_s = request.timeout_s or DEFAULT_TIMEOUT_S
         deadline_at = time.monotonic() + timeout_s
         self._abort.clear()
-        self.record("transfer_started", version=request.version, bytes=plan.total_bytes)
+        self.record("transfer_started", version=request.version, bytes=plan.total_bytes,
+                    plan="by_id" if is_reference(request.plan) else "whole")
         started = time.monotonic()
         error: BaseException | None = None
         cancelled = False

@@ -37,6 +37,7 @@ from weightsync.errors import (
     EngineUnavailable,
     FailedPrecondition,
     InvalidArgument,
+    PlanUnknown,
     WeightSyncError,
     abort_with,
     check_timeout,
@@ -45,7 +46,7 @@ from weightsync.errors import (
 )
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore, derive_key, validate_key
-from weightsync.plan import BucketPlan
+from weightsync.plan import BucketPlan, is_reference
 from weightsync.security import INSECURE, Security
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
@@ -425,7 +426,11 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     async def _broadcast(self, request, progress: BroadcastProgress) -> coordinator_pb2.BroadcastResult:
         async with self._round_lock:
             with nothing_changed():  # until the transfer starts, a failure leaves everything as it was
-                plan = await asyncio.to_thread(self._validate_broadcast, request)
+                try:
+                    plan = await asyncio.to_thread(self._validate_broadcast, request)
+                except PlanUnknown:  # the trainer sends the whole plan again, same key
+                    await self.emit("plan_unknown", plan_id=request.plan.plan_id)
+                    raise
                 if self.phase not in ("paused", "failed", "broadcast_done"):
                     raise FailedPrecondition(f"no paused round (phase {self.phase!r}): call Pause first")
                 timeout_s = request.timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
@@ -441,17 +446,31 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
                     session_id=uuid.uuid4().hex, group_backend=request.group_backend)
 
-                def receive_request(record: EngineRecord, validate_only: bool) -> bytes:
+                def receive_request(record: EngineRecord, validate_only: bool, by_reference: bool) -> bytes:
                     return agent_pb2.ReceiveRequest(
                         idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
-                        plan=request.plan, rendezvous=rendezvous, rank=ranks[record.engine_id],
+                        plan=plan.reference_proto() if by_reference else plan.to_proto(),
+                        rendezvous=rendezvous, rank=ranks[record.engine_id],
                         weights_digest=request.weights_digest, timeout_s=timeout_s, validate_only=validate_only,
                         probe=request.probe if request.HasField("probe") else None).SerializeToString()
 
                 async def call_receive(record: EngineRecord, validate_only: bool, rpc_timeout_s: float):
-                    # Built and serialised on a worker thread: the plan may name 20k tensors.
-                    payload = await asyncio.to_thread(receive_request, record, validate_only)
-                    return await record.receive_serialized(payload, timeout=rpc_timeout_s)
+                    # Built and serialised on a worker thread: a whole plan may name 20k
+                    # tensors. An agent that took this plan before gets its id alone; one
+                    # that forgot it (PLAN_UNKNOWN: nothing ran) gets the whole plan again.
+                    by_reference = plan.plan_id in record.plans_held
+                    payload = await asyncio.to_thread(receive_request, record, validate_only, by_reference)
+                    try:
+                        outcome = await record.receive_serialized(payload, timeout=rpc_timeout_s)
+                    except grpc.aio.AioRpcError as exc:
+                        if not (by_reference and isinstance(from_rpc_error(exc), PlanUnknown)):
+                            raise
+                        record.plans_held.discard(plan.plan_id)
+                        await self.emit("plan_unknown", engine_id=record.engine_id, plan_id=plan.plan_id)
+                        payload = await asyncio.to_thread(receive_request, record, validate_only, False)
+                        outcome = await record.receive_serialized(payload, timeout=rpc_timeout_s)
+                    record.plans_held.add(plan.plan_id)
+                    return outcome
 
                 # Phase 1: every engine checks the request; nothing changes anywhere yet.
                 checks = await self._fan_out(members, lambda r: call_receive(r, True, 30.0), operation="validate")
@@ -471,6 +490,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             await self._save_round()
             try:
                 await self.emit("broadcast_started", version=request.version, bytes=plan.total_bytes,
+                                plan="by_id" if is_reference(request.plan) else "whole",
                                 engines=",".join(ranks), transport=transports.KIND_NAMES[request.transport])
                 progress.publish(coordinator_pb2.BroadcastEvent(rendezvous=rendezvous))
                 started = time.monotonic()

@@ -36,6 +36,8 @@ class EngineRecord:
     # by its next heartbeat. Part of availability, so every path sees the same thing.
     unreachable: str = ""
     state: common_pb2.EngineState = field(default_factory=common_pb2.EngineState)
+    # Plan ids this incarnation of the agent has taken in whole: Receive names them by id.
+    plans_held: set[str] = field(default_factory=set, repr=False)
     _receive_raw: grpc.aio.UnaryUnaryMultiCallable | None = field(default=None, repr=False)
 
     def heartbeat_age(self) -> float:
@@ -75,6 +77,7 @@ class EngineRegistry:
         if heartbeat:  # a registration
             record.last_heartbeat = time.monotonic()
             record.incarnation = uuid.uuid4().hex
+            record.plans_held = set()  # a new process holds no plan
         return record, stale_channel
 
     def remove(self, engine_id: str) -> EngineRecord | None:

@@ -85,6 +85,14 @@ class FailedPrecondition(WeightSyncError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PlanUnknown(FailedPrecondition):
+    """A request named its plan by ``plan_id`` alone, and this server does not hold that
+    plan (it restarted, or forgot it): send the whole plan again. Nothing ran."""
+
+    reason = "PLAN_UNKNOWN"
+    nothing_ran = True
+
+
 class EngineUnavailable(WeightSyncError):
     """An engine (or its agent) cannot be reached or stopped heartbeating."""
 
@@ -144,7 +152,7 @@ class StepTimeoutError(WeightSyncError, TimeoutError):
 
 _BY_REASON: dict[str, type[WeightSyncError]] = {
     cls.reason: cls
-    for cls in (InvalidArgument, IdempotencyConflict, FailedPrecondition, EngineUnavailable,
+    for cls in (InvalidArgument, IdempotencyConflict, FailedPrecondition, PlanUnknown, EngineUnavailable,
                 EngineFault, TornWeightsError, EngineOutputMismatch, TransferError, OperationAborted)
 }
 
@@ -225,6 +233,6 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 
 __all__ = [
     "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
-    "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
+    "PlanUnknown", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
     "StepTimeoutError", "check_timeout", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

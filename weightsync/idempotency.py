@@ -42,6 +42,7 @@ from weightsync.errors import (
     from_status,
 )
 from weightsync.statedb import StateDB
+from weightsync.v1 import common_pb2
 
 M = TypeVar("M", bound=Message)
 
@@ -73,12 +74,24 @@ CALL_SCOPED_FIELDS = ("idempotency_key", "timeout_s", "store_host", "store_port"
 
 
 def fingerprint(operation: str, request: Message) -> str:
-    """Operation + request contents, ignoring the call-scoped fields (key, timeout, store)."""
+    """Operation + request contents, ignoring the call-scoped fields (key, timeout, store).
+
+    A weight plan counts by its ``plan_id`` (which names its contents, and is checked
+    against them wherever a whole plan is taken in), so a request that lists the plan's
+    tensors and its retry that names the plan by id alone are the same request, and a
+    20k-tensor plan is not copied and hashed for every call.
+    """
     copy = type(request)()
-    copy.CopyFrom(request)
-    for name in CALL_SCOPED_FIELDS:
-        if name in copy.DESCRIPTOR.fields_by_name:
-            copy.ClearField(name)  # type: ignore[arg-type]
+    for field, value in request.ListFields():
+        if field.name in CALL_SCOPED_FIELDS:
+            continue
+        if field.name == "plan" and value.plan_id:
+            copy.plan.CopyFrom(common_pb2.WeightPlan(plan_id=value.plan_id, bucket_bytes=value.bucket_bytes,
+                                                     total_bytes=value.total_bytes))
+        elif field.is_repeated or field.message_type is not None:
+            getattr(copy, field.name).MergeFrom(value)
+        else:
+            setattr(copy, field.name, value)
     h = hashlib.sha256(operation.encode() + b"\0" + copy.SerializeToString(deterministic=True))
     return h.hexdigest()
 

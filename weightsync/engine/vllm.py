@@ -57,6 +57,7 @@ class VllmAdapter(HttpEngineAdapter):
         self._asleep: set[str] = set()
         self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
         self._probe_limits: dict | None = None
+        self._worker_plans: set[str] = set()  # plan ids the worker took whole
         self.last_received_digest = ""
 
     # ----- HTTP ---------------------------------------------------------------------
@@ -114,16 +115,28 @@ class VllmAdapter(HttpEngineAdapter):
                           *, deadline_at: float, skip_post_load: bool = False) -> None:
         """Runs the receive inside vLLM's worker (blocking; the agent's transfer thread).
         ``skip_post_load`` is fault injection: the tied layers keep their old kernels."""
-        left = deadline_at - time.monotonic()
-        if left <= 0:
-            raise StepTimeoutError("deadline exceeded before the receive started", operation="receive")
-        results = self.collective_rpc(
-            "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
-            json_format.MessageToJson(plan.to_proto()), str(left), "1" if skip_post_load else "",
-            timeout_s=left)
-        result = results[0] if results else None
+        # The worker remembers plans it took whole: later rounds name the plan by id (a
+        # 20k-tensor plan is megabytes of JSON). A worker that forgot it (vLLM restarted)
+        # answers PlanUnknown before receiving anything, and gets the whole plan.
+        whole = plan.plan_id not in self._worker_plans
+        while True:
+            left = deadline_at - time.monotonic()
+            if left <= 0:
+                raise StepTimeoutError("deadline exceeded before the receive started", operation="receive")
+            wire = plan.to_proto() if whole else plan.reference_proto()
+            results = self.collective_rpc(
+                "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
+                json_format.MessageToJson(wire), str(left), "1" if skip_post_load else "",
+                timeout_s=left)
+            result = results[0] if results else None
+            if not whole and isinstance(result, dict) and str(result.get("error", "")).startswith("PlanUnknown"):
+                self._worker_plans.discard(plan.plan_id)
+                whole = True
+                continue
+            break
         if not isinstance(result, dict) or "error" in result or "digest" not in result:
             raise TransferError(f"receive inside vLLM failed: {result!r}")
+        self._worker_plans.add(plan.plan_id)
         self.last_received_digest = result["digest"]
 
     def check_probe(self, probe: Probe) -> None:
