@@ -115,3 +115,27 @@ def test_many_small_tensors_round_after_round_through_reused_buffers():
             unpack_bucket(plan, bucket, buf, targets)
         for src, dst in zip(sources, targets, strict=True):
             assert torch.equal(src.to(torch.bfloat16), dst)
+
+
+def test_serial_copies_affect_only_the_calling_thread_and_only_inside():
+    import threading
+
+    import torch
+
+    from weightsync.serial_copy import _openmp, serial_copies
+
+    if _openmp() is None or torch.get_num_threads() < 2:
+        pytest.skip("needs torch's OpenMP runtime and at least 2 threads")
+    before = torch.get_num_threads()
+    seen = {}
+
+    def other_thread():
+        seen["other"] = torch.get_num_threads()
+
+    with serial_copies():
+        seen["inside"] = torch.get_num_threads()
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    assert seen == {"inside": 1, "other": before}
+    assert torch.get_num_threads() == before

@@ -10,6 +10,7 @@ whether two plans are the same); the per-bucket piece lists are computed once he
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from functools import cached_property
 import torch
 
 from weightsync.errors import InvalidArgument, PlanUnknown
+from weightsync.serial_copy import serial_copies
 from weightsync.v1 import common_pb2
 
 ALIGN = 8
@@ -31,6 +33,7 @@ _PLANS: OrderedDict[bytes, BucketPlan] = OrderedDict()  # validated plans by wir
 _PLANS_BY_ID: OrderedDict[str, BucketPlan] = OrderedDict()  # the same plans by plan_id (plan references)
 _PLANS_LOCK = threading.Lock()
 _PLANS_KEPT = 8
+SERIAL_COPY_BYTES = 1 << 20  # whole tensors smaller than this are copied without OpenMP regions
 _VIEW_BUFFERS = 4  # bucket buffers whose views a plan remembers: a sender's or receiver's two, and the
 # two they replaced (a new group or segment); older ones are let go, so their memory can be freed
 
@@ -262,15 +265,25 @@ class BucketPlan:
         return tuple(tuple(p) for p in out)
 
     @cached_property
-    def _whole_and_split(self) -> tuple[tuple[tuple[int, ...], tuple[Piece, ...]], ...]:
-        """Per bucket: the indices of tensors that lie whole inside it (copied together
-        in one ``torch._foreach_copy_``), and the pieces of tensors that span buckets."""
+    def _whole_and_split(self) -> tuple[tuple[tuple[int, ...], int, tuple[Piece, ...]], ...]:
+        """Per bucket: the indices of tensors that lie whole inside it, small ones first
+        (copied together in one ``torch._foreach_copy_`` per group), how many of them are
+        small, and the pieces of tensors that span buckets."""
         out = []
         for pieces in self.pieces:
-            whole = tuple(p.tensor_index for p in pieces if p.length == self.slots[p.tensor_index].nbytes)
+            whole = [p.tensor_index for p in pieces if p.length == self.slots[p.tensor_index].nbytes]
+            small = tuple(i for i in whole if self.slots[i].nbytes < SERIAL_COPY_BYTES)
+            large = tuple(i for i in whole if self.slots[i].nbytes >= SERIAL_COPY_BYTES)
             split = tuple(p for p in pieces if p.length != self.slots[p.tensor_index].nbytes)
-            out.append((whole, split))
+            out.append((small + large, len(small), split))
         return tuple(out)
+
+    @cached_property
+    def _small_splits(self) -> tuple[bool, ...]:
+        """Per bucket: whether its pieces of bucket-spanning tensors are all small (copied
+        without OpenMP regions too: in a bucket of small tensors, one parallel region
+        left is enough to keep every OpenMP thread spinning through the bucket)."""
+        return tuple(all(p.length < SERIAL_COPY_BYTES for p in split) for _, _, split in self._whole_and_split)
 
     @cached_property
     def _views(self) -> tuple[threading.Lock, OrderedDict]:
@@ -278,7 +291,8 @@ class BucketPlan:
 
     def bucket_views(self, buffer: torch.Tensor, bucket: int) -> list[torch.Tensor]:
         """Typed views (the tensors' dtypes and shapes) of ``buffer`` -- a bucket buffer,
-        uint8, starting at the bucket's first byte -- for the whole tensors of ``bucket``.
+        uint8, starting at the bucket's first byte -- for the whole tensors of ``bucket``,
+        in ``_whole_and_split`` order.
 
         Built once per buffer and bucket, then reused every step: buffers are
         long-lived (double buffers, a shared-memory segment), so a step with 20k
@@ -296,12 +310,11 @@ class BucketPlan:
             cache.move_to_end(key)
             views = per_buffer.get(bucket)
             if views is None:
+                starts = {p.tensor_index: p.bucket_start for p in self.pieces[bucket]}
                 views = []
-                for p in self.pieces[bucket]:
-                    slot = self.slots[p.tensor_index]
-                    if p.length == slot.nbytes:
-                        views.append(buffer[p.bucket_start:p.bucket_start + p.length].view(slot.dtype)
-                                     .view(slot.shape))
+                for index in self._whole_and_split[bucket][0]:
+                    slot, start = self.slots[index], starts[index]
+                    views.append(buffer[start:start + slot.nbytes].view(slot.dtype).view(slot.shape))
                 per_buffer[bucket] = views
             return views
 
@@ -338,15 +351,33 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
+def _copy_whole(small: int, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copies whole tensors, the first ``small`` of them with no OpenMP parallel region
+    (see ``weightsync.serial_copy``): a region per small tensor costs more than it
+    saves, and much more when processes share cores. Large ones keep torch's threads."""
+    if small:
+        with serial_copies():
+            torch._foreach_copy_(dsts[:small] if small < len(dsts) else dsts,
+                                 srcs[:small] if small < len(srcs) else srcs)
+    if small < len(dsts):
+        torch._foreach_copy_(dsts[small:], srcs[small:])
+
+
 @torch.no_grad()
 def pack_bucket(plan: BucketPlan, bucket: int, sources: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """Copies (casting where the plan's dtype differs) bucket ``bucket`` into ``out`` (uint8).
 
-    Tensors that lie whole in the bucket go in one ``torch._foreach_copy_`` call (one
-    Python call for thousands of small tensors); pieces of larger ones one by one."""
-    whole, split = plan._whole_and_split[bucket]
+    Tensors that lie whole in the bucket go in one ``torch._foreach_copy_`` call per
+    size group (one Python call for thousands of small tensors); pieces of larger ones
+    one by one."""
+    whole, small, split = plan._whole_and_split[bucket]
     if whole:
-        torch._foreach_copy_(plan.bucket_views(out, bucket), [sources[i] for i in whole])
+        _copy_whole(small, plan.bucket_views(out, bucket), [sources[i] for i in whole])
+    with serial_copies() if plan._small_splits[bucket] else contextlib.nullcontext():
+        _pack_split(plan, split, sources, out)
+
+
+def _pack_split(plan: BucketPlan, split: Sequence[Piece], sources: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     for p in split:
         slot = plan.slots[p.tensor_index]
         src = sources[p.tensor_index].reshape(-1)
@@ -362,13 +393,14 @@ def pack_bucket(plan: BucketPlan, bucket: int, sources: Sequence[torch.Tensor], 
 @torch.no_grad()
 def unpack_bucket(plan: BucketPlan, bucket: int, data: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
     """Copies bucket ``bucket`` from ``data`` (uint8) into ``targets`` (same dtypes as the plan);
-    whole tensors in one ``torch._foreach_copy_`` call, as in ``pack_bucket``."""
-    whole, split = plan._whole_and_split[bucket]
+    whole tensors grouped as in ``pack_bucket``."""
+    whole, small, split = plan._whole_and_split[bucket]
     if whole:
-        torch._foreach_copy_([targets[i] for i in whole], plan.bucket_views(data, bucket))
-    for p in split:
-        dst = byte_view(targets[p.tensor_index])
-        dst[p.tensor_start:p.tensor_start + p.length].copy_(data[p.bucket_start:p.bucket_start + p.length])
+        _copy_whole(small, [targets[i] for i in whole], plan.bucket_views(data, bucket))
+    with serial_copies() if plan._small_splits[bucket] else contextlib.nullcontext():
+        for p in split:
+            dst = byte_view(targets[p.tensor_index])
+            dst[p.tensor_start:p.tensor_start + p.length].copy_(data[p.bucket_start:p.bucket_start + p.length])
 
 
 def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
