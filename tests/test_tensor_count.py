@@ -3,9 +3,11 @@
 Real processes (a coordinator, two reference-engine agents), the same payload size in
 ~100 and in ~20,000 tensors, rounds timed in this one run. Per-tensor work that is
 quadratic, or a rebuild per round, shows as a ratio in the hundreds (20k tensors took
-minutes per round before plans, specs and targets were cached); the bound is loose
-enough for a busy 2-core machine, where per-tensor Python costs dominate a payload this
-small. ``weightsync bench --tensors`` gives the figures at 1 GiB (docs/benchmarks.md).
+minutes per round before plans, specs and targets were cached), and a full garbage
+collection per step or a parallel region per small copy as 3-4x; on the quiet 2-core
+machine the ratio is 1.8 (128 MiB, whole update_weights), and the bound of 6 leaves room
+for a busy one. ``weightsync bench --tensors`` gives the figures at 1 GiB
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from weightsync.errors import InvalidArgument
 from weightsync.local_cluster import LocalCluster
 
 PAYLOAD = 128 << 20
-MAX_RATIO = 12.0
+MAX_RATIO = 6.0
 
 
 async def median_round_seconds(tmp: str, tensors: int, rounds: int = 3) -> tuple[float, int]:

@@ -11,7 +11,9 @@ engine's digest must equal the trainer's. Loop lag is sampled during each Broadc
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -24,7 +26,7 @@ import torch
 
 from weightsync.bench.baselines import METHODS, Baselines
 from weightsync.client import LoopLagProbe, Probe, TrainerClient
-from weightsync.engine.model import SHAPE_PROFILES, ReferenceLM, config_for_size
+from weightsync.engine.model import SHAPE_PROFILES, ModelConfig, ReferenceLM, config_for_size
 from weightsync.local_cluster import LocalCluster
 from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
 
@@ -142,12 +144,22 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
             raise ValueError("--plot needs matplotlib: pip install 'weightsync[bench]'") from None
     nbytes_requested = parse_size(size)
     per_count = len(transports) * (steps * (2 if attest else 1) + 1) + (len(METHODS) * steps if baselines else 0)
-    progress = Progress(per_count * len(counts))
     results: list[dict] = []
-    for count in counts:
-        cfg = config_for_size(nbytes_requested, count, profile=shape_profile)
-        results += _run_one_shape(cfg, engines=engines, transports=transports, steps=steps, baselines=baselines,
-                                  bucket_bytes=bucket_bytes, attest=attest, progress=progress)
+    shape_args = {"engines": engines, "transports": transports, "steps": steps, "baselines": baselines,
+                  "bucket_bytes": bucket_bytes, "attest": attest}
+    if len(counts) == 1:
+        cfg = config_for_size(nbytes_requested, counts[0], profile=shape_profile)
+        results += _run_one_shape(cfg, progress=Progress(per_count), **shape_args)
+    else:
+        # Each count in a fresh trainer process (still one run, one report): the
+        # previous shape's freed gigabyte leaves this process's heap fragmented, and
+        # the next shape measured 15-20 % slower in it than in a process of its own.
+        # A trainer holds one model per process, as each count does here.
+        context = multiprocessing.get_context("spawn")
+        for count in counts:
+            cfg = config_for_size(nbytes_requested, count, profile=shape_profile)
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as child:
+                results += child.submit(_run_shape_in_child, cfg.to_json(), per_count, shape_args).result()
     report = {"machine": machine(), "results": results,
               "config": {"size": size, "tensors_requested": counts if len(counts) > 1 else counts[0],
                          "shape_profile": shape_profile, "bucket_bytes": bucket_bytes, "steps": steps,
@@ -158,6 +170,10 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     if plot_path:
         plot(report, plot_path)
     return report
+
+
+def _run_shape_in_child(cfg_json: str, steps_total: int, shape_args: dict) -> list[dict]:
+    return _run_one_shape(ModelConfig.from_json(cfg_json), progress=Progress(steps_total), **shape_args)
 
 
 def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, baselines: bool, bucket_bytes: int,
