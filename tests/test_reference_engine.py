@@ -207,3 +207,24 @@ def test_moe_configs_are_checked():
     with pytest.raises(InvalidArgument):
         config_for_size(1 << 20, 100, profile="sparse")
     assert resolve_config('{"n_experts": 4}').experts_per_token == 2
+
+
+def test_state_reads_never_wait_for_a_running_step(engine):
+    # The agent reads the reference engine's state live on its event loop (heartbeats,
+    # GetState); a step holds the engine's lock for a whole forward pass.
+    import threading
+
+    engine.submit([1, 2, 3], 5)
+    got = {}
+    with engine._cond:  # as a long step would
+
+        def read():
+            got["counts"] = engine.counts()
+            got["fault"], got["version"] = engine.fault, engine.weight_version
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(timeout=2.0)
+        blocked = reader.is_alive()
+    reader.join()
+    assert not blocked, "reading the engine's state waited for its lock"
+    assert sum(got["counts"]) >= 1 and got["fault"] is None

@@ -255,9 +255,12 @@ class ReferenceEngine:
         return sorted(self._asleep)
 
     def counts(self) -> tuple[int, int]:
-        """(running, queued) request counts."""
-        with self._cond:
-            return len(self._running), len(self._queue)
+        """(running, queued) request counts.
+
+        Without the engine's lock: a step (the forward pass) holds it, and the agent
+        reads counts for every heartbeat on its event loop. Each ``len`` is atomic; a
+        count one step old is what a status report needs."""
+        return len(self._running), len(self._queue)
 
     def kv_bytes(self) -> int:
         """Bytes held by the KV pool (0 while asleep)."""
