@@ -29,6 +29,7 @@ from weightsync.faults import FaultInjector
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import Security
 from weightsync.server.agent import AgentCore
+from weightsync.server.decode_guard import DecodeGuard
 from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.launcher import EngineLauncher
 from weightsync.server.serving import (
@@ -149,7 +150,7 @@ async def run_agent(options: AgentOptions) -> int:
         # the first answer is in before the coordinator hears of us.
         await core.watch.refresh()
         watcher = asyncio.create_task(core.watch.run())
-        interceptors = options.security.server_interceptors()
+        interceptors = [*options.security.server_interceptors(), DecodeGuard()]
         if faults is not None:
             interceptors.append(FaultInterceptor(faults))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)

@@ -20,6 +20,7 @@ from weightsync.faults import FaultInjector
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import Security
 from weightsync.server.coordinator import CoordinatorCore
+from weightsync.server.decode_guard import DecodeGuard
 from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.serving import (
     SERVER_OPTIONS,
@@ -73,7 +74,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
         metrics.WEIGHT_VERSION.set(core.weight_version)
         if options.metrics_port:
             metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
-        interceptors = options.security.server_interceptors()
+        interceptors = [*options.security.server_interceptors(), DecodeGuard()]
         if faults is not None:
             interceptors.append(FaultInterceptor(faults))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)

@@ -154,3 +154,60 @@ def test_fuzz_every_rpc(fuzz_cluster):
     asyncio.run(still_serving(agent))
     assert asyncio.run(snapshot(cluster.address)) == before, "a malformed request changed state"
     assert len(seen) >= 8, seen  # the strategies reached most RPCs
+
+
+# Bytes that are no valid message of any request type: an invalid wire type, and a
+# length-delimited field cut short. Invalid UTF-8 is added where field 1 is a string.
+UNDECODABLE = [b"\xff" * 5, b"\x0a\x10abc"]
+BAD_UTF8 = b"\x0a\x02\xff\xfe"
+
+
+def every_rpc() -> list[tuple[str, str, bool, list[bytes]]]:
+    """(service, method, server-streaming, undecodable payloads) for every RPC of both services."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    out = []
+    for module, service in ((coordinator_pb2, "Coordinator"), (agent_pb2, "EngineAgent")):
+        for m in module.DESCRIPTOR.services_by_name[service].methods:
+            first = m.input_type.fields_by_number.get(1)
+            string_first = first is not None and first.type == FieldDescriptor.TYPE_STRING
+            out.append((module.DESCRIPTOR.package + "." + service, m.name, m.server_streaming,
+                        UNDECODABLE + ([BAD_UTF8] if string_first else [])))
+    return out
+
+
+def test_undecodable_requests_are_invalid_argument_on_every_rpc(fuzz_cluster):
+    from weightsync.errors import from_rpc_error
+
+    cluster = fuzz_cluster
+    agent = cluster.agents[0].address
+    before = asyncio.run(snapshot(cluster.address))
+    rpcs = every_rpc()
+    assert len(rpcs) >= 17
+
+    async def go():
+        answers = {}
+        for service, method, streaming, payloads in rpcs:
+            address = cluster.address if service.endswith("Coordinator") else agent
+            async with grpc.aio.insecure_channel(address) as channel:
+                path = f"/{service}/{method}"
+                for payload in payloads:
+                    if streaming:
+                        call = channel.unary_stream(path, request_serializer=None, response_deserializer=None)
+                        with pytest.raises(grpc.aio.AioRpcError) as info:
+                            async for _ in call(payload, timeout=10):
+                                pass
+                    else:
+                        call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+                        with pytest.raises(grpc.aio.AioRpcError) as info:
+                            await call(payload, timeout=10)
+                    error = from_rpc_error(info.value)
+                    answers[(method, payload)] = (info.value.code(), error.reason)
+        return answers
+
+    answers = asyncio.run(go())
+    wrong = {k: v for k, v in answers.items() if v != (grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_REQUEST")}
+    assert not wrong, wrong
+    asyncio.run(still_serving(cluster.address))
+    asyncio.run(still_serving(agent))
+    assert asyncio.run(snapshot(cluster.address)) == before, "an undecodable request changed state"
