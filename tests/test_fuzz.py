@@ -211,3 +211,39 @@ def test_undecodable_requests_are_invalid_argument_on_every_rpc(fuzz_cluster):
     asyncio.run(still_serving(cluster.address))
     asyncio.run(still_serving(agent))
     assert asyncio.run(snapshot(cluster.address)) == before, "an undecodable request changed state"
+
+
+def test_errors_about_huge_fields_are_bounded_and_keep_their_status(fuzz_cluster):
+    # A message echoing a 10k-character field went into the status's trailing metadata
+    # twice (message and ErrorInfo): grpc answered RESOURCE_EXHAUSTED instead.
+    from weightsync.errors import from_rpc_error
+
+    cluster = fuzz_cluster
+    huge = "e" * 10_000
+    calls = [
+        ("coordinator", "DeregisterEngine", coordinator_pb2.DeregisterEngineRequest(idempotency_key="k",
+                                                                                    engine_id=huge)),
+        ("coordinator", "RegisterEngine", coordinator_pb2.RegisterEngineRequest(
+            idempotency_key="k2", engine_id=huge, agent_address="127.0.0.1:1", model="tiny")),
+        ("coordinator", "Pause", coordinator_pb2.PauseRequest(idempotency_key=huge)),
+        ("agent", "Receive", agent_pb2.ReceiveRequest(idempotency_key="k3", plan=common_pb2.WeightPlan(
+            tensors=[common_pb2.TensorSpec(name=huge, dtype="float32", shape=[1])], bucket_bytes=1024))),
+    ]
+
+    async def go():
+        seen = []
+        for target, method, msg in calls:
+            address = cluster.address if target == "coordinator" else cluster.agents[0].address
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = (coordinator_pb2_grpc.CoordinatorStub(channel) if target == "coordinator"
+                        else agent_pb2_grpc.EngineAgentStub(channel))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(stub, method, msg)
+            error = from_rpc_error(info.value)
+            seen.append((method, info.value.code(), error.reason, len(info.value.details().encode())))
+        return seen
+
+    for method, code, reason, message_bytes in asyncio.run(go()):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and reason == "INVALID_ARGUMENT", (method, code, reason)
+        assert message_bytes <= 1024, (method, message_bytes)
+    asyncio.run(still_serving(cluster.address))

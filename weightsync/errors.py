@@ -38,16 +38,37 @@ class WeightSyncError(Exception):
     def __init__(self, message: str, *, reason: str | None = None,
                  code: grpc.StatusCode | None = None,
                  metadata: Mapping[str, str] | None = None) -> None:
+        message = bounded(message, MAX_MESSAGE_BYTES)
         super().__init__(message)
         self.message = message
         if reason is not None:
             self.reason = reason
         if code is not None:
             self.code = code
-        self.metadata: dict[str, str] = dict(metadata or {})
+        self.metadata: dict[str, str] = {
+            bounded(str(k), MAX_METADATA_BYTES): bounded(str(v), MAX_METADATA_BYTES)
+            for k, v in list((metadata or {}).items())[:MAX_METADATA_ENTRIES]}
 
     def __str__(self) -> str:
         return f"[{self.reason}] {self.message}"
+
+
+# Errors travel in a status's trailing metadata, message and ErrorInfo both: a message
+# that echoes a 10k-character field made grpc answer RESOURCE_EXHAUSTED ("metadata size
+# exceeds hard limit") instead of the real error. Every error is bounded when made.
+MAX_MESSAGE_BYTES = 1024
+MAX_METADATA_BYTES = 256
+MAX_METADATA_ENTRIES = 16
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8 (at a character boundary), with a
+    marker giving the original length."""
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= limit:
+        return text
+    marker = f"...[cut, {len(data)} bytes in all]"
+    return data[:limit - len(marker)].decode("utf-8", errors="ignore") + marker
 
 
 @contextlib.contextmanager
@@ -234,5 +255,5 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 __all__ = [
     "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
     "PlanUnknown", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
-    "StepTimeoutError", "check_timeout", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
+    "StepTimeoutError", "check_timeout", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]
