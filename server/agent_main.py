@@ -225,9 +225,13 @@ async def _deregister(stub, core: AgentCore) -> None:
         await stub.DeregisterEngine(coordinator_pb2.DeregisterEngineRequest(
             idempotency_key=f"deregister-{core.engine_id}-{uuid.uuid4().hex}", engine_id=core.engine_id), timeout=5.0)
     except grpc.aio.AioRpcError as exc:
-        # A coordinator that is already gone cannot be told; that is not our failure.
-        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT):
+        # A coordinator that is gone, shutting down (it cancels the calls in flight when
+        # it is stopped together with us) or stuck cannot be told; that is not this
+        # agent's failure, and the coordinator drops it when its heartbeats stop.
+        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT,
+                              grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise
+        log.warning("could not deregister from the coordinator (%s): %s", exc.code().name, exc.details())
 
 
 __all__ = ["AgentOptions", "run_agent"]

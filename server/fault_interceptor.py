@@ -44,6 +44,8 @@ class FaultInterceptor(grpc.aio.ServerInterceptor):
                 if rule.action == "duplicate":
                     first, _second = await asyncio.gather(inner(request, context), inner(request, context))
                     return first
+                if rule.action == "cancel":  # what a server that is stopping does to a call in flight
+                    await context.abort(grpc.StatusCode.CANCELLED, f"injected: {method} cancelled")
                 await inner(request, context)  # drop_response: executed, answer lost
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"injected: response of {method} dropped")
 

@@ -19,7 +19,8 @@ Rule fields: ``op``, ``action``, optional matchers, ``seconds`` for delays, and
   gets UNAVAILABLE instead of the answer), ``duplicate`` (the request is delivered
   twice, concurrently), ``delay`` (the hop takes ``seconds`` longer), ``drop_stream``
   (a server stream breaks with UNAVAILABLE before its first message; what it started
-  goes on).
+  goes on), ``cancel`` (a unary call is answered CANCELLED without running, as a
+  server that is stopping does to the calls in flight).
 - ``op: "shutdown"``, matched by ``method`` (a shutdown step's name): ``fail``
   makes that cleanup step raise, to prove the other steps still run.
 - ``op: "round"`` (the coordinator), matched by ``method`` (a step of a round, e.g.
@@ -85,7 +86,7 @@ class FaultInjector:
         except (json.JSONDecodeError, TypeError) as exc:
             raise InvalidArgument(f"{ENV} must be a JSON list of rules: {exc}") from None
         for rule in rules:
-            allowed = {"receive": ("delay", "fail", "stale_tensor", "skip_post_load"), "rpc": ("drop_response", "drop_stream", "duplicate", "delay"),
+            allowed = {"receive": ("delay", "fail", "stale_tensor", "skip_post_load"), "rpc": ("drop_response", "drop_stream", "duplicate", "delay", "cancel"),
                        "shutdown": ("fail",), "round": ("fail",)}
             if rule.action not in allowed.get(rule.op, ()):
                 raise InvalidArgument(f"unsupported fault rule {rule}")
