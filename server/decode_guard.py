@@ -1,16 +1,20 @@
-"""A server interceptor that answers undecodable requests with INVALID_ARGUMENT.
+"""A server interceptor that decodes requests: large ones off the event loop, and
+undecodable ones answered with INVALID_ARGUMENT.
 
 grpc calls a method's request deserializer before any servicer code runs; a request
 whose bytes are not a valid message (garbage, a truncated field, invalid UTF-8 in a
 string) made it raise, and grpc answered ``UNKNOWN`` after logging an unexpected
-error. Here the deserializer is wrapped: a request that cannot be decoded becomes a
-marker, and the handler answers ``INVALID_ARGUMENT`` (reason ``MALFORMED_REQUEST``)
-without running. Installed on both servers, after authentication, so a caller that
-is refused learns nothing about its payload.
+error. grpc also decodes on the server's event loop, where a plan of a million tensors
+(tens of megabytes) stalled heartbeats for seconds. Here grpc hands over the raw
+bytes; the wrapped handler decodes them (on a worker thread above 64 KiB), and a
+request that cannot be decoded is answered ``INVALID_ARGUMENT`` (reason
+``MALFORMED_REQUEST``) without running. Installed on both servers, after
+authentication, so a caller that is refused learns nothing about its payload.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
 import grpc
@@ -18,6 +22,7 @@ import grpc
 from weightsync.errors import InvalidArgument, abort_with
 
 _DETAIL_CHARS = 200  # the decoder's complaint is echoed, bounded
+OFF_LOOP_BYTES = 64 * 1024
 
 
 class _Undecodable:
@@ -27,13 +32,23 @@ class _Undecodable:
         self.why = why
 
 
-def _guarded(deserialize):
-    def safe(data: bytes):
-        try:
-            return deserialize(data)
-        except Exception as exc:  # any decoder failure is the caller's malformed request
-            return _Undecodable(f"{type(exc).__name__}: {str(exc)[:_DETAIL_CHARS]}")
-    return safe
+def _decode(deserialize, data: bytes):
+    try:
+        return deserialize(data)
+    except Exception as exc:  # any decoder failure is the caller's malformed request
+        return _Undecodable(f"{type(exc).__name__}: {str(exc)[:_DETAIL_CHARS]}")
+
+
+async def _request(deserialize, data: bytes):
+    """The decoded request; a large one is decoded on a worker thread, not the loop (a
+    Broadcast naming a million tensors is tens of megabytes)."""
+    if len(data) < OFF_LOOP_BYTES:
+        return _decode(deserialize, data)
+    return await asyncio.to_thread(_decode, deserialize, data)
+
+
+def _raw(data: bytes) -> bytes:
+    return data
 
 
 def _refusal(method: str, request: _Undecodable) -> InvalidArgument:
@@ -49,32 +64,34 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
+        deserialize = handler.request_deserializer
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
-            async def unary(request, context):
+            async def unary(data, context):
+                request = await _request(deserialize, data)
                 if isinstance(request, _Undecodable):
                     await abort_with(context, _refusal(method, request))
                 return await inner(request, context)
 
-            return grpc.unary_unary_rpc_method_handler(unary, _guarded(handler.request_deserializer),
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary, _raw, handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
             if inspect.isasyncgenfunction(inner_stream):
-                async def stream(request, context):
+                async def stream(data, context):
+                    request = await _request(deserialize, data)
                     if isinstance(request, _Undecodable):
                         await abort_with(context, _refusal(method, request))
                     async for message in inner_stream(request, context):
                         yield message
             else:  # a coroutine that writes its messages (grpc's own health Watch)
-                async def stream(request, context):
+                async def stream(data, context):
+                    request = await _request(deserialize, data)
                     if isinstance(request, _Undecodable):
                         await abort_with(context, _refusal(method, request))
                     return await inner_stream(request, context)
 
-            return grpc.unary_stream_rpc_method_handler(stream, _guarded(handler.request_deserializer),
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(stream, _raw, handler.response_serializer)
         return handler
 
 
