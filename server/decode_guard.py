@@ -65,31 +65,30 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
         deserialize = handler.request_deserializer
+
+        async def decoded(data, context):
+            """The request, or (never returning) INVALID_ARGUMENT for bytes that are not one."""
+            request = await _request(deserialize, data)
+            if isinstance(request, _Undecodable):
+                await abort_with(context, _refusal(method, request))
+            return request
+
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary(data, context):
-                request = await _request(deserialize, data)
-                if isinstance(request, _Undecodable):
-                    await abort_with(context, _refusal(method, request))
-                return await inner(request, context)
+                return await inner(await decoded(data, context), context)
 
             return grpc.unary_unary_rpc_method_handler(unary, _raw, handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
             if inspect.isasyncgenfunction(inner_stream):
                 async def stream(data, context):
-                    request = await _request(deserialize, data)
-                    if isinstance(request, _Undecodable):
-                        await abort_with(context, _refusal(method, request))
-                    async for message in inner_stream(request, context):
+                    async for message in inner_stream(await decoded(data, context), context):
                         yield message
             else:  # a coroutine that writes its messages (grpc's own health Watch)
                 async def stream(data, context):
-                    request = await _request(deserialize, data)
-                    if isinstance(request, _Undecodable):
-                        await abort_with(context, _refusal(method, request))
-                    return await inner_stream(request, context)
+                    return await inner_stream(await decoded(data, context), context)
 
             return grpc.unary_stream_rpc_method_handler(stream, _raw, handler.response_serializer)
         return handler
