@@ -24,7 +24,7 @@ import grpc
 from weightsync import metrics
 from weightsync.engine.adapter import ReferenceAdapter
 from weightsync.engine.model import resolve_config
-from weightsync.errors import InvalidArgument
+from weightsync.errors import InvalidArgument, from_rpc_error
 from weightsync.faults import FaultInjector
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import Security
@@ -82,8 +82,11 @@ async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
             response = await stub.RegisterEngine(request, timeout=max(0.1, deadline - loop.time()))
             return response.heartbeat_interval_s or 0.5
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                    or loop.time() + delay >= deadline:
+            # ENGINE_ID_IN_USE: our previous incarnation's registration has not expired
+            # yet (a restart within the heartbeat timeout); it will.
+            retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
+                from_rpc_error(exc).reason == "ENGINE_ID_IN_USE"
+            if not retryable or loop.time() + delay >= deadline:
                 raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -102,13 +105,23 @@ async def _heartbeats(stub, core: AgentCore, options: AgentOptions, interval_s: 
         await asyncio.sleep(interval_s)
 
 
+def _engine_id_from_certificate(security: Security) -> str:
+    """Under mutual TLS an agent's certificate names its engine: the id to use when
+    ``--engine-id`` is not given."""
+    if not security.mutual:
+        return ""
+    from weightsync.roles import identity_from_certificate
+    identity = identity_from_certificate(security.cert)
+    return identity.engine_id if identity is not None and identity.role == "agent" else ""
+
+
 async def run_agent(options: AgentOptions) -> int:
     """Runs the agent until a signal; returns the process exit code."""
     if options.engine not in ("reference", "vllm", "sglang"):
         raise InvalidArgument(f"engine {options.engine!r} is not supported; use reference, vllm or sglang")
     if options.engine != "reference" and not options.engine_url:
         raise InvalidArgument(f"--engine {options.engine} needs --engine-url (e.g. http://127.0.0.1:8000)")
-    engine_id = options.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+    engine_id = options.engine_id or _engine_id_from_certificate(options.security) or f"engine-{uuid.uuid4().hex[:8]}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals_seen = 0
@@ -127,6 +140,7 @@ async def run_agent(options: AgentOptions) -> int:
     errors: list[BaseException] = []
     try:
         options.security.require_server_mode()
+        options.security.require_role("agent", engine_id)
         faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
         if options.launch:
             launcher = EngineLauncher(options.launch, health_url=options.health_url,
@@ -150,7 +164,7 @@ async def run_agent(options: AgentOptions) -> int:
         # the first answer is in before the coordinator hears of us.
         await core.watch.refresh()
         watcher = asyncio.create_task(core.watch.run())
-        interceptors = [*options.security.server_interceptors(), DecodeGuard()]
+        interceptors = [*options.security.server_interceptors(), DecodeGuard(enforce_roles=options.security.mutual)]
         if faults is not None:
             interceptors.append(FaultInterceptor(faults))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)

@@ -49,7 +49,7 @@ from weightsync.idempotency import IdempotencyStore, derive_key, validate_key
 from weightsync.plan import BucketPlan, is_reference
 from weightsync.security import INSECURE, Security
 from weightsync.server.broadcast_progress import BroadcastProgress
-from weightsync.server.registry import EngineRecord, EngineRegistry
+from weightsync.server.registry import EngineRecord, EngineRegistry, unreachable_reason
 from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -63,7 +63,18 @@ DEFAULT_TRANSFER_TIMEOUT_S = 300.0
 RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinator's RPC one
 MAX_EVENTS = 10_000
 MAX_ENGINE_ID_LEN = 128
+MAX_ADDRESS_LEN = 512
 AGENT_ATTEMPTS = 3          # coordinator -> agent retries of UNAVAILABLE (keyed, so safe)
+
+
+def check_agent_address(address: str) -> None:
+    """``HOST:PORT`` with a port in 1..65535 and a host of visible ASCII (no NUL, space or
+    control character); InvalidArgument otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"agent_address must be HOST:PORT, got {address[:100]!r}")
+    if not all(32 < ord(c) < 127 for c in host):
+        raise InvalidArgument(f"agent_address has a character that cannot be in a host name: {address[:100]!r}")
 
 
 def _failed(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
@@ -598,15 +609,21 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             coordinator_pb2.RegisterEngineResponse))
 
     async def _register(self, request) -> coordinator_pb2.RegisterEngineResponse:
-        engine_id = request.engine_id
-        if not engine_id or len(engine_id) > MAX_ENGINE_ID_LEN or not all(32 < ord(c) < 127 for c in engine_id):
-            raise InvalidArgument("engine_id must be 1-128 printable ASCII characters without spaces")
-        host, sep, port = request.agent_address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgument(f"agent_address must be HOST:PORT, got {request.agent_address!r}")
-        if len(request.model) > 4096 or len(request.agent_address) > 512:
-            raise InvalidArgument("model or agent_address too long")
-        record, stale = self.registry.upsert(engine_id, request.agent_address, request.model, heartbeat=True)
+        engine_id, address = request.engine_id, request.agent_address
+        with nothing_changed():
+            # Lengths first: they are cheap, and every later step may echo the fields.
+            if len(engine_id) > MAX_ENGINE_ID_LEN or len(address) > MAX_ADDRESS_LEN or len(request.model) > 4096:
+                raise InvalidArgument(f"engine_id (at most {MAX_ENGINE_ID_LEN}), agent_address (at most "
+                                      f"{MAX_ADDRESS_LEN}) or model (at most 4096) is too long")
+            if not engine_id or not all(32 < ord(c) < 127 for c in engine_id):
+                raise InvalidArgument("engine_id must be 1-128 printable ASCII characters without spaces")
+            check_agent_address(address)
+            await self._refuse_hijack(engine_id, address)
+            why = await self.registry.probe(address)
+            if why:
+                raise FailedPrecondition(f"agent {engine_id} registered at {address}, which does not answer: {why}",
+                                         reason="AGENT_UNREACHABLE")
+        record, stale = self.registry.upsert(engine_id, address, request.model, heartbeat=True)
         if stale is not None:
             await stale.close(grace=None)
 
@@ -619,6 +636,20 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         await self.emit("engine_registered", engine_id, address=request.agent_address, model=request.model)
         return coordinator_pb2.RegisterEngineResponse(heartbeat_interval_s=self.heartbeat_interval_s,
                                                       weight_version=self.weight_version)
+
+    async def _refuse_hijack(self, engine_id: str, address: str) -> None:
+        """An id that is live at another address stays there: re-registering it elsewhere
+        would cut the real agent off from rounds while it keeps heartbeating. The old
+        registration yields once its heartbeats lapse, or at once if it no longer
+        answers a health check (an agent restarted on a new port)."""
+        old = self.registry.get(engine_id)
+        if old is None or old.address == address or old.heartbeat_age() >= self.registry.heartbeat_timeout_s:
+            return
+        if await unreachable_reason(old.channel, timeout_s=1.0):
+            return
+        raise FailedPrecondition(f"engine {engine_id} is live at {old.address}; a registration from {address} is "
+                                 f"refused until that one expires ({self.registry.heartbeat_timeout_s:.1f}s "
+                                 "without heartbeats)", reason="ENGINE_ID_IN_USE")
 
     async def DeregisterEngine(self, request, context):
         return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self.idempotency.execute(

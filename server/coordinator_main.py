@@ -63,6 +63,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
     errors: list[BaseException] = []
     try:
         options.security.require_server_mode()
+        options.security.require_role("coordinator")
         db = StateDB(options.state_db)
         faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
         core = CoordinatorCore(db, faults=faults, heartbeat_interval_s=options.heartbeat_interval_s,
@@ -74,7 +75,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
         metrics.WEIGHT_VERSION.set(core.weight_version)
         if options.metrics_port:
             metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
-        interceptors = [*options.security.server_interceptors(), DecodeGuard()]
+        interceptors = [*options.security.server_interceptors(), DecodeGuard(enforce_roles=options.security.mutual)]
         if faults is not None:
             interceptors.append(FaultInterceptor(faults))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)

@@ -10,6 +10,11 @@ bytes; the wrapped handler decodes them (on a worker thread above 64 KiB), and a
 request that cannot be decoded is answered ``INVALID_ARGUMENT`` (reason
 ``MALFORMED_REQUEST``) without running. Installed on both servers, after
 authentication, so a caller that is refused learns nothing about its payload.
+
+Under mutual TLS the guard also applies the role policy (``weightsync.roles``) to the
+decoded request: some calls are allowed only for one engine's agent, and which engine
+a call speaks for is in the request. A refused call is answered ``PERMISSION_DENIED``
+before the servicer runs.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import inspect
 
 import grpc
 
-from weightsync.errors import InvalidArgument, abort_with
+from weightsync.errors import InvalidArgument, PermissionDenied, abort_with
+from weightsync.roles import peer_identity, refusal
 
 _DETAIL_CHARS = 200  # the decoder's complaint is echoed, bounded
 OFF_LOOP_BYTES = 64 * 1024
@@ -57,20 +63,34 @@ def _refusal(method: str, request: _Undecodable) -> InvalidArgument:
 
 
 class DecodeGuard(grpc.aio.ServerInterceptor):
-    """Wraps unary-unary and unary-stream handlers (all weightsync RPCs are one of those)."""
+    """Wraps unary-unary and unary-stream handlers (all weightsync RPCs are one of those).
+
+    Args:
+        enforce_roles: apply ``weightsync.roles``' policy (servers with mutual TLS).
+    """
+
+    def __init__(self, *, enforce_roles: bool = False) -> None:
+        self.enforce_roles = enforce_roles
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        full_method = handler_call_details.method
+        method = full_method.rsplit("/", 1)[-1]
         deserialize = handler.request_deserializer
+        enforce_roles = self.enforce_roles
 
         async def decoded(data, context):
-            """The request, or (never returning) INVALID_ARGUMENT for bytes that are not one."""
+            """The request, or (never returning) INVALID_ARGUMENT for bytes that are not
+            one, or PERMISSION_DENIED for a caller whose role may not make this call."""
             request = await _request(deserialize, data)
             if isinstance(request, _Undecodable):
                 await abort_with(context, _refusal(method, request))
+            if enforce_roles:
+                why = refusal(full_method, request, peer_identity(context.auth_context()))
+                if why:
+                    await abort_with(context, PermissionDenied(why))
             return request
 
         if handler.unary_unary is not None:

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightsync.security import INSECURE, Security
 from weightsync.server.serving import CHANNEL_OPTIONS
@@ -54,6 +55,22 @@ class EngineRecord:
         return self._receive_raw(payload, timeout=timeout)
 
 
+PROBE_TIMEOUT_S = 3.0
+
+
+async def unreachable_reason(channel: grpc.aio.Channel, *, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """Why the agent behind ``channel`` does not answer a health check ("" when it does,
+    with SERVING). Health checks need no token and are open to every authenticated peer."""
+    try:
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                   timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        return f"its health check failed ({exc.code().name})"
+    if response.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"its health check says {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
+    return ""
+
+
 class EngineRegistry:
     """Engines by id (in memory; persisted by the coordinator)."""
 
@@ -79,6 +96,14 @@ class EngineRegistry:
             record.incarnation = uuid.uuid4().hex
             record.plans_held = set()  # a new process holds no plan
         return record, stale_channel
+
+    async def probe(self, address: str) -> str:
+        """Why an agent at ``address`` cannot be reached ("" when it answers)."""
+        channel = self.security.channel(address, options=CHANNEL_OPTIONS)
+        try:
+            return await unreachable_reason(channel)
+        finally:
+            await channel.close(grace=None)
 
     def remove(self, engine_id: str) -> EngineRecord | None:
         return self._engines.pop(engine_id, None)

@@ -29,6 +29,10 @@ def _security(args) -> Security:
                                    token_file=args.token_file, insecure=getattr(args, "insecure", False))
     if hasattr(args, "insecure"):  # a server: TLS or explicit plaintext, checked before starting
         security.require_server_mode()
+    if args.command == "coordinator":  # under mutual TLS, the certificate must carry our role
+        security.require_role("coordinator")
+    elif args.command == "agent" and args.engine_id:
+        security.require_role("agent", args.engine_id)
     return security
 
 
@@ -126,6 +130,32 @@ def _add_status(sub) -> None:
     _add_security(p, server=False)
 
 
+def _add_pki(sub) -> None:
+    p = sub.add_parser("pki", help="make a CA and mint role certificates (coordinator, agent, trainer)")
+    actions = p.add_subparsers(dest="pki_command", required=True)
+    init = actions.add_parser("init", help="create a CA in DIR (ca.pem, ca-key.pem)")
+    init.add_argument("directory")
+    issue = actions.add_parser("issue", help="mint a certificate for one role, signed by DIR's CA")
+    issue.add_argument("directory")
+    issue.add_argument("--role", required=True, choices=["coordinator", "agent", "trainer"])
+    issue.add_argument("--engine-id", default="", help="the engine an agent's certificate speaks for")
+    issue.add_argument("--host", action="append", default=[],
+                       help="a name or IP the holder serves on (repeatable; default 127.0.0.1 and localhost)")
+    issue.add_argument("--name", default="", help="file name stem (default: the role, or agent-<engine-id>)")
+
+
+def _pki(args) -> int:
+    from weightsync.pki import DEFAULT_HOSTS, CertificateAuthority
+    if args.pki_command == "init":
+        authority = CertificateAuthority.init(args.directory)
+        print(f"CA: {authority.ca} (give to every process); key: {authority.ca_key} (keep private)")
+        return 0
+    issued = CertificateAuthority(args.directory).issue(args.role, engine_id=args.engine_id,
+                                                        hosts=tuple(args.host) or DEFAULT_HOSTS, name=args.name)
+    print(f"--tls-cert {issued.cert} --tls-key {issued.key} --tls-ca {CertificateAuthority(args.directory).ca}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -137,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_status(sub)
+    _add_pki(sub)
     return parser
 
 
@@ -179,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "pki":
+            return _pki(args)
         if args.command == "status":
             return asyncio.run(_status(args.coordinator, as_json=args.json, watch=args.watch,
                                        security=_security(args)))

@@ -24,7 +24,8 @@ from weightsync.client import EngineClient, LoopLagProbe, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.local_cluster import LocalCluster
 from weightsync.plan import weights_digest
-from weightsync.security import Security, generate_dev_pki
+from weightsync.pki import generate_dev_pki, tls_args
+from weightsync.security import Security
 
 START_TIMEOUT_S = 60.0
 
@@ -43,21 +44,25 @@ def run_demo(*, steps: int = 8, engines: int = 2, transport: str = "gloo") -> in
         return 2
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as tmp:
         try:
-            # Secure by default, even on loopback: a throwaway CA, mutual TLS on every
-            # channel, and a shared token.
-            pki = generate_dev_pki(tmp)
+            # Secure by default, even on loopback: a throwaway CA, a certificate per role
+            # (coordinator, each agent, the trainer), mutual TLS on every channel, and a
+            # shared token.
+            pki = generate_dev_pki(tmp, engine_ids=tuple(f"engine-{i}" for i in range(engines)))
             token_file = os.path.join(tmp, "token")
             with open(token_file, "w") as f:
                 f.write(secrets.token_urlsafe(32))
             os.chmod(token_file, 0o600)
-            tls = ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"], "--token-file", token_file]
-            security = Security.from_files(cert=pki["cert"], key=pki["key"], ca=pki["ca"], token_file=token_file)
-            with LocalCluster(tmp, engines=engines, server_args=tls, start_timeout_s=START_TIMEOUT_S,
+            security = Security.from_files(cert=pki["trainer_cert"], key=pki["trainer_key"], ca=pki["ca"],
+                                           token_file=token_file)
+            with LocalCluster(tmp, engines=engines, server_args=(),
+                              role_args=lambda role, engine_id: tls_args(pki, role, engine_id=engine_id,
+                                                                         token_file=token_file),
+                              start_timeout_s=START_TIMEOUT_S,
                               agent_timeout_s=START_TIMEOUT_S,
                               agent_args=("--engine", "reference", "--model", "tiny", "--step-delay", "0.002")
                               ) as cluster:
                 print(f"coordinator {cluster.address}; engines {', '.join(cluster.agents)}; transport {transport}; "
-                      "mutual TLS + token")
+                      "mutual TLS with a certificate per role + token")
                 return asyncio.run(_train(cluster.address, cluster.agents, steps=steps, transport=transport,
                                           security=security))
         except KeyboardInterrupt:  # the cluster has already stopped every process

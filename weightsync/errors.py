@@ -106,6 +106,13 @@ class FailedPrecondition(WeightSyncError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(WeightSyncError):
+    """The caller's role may not make this call (see ``weightsync.roles``)."""
+
+    reason = "PERMISSION_DENIED"
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class PlanUnknown(FailedPrecondition):
     """A request named its plan by ``plan_id`` alone, and this server does not hold that
     plan (it restarted, or forgot it): send the whole plan again. Nothing ran."""
@@ -173,7 +180,8 @@ class StepTimeoutError(WeightSyncError, TimeoutError):
 
 _BY_REASON: dict[str, type[WeightSyncError]] = {
     cls.reason: cls
-    for cls in (InvalidArgument, IdempotencyConflict, FailedPrecondition, PlanUnknown, EngineUnavailable,
+    for cls in (InvalidArgument, IdempotencyConflict, FailedPrecondition, PermissionDenied, PlanUnknown,
+                EngineUnavailable,
                 EngineFault, TornWeightsError, EngineOutputMismatch, TransferError, OperationAborted)
 }
 
@@ -254,6 +262,6 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 
 __all__ = [
     "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
-    "PlanUnknown", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
+    "PermissionDenied", "PlanUnknown", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
     "StepTimeoutError", "check_timeout", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
 
@@ -22,6 +22,8 @@ class LocalCluster:
         tmp: folder for state, port files and the shared ``services.log``.
         engines: number of agents (engine ids ``engine-0`` ...).
         server_args: options every server gets (TLS and token, or ``--insecure``).
+        role_args: options per process, from its role and engine id (``"coordinator", ""``
+            or ``"agent", "engine-0"``): each role's own certificate under mutual TLS.
         agent_args: extra options for every agent (model, step delay, ...).
         agent_timeout_s: how long an agent may take to register (large models take a while).
         settle_s: pause after start-up, so the first heartbeats have arrived.
@@ -29,7 +31,7 @@ class LocalCluster:
 
     def __init__(self, tmp: str, *, engines: int, server_args: Sequence[str] = ("--insecure",),
                  agent_args: Sequence[str] = (), start_timeout_s: float = 60.0, agent_timeout_s: float = 60.0,
-                 settle_s: float = 0.0) -> None:
+                 settle_s: float = 0.0, role_args: Callable[[str, str], Sequence[str]] | None = None) -> None:
         self.tmp = tmp
         self.engines = engines
         self.server_args = list(server_args)
@@ -37,6 +39,7 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.agent_timeout_s = agent_timeout_s
         self.settle_s = settle_s
+        self.role_args = role_args or (lambda role, engine_id: ())
         self.procs: list[subprocess.Popen] = []
         self.address = ""
         self.agents: list[str] = []
@@ -58,13 +61,14 @@ class LocalCluster:
 
     def _start(self) -> None:
         port_file = os.path.join(self.tmp, "coordinator")
-        coordinator = self._spawn("coordinator", *self.server_args, "--listen", "127.0.0.1:0", "--state-db",
+        coordinator = self._spawn("coordinator", *self.server_args, *self.role_args("coordinator", ""), "--listen", "127.0.0.1:0", "--state-db",
                                   os.path.join(self.tmp, "state.db"), "--port-file", port_file)
         self.address = wait_for_file(port_file, timeout_s=self.start_timeout_s, proc=coordinator)
         started = []
         for i in range(self.engines):
             port_file = os.path.join(self.tmp, f"engine-{i}")
-            started.append((port_file, self._spawn("agent", *self.server_args, "--coordinator", self.address,
+            started.append((port_file, self._spawn("agent", *self.server_args, *self.role_args("agent", f"engine-{i}"),
+                                                   "--coordinator", self.address,
                                                    "--engine-id", f"engine-{i}", "--port-file", port_file,
                                                    *self.agent_args)))
         self.agents = [wait_for_file(f, timeout_s=self.agent_timeout_s, proc=p) for f, p in started]

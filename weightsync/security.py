@@ -7,14 +7,14 @@
 - Token: an optional shared secret (``--token-file`` or ``WEIGHTSYNC_TOKEN``) sent as
   ``authorization: Bearer <token>`` on every call and checked by a server
   interceptor in constant time; health checks stay open. Tokens are never logged.
+- Roles: under mutual TLS each certificate names one role (``weightsync.pki``), and
+  both servers enforce ``weightsync.roles``' policy on it.
 - Plaintext only when asked for (``--insecure``), with a warning.
 """
 
 from __future__ import annotations
 
-import datetime
 import hmac
-import ipaddress
 import logging
 import os
 from dataclasses import dataclass
@@ -45,6 +45,25 @@ class Security:
     @property
     def tls(self) -> bool:
         return self.cert is not None or self.ca is not None
+
+    @property
+    def mutual(self) -> bool:
+        """Both sides present certificates: the peer's role can be read and enforced."""
+        return self.cert is not None and self.ca is not None
+
+    def require_role(self, role: str, engine_id: str = "") -> None:
+        """Under mutual TLS, this process's own certificate must carry ``role`` (and
+        ``engine_id``): started with another role's certificate, every peer would refuse
+        it, so refuse to start with a clear error instead."""
+        if not self.mutual:
+            return
+        from weightsync.roles import Identity, identity_from_certificate
+        mine = identity_from_certificate(self.cert)
+        wanted = Identity(role, engine_id)
+        if mine != wanted:
+            raise InvalidArgument(f"--tls-cert names {mine or 'no weightsync role'}, but this process is {wanted}; "
+                                  f"mint one with `weightsync pki issue --role {role}"
+                                  f"{' --engine-id ' + engine_id if engine_id else ''}`")
 
     @classmethod
     def from_files(cls, *, cert: str = "", key: str = "", ca: str = "", token_file: str = "",
@@ -203,62 +222,4 @@ class _SyncDetails(grpc.ClientCallDetails):
         self.compression = None
 
 
-def generate_dev_pki(directory: str, *, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> dict[str, str]:
-    """A throwaway CA and one certificate for ``hosts`` (server and client use), for the
-    demo and tests. Returns paths: ca, cert, key, and a second, untrusted pair
-    (``stranger_cert``, ``stranger_key``) signed by another CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def make_ca(cn: str):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn))
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                .sign(key, hashes.SHA256()))
-        return key, cert
-
-    def make_leaf(ca_key, ca_cert, cn: str):
-        key = ec.generate_private_key(ec.SECP256R1())
-        sans = [x509.IPAddress(ipaddress.ip_address(h)) if h[0].isdigit() else x509.DNSName(h) for h in hosts]
-        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_cert.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
-                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        return key, cert
-
-    def write(filename: str, data: bytes) -> str:
-        path = os.path.join(directory, filename)
-        with open(path, "wb") as f:
-            f.write(data)
-        os.chmod(path, 0o600)
-        return path
-
-    def pem_key(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
-
-    ca_key, ca_cert = make_ca("weightsync dev CA")
-    key, cert = make_leaf(ca_key, ca_cert, "weightsync node")
-    other_ca_key, other_ca_cert = make_ca("stranger CA")
-    s_key, s_cert = make_leaf(other_ca_key, other_ca_cert, "stranger")
-    pem = serialization.Encoding.PEM
-    return {"ca": write("ca.pem", ca_cert.public_bytes(pem)), "cert": write("node.pem", cert.public_bytes(pem)),
-            "key": write("node-key.pem", pem_key(key)),
-            "stranger_ca": write("stranger-ca.pem", other_ca_cert.public_bytes(pem)),
-            "stranger_cert": write("stranger.pem", s_cert.public_bytes(pem)),
-            "stranger_key": write("stranger-key.pem", pem_key(s_key))}
-
-
-__all__ = ["Security", "INSECURE", "TokenAuthInterceptor", "generate_dev_pki", "TOKEN_ENV"]
+__all__ = ["Security", "INSECURE", "TokenAuthInterceptor", "TOKEN_ENV"]
