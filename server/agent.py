@@ -35,6 +35,7 @@ from weightsync.cancellation import wait_through_cancellation
 from weightsync.engine.adapter import EngineAdapter
 from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
+    MAX_MESSAGE_BYTES,
     EngineFault,
     EngineOutputMismatch,
     EngineUnavailable,
@@ -45,6 +46,7 @@ from weightsync.errors import (
     TransferError,
     WeightSyncError,
     abort_with,
+    bounded,
     check_timeout,
 )
 from weightsync.faults import FaultInjector
@@ -62,6 +64,16 @@ OPERATION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("weightsync_
 
 DEFAULT_TIMEOUT_S = 60.0
 MAX_EVENTS = 10_000
+
+
+def _never_started(error: BaseException) -> WeightSyncError:
+    """``error`` (of a rendezvous that wrote nothing), saying so; typed as before."""
+    prefix = "the transfer never started; nothing was written and the engine keeps its weights: "
+    if isinstance(error, WeightSyncError):
+        error.message = bounded(prefix + error.message, MAX_MESSAGE_BYTES)
+        error.args = (error.message,)
+        return error
+    return TransferError(prefix + repr(error), reason="TRANSFER_NEVER_STARTED")
 
 
 class AgentCore(agent_pb2_grpc.EngineAgentServicer):
@@ -379,6 +391,12 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self.torn, self.torn_version = False, 0
             self.record("transfer_done", version=request.version, seconds=f"{seconds:.4f}",
                         **({} if attest_max_diff is None else {"attest_max_diff": f"{attest_max_diff:.3g}"}))
+        elif getattr(error, "wrote_nothing", False):
+            # The rendezvous failed before any byte reached the engine's tensors: its
+            # weights are what they were (trusted unless already torn), and the error
+            # says the transfer never started.
+            error = _never_started(error)
+            self.record("transfer_failed", version=request.version, error=str(error), wrote="nothing")
         else:
             self.torn, self.torn_version = True, request.version
             self.record("transfer_failed", version=request.version, error=str(error))

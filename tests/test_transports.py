@@ -111,7 +111,7 @@ def test_shm_receiver_failure_stops_the_sender_at_once():
         def receive(self, rdzv, rank, plan, targets, *, deadline_at, abort):
             # acknowledge nothing and report failure, as a crashing engine's agent would
             from weightsync.transport.store import connect_store
-            s = connect_store(rdzv.store_host, rdzv.store_port, timeout_s=5)
+            s = connect_store(rdzv.store_host, rdzv.store_port, deadline_at=time.monotonic() + 5)
             s.set(f"ws/{rdzv.group_id}/{rdzv.session_id}/err/{rank}", "boom")
 
         def close(self):
@@ -240,7 +240,7 @@ def test_failure_before_joining_stops_the_sender_and_peers_at_once(name):
         def receive(self, rdzv, rank, plan, targets, *, deadline_at, abort):
             from weightsync.transport.store import connect_store
             time.sleep(0.5)  # everyone else is waiting in group setup by now
-            connect_store(rdzv.store_host, rdzv.store_port, timeout_s=5).set(
+            connect_store(rdzv.store_host, rdzv.store_port, deadline_at=time.monotonic() + 5).set(
                 f"ws/{rdzv.group_id}/{rdzv.session_id}/err/{rank}", "boom")
 
         def close(self):
@@ -262,3 +262,18 @@ def test_closing_an_shm_receiver_under_a_running_receive_is_memory_safe():
     done = subprocess.run([sys.executable, script, "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert done.stdout.split("\n")[-2] == "survived 2"
+
+
+def test_the_store_listens_only_on_the_host_the_trainer_names():
+    """torch's store server alone would listen on every interface; a trainer that names
+    127.0.0.1 must not be reachable at any other address (127.0.0.2 is loopback too, so
+    this runs anywhere)."""
+    import socket
+
+    store = host_store("127.0.0.1", timeout_s=5)
+    with socket.create_connection(("127.0.0.1", store.port), timeout=5):
+        pass
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", store.port), timeout=5).close()
+    with pytest.raises(TransferError, match="cannot listen"):
+        host_store("192.0.2.1", timeout_s=5)  # TEST-NET-1: not an address of this machine

@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--methods", required=True)
     args = ap.parse_args()
     host, port = args.store.rsplit(":", 1)
-    store = connect_store(host, int(port), timeout_s=60)
+    store = connect_store(host, int(port), deadline_at=time.monotonic() + 60)
     with open(args.plan_json) as f:
         specs = [(n, DTYPES[d], tuple(s)) for n, d, s in json.load(f)]
     tensors = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]

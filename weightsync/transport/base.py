@@ -9,8 +9,9 @@ every step"), and drop them after any failure so the next round starts clean.
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,4 +63,18 @@ class Receiver(abc.ABC):
         """Releases the group and buffers. Idempotent."""
 
 
-__all__ = ["Sender", "Receiver", "TransferStats"]
+@contextlib.contextmanager
+def nothing_written() -> Iterator[None]:
+    """Wraps a receiver's rendezvous (store connection, group join, segment lookup): an
+    exception raised inside is marked ``wrote_nothing``, because no byte has reached the
+    engine's tensors yet. The agent then keeps the engine's weights trusted (not torn)
+    and says the transfer never started."""
+    try:
+        yield
+    except BaseException as exc:
+        with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
+            exc.wrote_nothing = True
+        raise
+
+
+__all__ = ["Sender", "Receiver", "TransferStats", "nothing_written"]

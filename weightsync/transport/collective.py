@@ -114,8 +114,7 @@ def join_in_background(build: Callable[[dist.Store], T], rendezvous: common_pb2.
 
     def run() -> None:
         try:
-            store = connect_store(rendezvous.store_host, rendezvous.store_port,
-                                  timeout_s=max(deadline_at - time.monotonic(), 0.001))
+            store = connect_store(rendezvous.store_host, rendezvous.store_port, deadline_at=deadline_at)
             result.append(build(store))
         except Exception as exc:
             result.append(exc)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan, byte_view, pack_bucket, unpack_bucket
-from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.collective import (
     broadcast_from_root,
     join_in_background,
@@ -148,7 +148,8 @@ class GlooReceiver(Receiver):
         start = time.monotonic()
         try:
             stop = [session_key(rendezvous, "abort")]
-            group = self._ensure_group(rendezvous, rank, plan, deadline_at, abort, stop)
+            with nothing_written():
+                group = self._ensure_group(rendezvous, rank, plan, deadline_at, abort, stop)
             store = self._store[1]
             n = plan.num_buckets
             works: list[dist.Work | None] = [None, None]
@@ -190,10 +191,9 @@ class GlooReceiver(Receiver):
             g.fit(plan.bucket_bytes)
             return g
         self._group = None
-        left = deadline_at - time.monotonic()
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
-            self._store = (where, connect_store(*where, timeout_s=max(left, 0.001)))
+            self._store = (where, connect_store(*where, deadline_at=deadline_at))
         self._group = _Group(rendezvous, rank, plan.bucket_bytes, deadline_at=deadline_at, abort=abort,
                              watch=self._store[1], stop_keys=stop)
         return self._group

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import FailedPrecondition, InvalidArgument, TransferError
-from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.collective import (
     broadcast_from_root,
     join_in_background,
@@ -199,7 +199,8 @@ class GroupReceiver(Receiver):
         try:
             wire_device = _device_for(group_backend(rendezvous))
             stop = [session_key(rendezvous, "abort")]
-            pg = self._ensure(rendezvous, rank, deadline_at, abort, stop)
+            with nothing_written():
+                pg = self._ensure(rendezvous, rank, deadline_at, abort, stop)
             store = self._store[1]
             buckets_done = 0
 
@@ -242,10 +243,9 @@ class GroupReceiver(Receiver):
         if self._joined is not None and self._joined.matches(rendezvous):
             return self._joined.pg
         self._joined = None
-        left = deadline_at - time.monotonic()
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
-            self._store = (where, connect_store(*where, timeout_s=max(left, 0.001)))
+            self._store = (where, connect_store(*where, deadline_at=deadline_at))
         pg = open_group(rendezvous, rank, watch=self._store[1], deadline_at=deadline_at, abort=abort,
                         stop_keys=stop)
         self._joined = _Joined(rendezvous, pg)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from weightsync.errors import TransferError
 from weightsync.plan import pack_bucket, unpack_bucket
-from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.store import connect_store, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
@@ -176,17 +176,19 @@ class ShmReceiver(Receiver):
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
         where = (rendezvous.store_host, rendezvous.store_port)
-        if self._store is None or self._store[0] != where:
-            self._store = (where, connect_store(*where, timeout_s=max(0.001, deadline_at - time.monotonic())))
+        with nothing_written():
+            if self._store is None or self._store[0] != where:
+                self._store = (where, connect_store(*where, deadline_at=deadline_at))
         store = self._store[1]
         stop = [session_key(rendezvous, "abort")]
         try:
-            wait_for_keys(store, [session_key(rendezvous, "segment")], deadline_at=deadline_at,
-                          operation="receive", abort=abort, fail_keys=stop)
-            path, size = store.get(session_key(rendezvous, "segment")).decode().rsplit("|", 1)
-            if int(size) != plan.bucket_bytes:
-                raise TransferError(f"segment bucket size {size} != plan bucket size {plan.bucket_bytes}")
-            seg = self._ensure_segment(path, plan.bucket_bytes)
+            with nothing_written():
+                wait_for_keys(store, [session_key(rendezvous, "segment")], deadline_at=deadline_at,
+                              operation="receive", abort=abort, fail_keys=stop)
+                path, size = store.get(session_key(rendezvous, "segment")).decode().rsplit("|", 1)
+                if int(size) != plan.bucket_bytes:
+                    raise TransferError(f"segment bucket size {size} != plan bucket size {plan.bucket_bytes}")
+                seg = self._ensure_segment(path, plan.bucket_bytes)
             seg.acquire()
             try:
                 for bucket in range(plan.num_buckets):

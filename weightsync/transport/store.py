@@ -10,6 +10,7 @@ notice an abort flag or a peer's error key between polls.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -29,17 +30,69 @@ def session_key(rendezvous, *parts: object) -> str:
 
 
 def host_store(host: str, *, timeout_s: float) -> dist.TCPStore:
-    """Starts a TCPStore master on ``host`` with an ephemeral port (``.port`` tells it)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    """Starts a TCPStore master listening on ``host`` only, on an ephemeral port
+    (``.port`` tells it).
 
-
-def connect_store(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:
-    """Connects to the trainer's store; TransferError if it cannot be reached in time."""
+    torch's store server listens on every interface whatever host it is given; here it
+    gets a socket bound to ``host`` alone, so a trainer that names 127.0.0.1 is not
+    reachable from the network. The store has no authentication of its own: anyone who
+    can reach this address can read and write its keys (README, Security).
+    """
     try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # torch raises DistNetworkError/RuntimeError variants
-        raise TransferError(f"cannot reach the trainer's rendezvous store at {host}:{port}: {exc}") from exc
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise TransferError(f"cannot resolve the store host {host!r}: {exc.strerror}") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+    except OSError as exc:
+        listener.close()
+        raise TransferError(f"cannot listen on {host!r} for the rendezvous store: {exc.strerror}") from None
+    port = listener.getsockname()[1]
+    # The store owns the descriptor from here on (detach: Python must not close it).
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                         master_listen_fd=listener.detach())
+
+
+def connect_store(host: str, port: int, *, deadline_at: float) -> dist.TCPStore:
+    """Connects to the trainer's store by ``deadline_at`` (time.monotonic).
+
+    torch's client does not keep its own timeout: a refused connection is retried for
+    about twice the timeout, and a peer that accepts but never answers the handshake
+    blocks it for good. So the connection is made on a daemon thread, with half the time
+    left as torch's timeout, and abandoned at the deadline (the thread ends when torch
+    gives up, or when the silent peer closes the socket).
+
+    Raises:
+        StepTimeoutError: no connection by the deadline.
+        TransferError: the store refused or failed.
+    """
+    left = deadline_at - time.monotonic()
+    if left <= 0:
+        raise StepTimeoutError(f"deadline passed before connecting to the rendezvous store at {host}:{port}",
+                               operation="rendezvous")
+    result: list = []
+
+    def connect() -> None:
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(left / 2, 0.05)))
+            store.set_timeout(timedelta(seconds=max(deadline_at - time.monotonic(), 0.05)))
+            result.append(store)
+        except Exception as exc:  # torch raises DistNetworkError/RuntimeError variants
+            result.append(exc)
+
+    thread = threading.Thread(target=connect, name=f"weightsync-store-connect-{host}:{port}", daemon=True)
+    thread.start()
+    thread.join(timeout=left)
+    if not result:
+        raise StepTimeoutError(f"the trainer's rendezvous store at {host}:{port} did not answer within {left:.1f}s",
+                               operation="rendezvous")
+    if isinstance(result[0], Exception):
+        raise TransferError(f"cannot reach the trainer's rendezvous store at {host}:{port}: "
+                            f"{str(result[0]).splitlines()[0][:300]}") from result[0]
+    return result[0]
 
 
 def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float, operation: str,
