@@ -18,7 +18,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-
 from typing import NamedTuple
 
 import torch
