@@ -54,6 +54,7 @@ from weightsync.plan import (
 )
 from weightsync.security import Security
 from weightsync.server.serving import CHANNEL_OPTIONS
+from weightsync.transport.secure_store import StoreHost
 from weightsync.transport.store import host_store
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -170,7 +171,11 @@ class TrainerClient:
         self._executor: ThreadPoolExecutor | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
-        self._store = None
+        # Rendezvous stores, hosted on first use: status-only clients never open a port.
+        # gloo and shm rounds use the authenticated store (a secret per round); the group
+        # transport a torch TCPStore, which SGLang joins with torch's own client.
+        self._store_host: StoreHost | None = None
+        self._plain_store = None
         self._senders: dict[int, transports.Sender] = {}
         # (bucket_bytes, wire dtype, names, dtypes, shapes, plan) of the last step: a
         # trainer syncs the same tensors every step
@@ -207,7 +212,9 @@ class TrainerClient:
                 for sender in self._senders.values():
                     sender.close()
                 self._senders.clear()
-                self._store = None
+                if self._store_host is not None:
+                    self._store_host.close()
+                self._store_host = self._plain_store = None
             try:
                 await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(executor, close_thread_side), 30)
             except Exception as exc:
@@ -304,15 +311,14 @@ class TrainerClient:
             raise InvalidArgument("version must be a positive integer")
         key = key or new_key("broadcast")
         with deadline.scope(timeout_s, operation="broadcast"), deadline.operation("broadcast"):
-            if self._store is None:  # hosted on first use: status-only clients never open a port
-                self._store = await self._in_thread(host_store, self.host, timeout_s=self.default_timeout_s)
+            store_port, secret = await self._in_thread(self._store_for, kind)
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest)
             # Built on the worker thread too: a request with the whole plan lists every tensor.
             by_reference = prepared.plan.plan_id in self._plans_sent
             request = await self._in_thread(lambda: coordinator_pb2.BroadcastRequest(
                 idempotency_key=key, version=version, transport=kind,
                 plan=prepared.plan.reference_proto() if by_reference else prepared.plan.to_proto(),
-                store_host=self.host, store_port=self._store.port, weights_digest=prepared.digest,
+                store_host=self.host, store_port=store_port, store_secret=secret, weights_digest=prepared.digest,
                 group_backend=prepared.group_backend(kind),
                 probe=prepared.probe.to_proto() if prepared.probe is not None else None))
             # Once the Broadcast is sent, engines may already be waiting for bytes: a
@@ -402,13 +408,25 @@ class TrainerClient:
             raise TransferError(f"sender failed: {transfer.exception()}") from transfer.exception()
         return sync
 
+    def _store_for(self, kind) -> tuple[int, str]:
+        """The store a round of ``kind`` meets at (hosted on first use): its port, and for
+        gloo and shm a fresh secret that admits this round's engines. Worker thread."""
+        if kind == common_pb2.TRANSPORT_KIND_GROUP:
+            if self._plain_store is None:
+                self._plain_store = host_store(self.host, timeout_s=self.default_timeout_s)
+            return self._plain_store.port, ""
+        if self._store_host is None:
+            self._store_host = StoreHost(self.host, timeout_s=self.default_timeout_s)
+        return self._store_host.port, self._store_host.new_secret()
+
     def _start_send(self, rendezvous, prepared: _Prepared, kind) -> asyncio.Future:
         deadline_at = time.monotonic() + (deadline.remaining(self.default_timeout_s) or 0.0)
 
         def send():
             sender = self._senders.get(kind)
             if sender is None:
-                sender = self._senders[kind] = transports.make_sender(kind, self._store)
+                store = self._plain_store if kind == common_pb2.TRANSPORT_KIND_GROUP else self._store_host.client()
+                sender = self._senders[kind] = transports.make_sender(kind, store)
             with torch.no_grad():  # sources are the caller's tensors, not detached copies
                 return sender.send(rendezvous, prepared.plan, prepared.sources, deadline_at=deadline_at,
                                    abort=self._abort)

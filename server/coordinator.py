@@ -426,6 +426,8 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument("group_backend applies to the group transport only")
         if not request.store_host or not 0 < request.store_port < 65536:
             raise InvalidArgument("store_host and a store_port in 1..65535 are required")
+        if len(request.store_secret) > 128 or any(c not in "0123456789abcdef" for c in request.store_secret):
+            raise InvalidArgument("store_secret must be at most 128 lowercase hex characters")
         check_timeout(request.timeout_s)
         if request.HasField("probe"):
             Probe.from_proto(request.probe)  # InvalidArgument before any engine is asked
@@ -455,7 +457,8 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 rendezvous = common_pb2.Rendezvous(
                     group_id=group_id, transport=request.transport,
                     store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
-                    session_id=uuid.uuid4().hex, group_backend=request.group_backend)
+                    session_id=uuid.uuid4().hex, group_backend=request.group_backend,
+                    store_secret=request.store_secret)
 
                 def receive_request(record: EngineRecord, validate_only: bool, by_reference: bool) -> bytes:
                     return agent_pb2.ReceiveRequest(

@@ -48,6 +48,15 @@ async def wait_for_event(address: str, kind: str, timeout_s: float = 20.0) -> No
         await asyncio.sleep(0.01)
 
 
+async def wait_for_bucket(address: str, timeout_s: float = 20.0) -> None:
+    """Until the engine's running receive has loaded at least one bucket."""
+    end = time.monotonic() + timeout_s
+    async with EngineClient(address) as engine:
+        while (await engine.state()).buckets_done < 1:
+            assert time.monotonic() < end, f"no bucket landed on {address}"
+            await asyncio.sleep(0.005)
+
+
 def in_order(events: list[str], *expected: str) -> bool:
     """``expected`` occur in ``events`` in this order (the last occurrence of each chain)."""
     pos = len(events)
@@ -174,7 +183,9 @@ async def test_agent_killed_mid_transfer(cluster_factory, transport):
     async with TrainerClient(cluster.address, transport=transport, bucket_bytes=BUCKET) as client:
         # gloo cannot interrupt a survivor's pending receive: it ends at the deadline
         sync = asyncio.create_task(client.update_weights(model.named_parameters(), version=1, timeout_s=10))
-        await wait_for_event(cluster.agents[1].address, "transfer_started")
+        # Killed once bytes are landing (a bucket is in): a kill before the group formed
+        # would fail the survivor's rendezvous, which writes nothing and tears nothing.
+        await wait_for_bucket(cluster.agents[1].address)
         started = time.monotonic()
         os.kill(cluster.agents[1].proc.pid, signal.SIGKILL)
         with pytest.raises((SyncFailed, StepTimeoutError)):

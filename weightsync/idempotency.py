@@ -70,7 +70,7 @@ def derive_key(key: str, scope: str) -> str:
     return f"d-{digest}"
 
 
-CALL_SCOPED_FIELDS = ("idempotency_key", "timeout_s", "store_host", "store_port")
+CALL_SCOPED_FIELDS = ("idempotency_key", "timeout_s", "store_host", "store_port", "store_secret")
 
 
 def fingerprint(operation: str, request: Message) -> str:

@@ -114,7 +114,8 @@ def join_in_background(build: Callable[[dist.Store], T], rendezvous: common_pb2.
 
     def run() -> None:
         try:
-            store = connect_store(rendezvous.store_host, rendezvous.store_port, deadline_at=deadline_at)
+            store = connect_store(rendezvous.store_host, rendezvous.store_port, deadline_at=deadline_at,
+                                  secret=rendezvous.store_secret)
             result.append(build(store))
         except Exception as exc:
             result.append(exc)

@@ -1,8 +1,8 @@
 """gloo transport: torch.distributed gloo broadcast over TCP, CPU, works across hosts.
 
-The group is a ``ProcessGroupGloo`` built directly on a ``PrefixStore`` of the
-trainer's TCPStore, never ``init_process_group``: the trainer's own default world is
-left alone. Two bucket buffers alternate so the sender packs bucket k+1 while k is on
+The group is a ``ProcessGroupGloo`` built directly on the trainer's authenticated
+store (keys under ``ws/<group_id>/gloo``), never ``init_process_group``: the trainer's
+own default world is left alone. Two bucket buffers alternate so the sender packs bucket k+1 while k is on
 the wire and each receiver unpacks bucket k while k+1 arrives (gloo runs queued ops
 in order, so posting k+1 before waiting on k is safe).
 
@@ -34,7 +34,7 @@ from weightsync.transport.collective import (
     retire,
     wait_polling,
 )
-from weightsync.transport.store import connect_store, session_key
+from weightsync.transport.store import connect_store, prefixed, session_key
 from weightsync.v1 import common_pb2
 
 
@@ -47,7 +47,7 @@ class _Group:
         self.bucket_bytes = bucket_bytes
         timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
         self.pg = join_in_background(
-            lambda store: dist.ProcessGroupGloo(dist.PrefixStore(f"ws/{rendezvous.group_id}/gloo", store), rank,
+            lambda store: dist.ProcessGroupGloo(prefixed(store, f"ws/{rendezvous.group_id}/gloo"), rank,
                                                 rendezvous.world_size, timeout),
             rendezvous, operation="gloo group setup", deadline_at=deadline_at, abort=abort, watch=watch,
             stop_keys=stop_keys)
@@ -193,7 +193,7 @@ class GlooReceiver(Receiver):
         self._group = None
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
-            self._store = (where, connect_store(*where, deadline_at=deadline_at))
+            self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
         self._group = _Group(rendezvous, rank, plan.bucket_bytes, deadline_at=deadline_at, abort=abort,
                              watch=self._store[1], stop_keys=stop)
         return self._group

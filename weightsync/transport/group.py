@@ -245,7 +245,7 @@ class GroupReceiver(Receiver):
         self._joined = None
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
-            self._store = (where, connect_store(*where, deadline_at=deadline_at))
+            self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
         pg = open_group(rendezvous, rank, watch=self._store[1], deadline_at=deadline_at, abort=abort,
                         stop_keys=stop)
         self._joined = _Joined(rendezvous, pg)

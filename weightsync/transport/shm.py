@@ -178,7 +178,7 @@ class ShmReceiver(Receiver):
         where = (rendezvous.store_host, rendezvous.store_port)
         with nothing_written():
             if self._store is None or self._store[0] != where:
-                self._store = (where, connect_store(*where, deadline_at=deadline_at))
+                self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
         store = self._store[1]
         stop = [session_key(rendezvous, "abort")]
         try:

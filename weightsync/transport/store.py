@@ -56,8 +56,13 @@ def host_store(host: str, *, timeout_s: float) -> dist.TCPStore:
                          master_listen_fd=listener.detach())
 
 
-def connect_store(host: str, port: int, *, deadline_at: float) -> dist.TCPStore:
+def connect_store(host: str, port: int, *, deadline_at: float, secret: str = "") -> dist.Store:
     """Connects to the trainer's store by ``deadline_at`` (time.monotonic).
+
+    With ``secret`` (gloo and shm rounds) the store is the trainer's authenticated
+    ``StoreHost`` and the connection proves the round's secret (``secure_store``).
+    Without it, a torch TCPStore: the ``group`` transport, whose store SGLang joins with
+    torch's own client.
 
     torch's client does not keep its own timeout: a refused connection is retried for
     about twice the timeout, and a peer that accepts but never answers the handshake
@@ -69,6 +74,10 @@ def connect_store(host: str, port: int, *, deadline_at: float) -> dist.TCPStore:
         StepTimeoutError: no connection by the deadline.
         TransferError: the store refused or failed.
     """
+    if secret:
+        from weightsync.transport.secure_store import SecureStore
+        return SecureStore(host, port, secret, deadline_at=deadline_at,
+                           timeout_s=max(deadline_at - time.monotonic(), 0.05))
     left = deadline_at - time.monotonic()
     if left <= 0:
         raise StepTimeoutError(f"deadline passed before connecting to the rendezvous store at {host}:{port}",
@@ -93,6 +102,15 @@ def connect_store(host: str, port: int, *, deadline_at: float) -> dist.TCPStore:
         raise TransferError(f"cannot reach the trainer's rendezvous store at {host}:{port}: "
                             f"{str(result[0]).splitlines()[0][:300]}") from result[0]
     return result[0]
+
+
+def prefixed(store: dist.Store, prefix: str) -> dist.Store:
+    """``store`` with its keys under ``prefix`` (torch's PrefixStore cannot wrap the
+    Python-implemented authenticated store, which namespaces keys itself)."""
+    from weightsync.transport.secure_store import SecureStore
+    if isinstance(store, SecureStore):
+        return store.with_prefix(prefix)
+    return dist.PrefixStore(prefix, store)
 
 
 def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float, operation: str,
@@ -128,4 +146,4 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float,
         delay = min(_POLL_MAX_S, delay * 2)
 
 
-__all__ = ["session_key", "host_store", "connect_store", "wait_for_keys"]
+__all__ = ["session_key", "host_store", "connect_store", "prefixed", "wait_for_keys"]

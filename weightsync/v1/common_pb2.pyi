@@ -159,6 +159,7 @@ class Rendezvous(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     GROUP_BACKEND_FIELD_NUMBER: _builtins.int
+    STORE_SECRET_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """same id = reuse the existing group and buffers"""
     transport: Global___TransportKind.ValueType
@@ -170,6 +171,10 @@ class Rendezvous(_message.Message):
     """unique per Broadcast: namespaces its store keys"""
     group_backend: _builtins.str
     """group transport only: "gloo" (CPU tensors) or "nccl" (CUDA)"""
+    store_secret: _builtins.str
+    """gloo and shm: the round's secret (hex) that admits a connection to the trainer's
+    store. Only the trainer and the round's members learn it, over the control plane.
+    """
     def __init__(
         self,
         *,
@@ -180,10 +185,11 @@ class Rendezvous(_message.Message):
         world_size: _builtins.int = ...,
         session_id: _builtins.str = ...,
         group_backend: _builtins.str = ...,
+        store_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_id", b"group_id", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_id", b"group_id", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -98,6 +98,7 @@ class BroadcastRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     GROUP_BACKEND_FIELD_NUMBER: _builtins.int
     PROBE_FIELD_NUMBER: _builtins.int
+    STORE_SECRET_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     transport: _common_pb2.TransportKind.ValueType
@@ -110,6 +111,8 @@ class BroadcastRequest(_message.Message):
     """transfer deadline; 0 = server default"""
     group_backend: _builtins.str
     """group transport only: "gloo" (default) or "nccl" """
+    store_secret: _builtins.str
+    """gloo, shm: the secret that admits a connection to the store (hex)"""
     @_builtins.property
     def plan(self) -> _common_pb2.WeightPlan: ...
     @_builtins.property
@@ -129,10 +132,11 @@ class BroadcastRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         group_backend: _builtins.str = ...,
         probe: _common_pb2.AttestationProbe | None = ...,
+        store_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "timeout_s", b"timeout_s", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
