@@ -37,7 +37,7 @@ demo: setup
 	$(VENV)/bin/weightsync demo
 
 test: setup $(if $(SKIP_VLLM),,vllm-setup)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 # On a machine with an NVIDIA GPU: the gpu-marked tests (skipped everywhere else).
 # SGLang against a real server: python tests/gpu/check_sglang.py --model-path DIR
