@@ -21,7 +21,13 @@ from tests.conftest import start_agent, start_coordinator, wait_available
 from tests.test_lifecycle import free_port
 from weightsync.client import EngineClient, Probe, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.errors import FailedPrecondition, InvalidArgument, TornWeightsError, WeightSyncError
+from weightsync.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    TornWeightsError,
+    Unsupported,
+    WeightSyncError,
+)
 from weightsync.lifecycle import spawn, stop_process, wait_for_file
 from weightsync.plan import weights_digest
 from weightsync.v1 import agent_pb2
@@ -294,12 +300,20 @@ async def test_sglang_with_tensor_parallel_ranks_is_refused_up_front(sglang):
     assert "/init_weights_update_group" not in [p for p, _ in calls_of(calls)]
 
 
-async def test_wait_pause_is_refused_with_a_typed_error(sglang):
-    address, _, _, _, _ = sglang
+async def test_what_sglang_cannot_do_is_refused_with_one_typed_error(sglang):
+    """A WAIT pause, and generation through the agent (before: a NotImplementedError that
+    reached the caller as INTERNAL): each an ``Unsupported`` naming what."""
+    address, agent_address, _, _, _ = sglang
     async with TrainerClient(address) as client:
-        with pytest.raises(FailedPrecondition) as info:
+        with pytest.raises(Unsupported) as info:
             await client.pause(mode="wait")
         assert info.value.reason == "PAUSE_MODE_UNSUPPORTED"
+    async with EngineClient(agent_address) as engine:
+        for call in (lambda: engine.generate([1, 2, 3], 4), lambda: engine.get("r-1", wait_s=0.1)):
+            with pytest.raises(Unsupported) as info:
+                await call()
+            assert info.value.reason == "GENERATION_UNSUPPORTED" and "engine's own API" in info.value.message
+            assert info.value.code.name == "FAILED_PRECONDITION"
 
 
 @pytest.mark.parametrize("sglang", [("--fail-version-update",)], indirect=True)

@@ -106,6 +106,14 @@ class FailedPrecondition(WeightSyncError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unsupported(FailedPrecondition):
+    """This engine cannot do what was asked (a pause mode, generation through the agent,
+    an attestation probe). The reason names what; nothing ran."""
+
+    reason = "UNSUPPORTED"
+    nothing_ran = True
+
+
 class PermissionDenied(WeightSyncError):
     """The caller's role may not make this call (see ``weightsync.roles``)."""
 
@@ -186,6 +194,12 @@ _BY_REASON: dict[str, type[WeightSyncError]] = {
 }
 
 
+# Reasons an ``Unsupported`` carries: each names what the engine cannot do, and all come
+# back to a client as ``Unsupported`` with the reason kept.
+UNSUPPORTED_REASONS = frozenset({"UNSUPPORTED", "PAUSE_MODE_UNSUPPORTED", "GENERATION_UNSUPPORTED",
+                                 "ATTESTATION_UNSUPPORTED", "TRANSPORT_UNSUPPORTED", "DIGEST_UNSUPPORTED",
+                                 "ENGINE_CANNOT_RECEIVE"})
+
 MAX_TIMEOUT_S = 24 * 3600.0
 
 
@@ -230,6 +244,8 @@ def from_status(code: int, message: str, details: list[any_pb2.Any] | None = Non
     status_code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
     if reason == StepTimeoutError.reason or (reason is None and status_code == grpc.StatusCode.DEADLINE_EXCEEDED):
         return StepTimeoutError(message, operation=metadata.get("operation", "unknown"), metadata=metadata)
+    if reason in UNSUPPORTED_REASONS:
+        return Unsupported(message, reason=reason, code=status_code, metadata=metadata)
     if reason in _BY_REASON:
         return _BY_REASON[reason](message, metadata=metadata, code=status_code)
     # An unknown (or absent) reason still gets the class its status code implies.
@@ -253,6 +269,8 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
     """Rebuilds the typed error recorded in an ``EngineOutcome`` (reason, then status code)."""
     if reason == StepTimeoutError.reason:
         return StepTimeoutError(message, operation=operation)
+    if reason in UNSUPPORTED_REASONS:
+        return Unsupported(message, reason=reason)
     if reason in _BY_REASON:
         return _BY_REASON[reason](message)
     status = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
@@ -262,6 +280,6 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 
 __all__ = [
     "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
-    "PermissionDenied", "PlanUnknown", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
+    "PermissionDenied", "PlanUnknown", "Unsupported", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
     "StepTimeoutError", "check_timeout", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

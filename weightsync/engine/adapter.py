@@ -14,7 +14,7 @@ import torch
 from weightsync.attest import Probe, check_vocab
 from weightsync.engine.model import ModelConfig
 from weightsync.engine.reference import ReferenceEngine, Request
-from weightsync.errors import FailedPrecondition, InvalidArgument
+from weightsync.errors import InvalidArgument, Unsupported
 from weightsync.plan import BucketPlan, weights_digest
 
 ATTESTATION_UNSUPPORTED = "ATTESTATION_UNSUPPORTED"
@@ -60,15 +60,15 @@ class EngineAdapter(abc.ABC):
         """Refuses (typed error) an attestation probe this engine cannot run, before
         anything changes: tokens outside its vocabulary, sequences too long, or no way
         to score while paused (FAILED_PRECONDITION, reason ATTESTATION_UNSUPPORTED)."""
-        raise FailedPrecondition(f"{self.name} engines cannot run an attestation probe while paused",
-                                 reason=ATTESTATION_UNSUPPORTED)
+        raise Unsupported(f"{self.name} engines cannot run an attestation probe while paused",
+                          reason=ATTESTATION_UNSUPPORTED)
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Teacher-forced log-probs of each sequence (``len - 1`` per sequence) computed
         by the engine's own forward path with the weights it now holds, while paused.
         Blocking; runs on the agent's transfer thread after a load."""
-        raise FailedPrecondition(f"{self.name} engines cannot run an attestation probe while paused",
-                                 reason=ATTESTATION_UNSUPPORTED)
+        raise Unsupported(f"{self.name} engines cannot run an attestation probe while paused",
+                          reason=ATTESTATION_UNSUPPORTED)
 
     @abc.abstractmethod
     def load_targets(self, plan: BucketPlan) -> list[torch.Tensor]:
@@ -91,10 +91,12 @@ class EngineAdapter(abc.ABC):
     def weights_digest(self) -> str: ...
 
     def submit(self, prompt: Sequence[int], max_tokens: int) -> str:
-        raise NotImplementedError(f"{self.name} does not take generation requests through the agent")
+        raise Unsupported(f"{self.name} does not take generation requests through the agent; send them to the "
+                          "engine's own API", reason="GENERATION_UNSUPPORTED")
 
     def get(self, request_id: str, wait_s: float) -> Request:
-        raise NotImplementedError(f"{self.name} does not take generation requests through the agent")
+        raise Unsupported(f"{self.name} does not take generation requests through the agent; send them to the "
+                          "engine's own API", reason="GENERATION_UNSUPPORTED")
 
     def counts(self) -> tuple[int, int]:
         return 0, 0

@@ -38,6 +38,7 @@ from weightsync.errors import (
     FailedPrecondition,
     StepTimeoutError,
     TransferError,
+    Unsupported,
 )
 from weightsync.plan import BucketPlan, dtype_from_name, dtype_name
 from weightsync.transport.group import group_backend, group_name
@@ -68,7 +69,7 @@ class SglangAdapter(HttpEngineAdapter):
 
     def pause(self, mode, *, timeout_s):
         if mode not in MODES:
-            raise FailedPrecondition("SGLang has no WAIT pause; use keep or abort", reason="PAUSE_MODE_UNSUPPORTED")
+            raise Unsupported("SGLang has no WAIT pause; use keep or abort", reason="PAUSE_MODE_UNSUPPORTED")
         self._call("POST", "/pause_generation", body={"mode": MODES[mode]}, timeout_s=timeout_s)
         self._pause_mode = MODES[mode]
 
@@ -113,17 +114,17 @@ class SglangAdapter(HttpEngineAdapter):
     def check_receive(self, request) -> None:
         """What SGLang cannot do, refused before anything changes."""
         if request.rendezvous.transport != common_pb2.TRANSPORT_KIND_GROUP:
-            raise FailedPrecondition("SGLang receives weights only through its update group: broadcast with "
-                                     "transport='group'", reason="TRANSPORT_UNSUPPORTED")
+            raise Unsupported("SGLang receives weights only through its update group: broadcast with "
+                              "transport='group'", reason="TRANSPORT_UNSUPPORTED")
         group_backend(request.rendezvous)
         if request.weights_digest:
-            raise FailedPrecondition("SGLang cannot attest a digest of its weights: broadcast without "
-                                     "verify_digest", reason="DIGEST_UNSUPPORTED")
+            raise Unsupported("SGLang cannot attest a digest of its weights: broadcast without "
+                              "verify_digest", reason="DIGEST_UNSUPPORTED")
         info = self._call("GET", "/get_server_info")
         ranks = int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
         if ranks != 1:
-            raise FailedPrecondition(f"SGLang with {ranks} model ranks (tp x pp) joins an update group as {ranks} "
-                                     "ranks; weightsync gives each engine one", reason="ENGINE_CANNOT_RECEIVE")
+            raise Unsupported(f"SGLang with {ranks} model ranks (tp x pp) joins an update group as {ranks} "
+                              "ranks; weightsync gives each engine one", reason="ENGINE_CANNOT_RECEIVE")
 
     def load_targets(self, plan):
         return []  # the bytes land inside SGLang, not in this process

@@ -31,10 +31,10 @@ from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
     EngineFault,
-    FailedPrecondition,
     InvalidArgument,
     StepTimeoutError,
     TransferError,
+    Unsupported,
 )
 from weightsync.plan import BucketPlan, dtype_from_name
 from weightsync.v1 import common_pb2
@@ -147,8 +147,8 @@ class VllmAdapter(HttpEngineAdapter):
             self._probe_limits = results[0]
         limits = self._probe_limits
         if limits.get("unsupported"):
-            raise FailedPrecondition(f"vLLM cannot run the attestation probe on this model: "
-                                     f"{limits['unsupported']}", reason=ATTESTATION_UNSUPPORTED)
+            raise Unsupported(f"vLLM cannot run the attestation probe on this model: "
+                              f"{limits['unsupported']}", reason=ATTESTATION_UNSUPPORTED)
         check_vocab(probe, int(limits["vocab_size"]))
         longest = max(len(s) for s in probe.sequences)
         if longest > int(limits["max_model_len"]):
@@ -178,10 +178,10 @@ class VllmAdapter(HttpEngineAdapter):
         return self.last_received_digest
 
     def submit(self, prompt: Sequence[int], max_tokens: int) -> str:
-        raise FailedPrecondition("send generation requests to vLLM's OpenAI API directly")
+        raise Unsupported("send generation requests to vLLM's OpenAI API directly", reason="GENERATION_UNSUPPORTED")
 
     def get(self, request_id: str, wait_s: float):
-        raise FailedPrecondition("send generation requests to vLLM's OpenAI API directly")
+        raise Unsupported("send generation requests to vLLM's OpenAI API directly", reason="GENERATION_UNSUPPORTED")
 
 
 __all__ = ["VllmAdapter", "EXTENSION"]
