@@ -16,6 +16,7 @@ policy cannot apply: README's Security section says what is then left unprotecte
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -74,9 +75,11 @@ class Identity:
         return cls(rest) if rest in ("coordinator", "trainer") else None
 
 
+@functools.lru_cache(maxsize=256)
 def identity_from_certificate(pem: bytes) -> Identity | None:
     """The role a PEM certificate carries in its URI SANs, or None (no weightsync role,
-    or more than one: a certificate must name exactly one)."""
+    or more than one: a certificate must name exactly one). Remembered per certificate:
+    every call of a peer (heartbeats twice a second) presents the same one."""
     from cryptography import x509
     try:
         cert = x509.load_pem_x509_certificate(pem)

@@ -39,6 +39,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from weightsync.errors import StepTimeoutError, TransferError
+from weightsync.transport.store import listen_on
 
 log = logging.getLogger("weightsync.store")
 
@@ -91,20 +92,9 @@ class StoreHost:
     authenticated connection. ``close()`` stops it and every connection."""
 
     def __init__(self, host: str, *, timeout_s: float) -> None:
-        try:
-            family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-        except socket.gaierror as exc:
-            raise TransferError(f"cannot resolve the store host {host!r}: {exc.strerror}") from None
         self.host = host
         self.timeout_s = timeout_s
-        self._listener = socket.socket(family, kind, proto)
-        try:
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind(address)
-            self._listener.listen(1024)
-        except OSError as exc:
-            self._listener.close()
-            raise TransferError(f"cannot listen on {host!r} for the rendezvous store: {exc.strerror}") from None
+        self._listener = listen_on(host)
         self.port = self._listener.getsockname()[1]
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()

@@ -29,15 +29,9 @@ def session_key(rendezvous, *parts: object) -> str:
     return "/".join(["ws", rendezvous.group_id, rendezvous.session_id, *map(str, parts)])
 
 
-def host_store(host: str, *, timeout_s: float) -> dist.TCPStore:
-    """Starts a TCPStore master listening on ``host`` only, on an ephemeral port
-    (``.port`` tells it).
-
-    torch's store server listens on every interface whatever host it is given; here it
-    gets a socket bound to ``host`` alone, so a trainer that names 127.0.0.1 is not
-    reachable from the network. The store has no authentication of its own: anyone who
-    can reach this address can read and write its keys (README, Security).
-    """
+def listen_on(host: str) -> socket.socket:
+    """A listening socket bound to ``host`` alone, on an ephemeral port; TransferError if
+    the name does not resolve or is not an address of this machine."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -50,6 +44,19 @@ def host_store(host: str, *, timeout_s: float) -> dist.TCPStore:
     except OSError as exc:
         listener.close()
         raise TransferError(f"cannot listen on {host!r} for the rendezvous store: {exc.strerror}") from None
+    return listener
+
+
+def host_store(host: str, *, timeout_s: float) -> dist.TCPStore:
+    """Starts a TCPStore master listening on ``host`` only, on an ephemeral port
+    (``.port`` tells it).
+
+    torch's store server listens on every interface whatever host it is given; here it
+    gets a socket bound to ``host`` alone, so a trainer that names 127.0.0.1 is not
+    reachable from the network. The store has no authentication of its own: anyone who
+    can reach this address can read and write its keys (README, Security).
+    """
+    listener = listen_on(host)
     port = listener.getsockname()[1]
     # The store owns the descriptor from here on (detach: Python must not close it).
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
