@@ -461,8 +461,8 @@ class TrainerClient:
             raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs") from None
         digest = ""
         if with_digest:
-            digest = weights_digest((s.name, t.to(s.dtype) if t.dtype != s.dtype else t)
-                                    for s, t in zip(plan.slots, sources, strict=True))
+            digest = weights_digest((name, t.to(dtype) if t.dtype != dtype else t)
+                                    for name, dtype, t in zip(plan.names, plan.dtypes, sources, strict=True))
         probe = attest() if callable(attest) else attest
         if probe is not None and not isinstance(probe, Probe):
             raise InvalidArgument(f"attest must be a Probe or a function returning one, got {type(probe).__name__}")

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -264,6 +265,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     def validate_receive(self, request) -> tuple[BucketPlan, transports.Receiver, Probe | None]:
         """Checks everything about a Receive before anything changes."""
         check_timeout(request.timeout_s)
+        if not is_reference(request.plan):
+            self._check_plan_not_larger(request.plan)
         plan = BucketPlan.from_proto(request.plan)
         probe = Probe.from_proto(request.probe) if request.HasField("probe") else None
         if plan.plan_id != self._plan_fits:  # the engine's specs never change: check a plan once
@@ -294,27 +297,46 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self._receivers[rdzv.transport] = receiver
         return plan, receiver, probe
 
-    def _check_plan_fits(self, plan: BucketPlan) -> None:
-        """The plan names exactly the engine's tensors, with their dtypes and shapes."""
-        specs = self.adapter.tensor_specs()
-        names = [s.name for s in plan.slots]
-        unknown = [n for n in names if n not in specs]
+    def _check_plan_not_larger(self, wire: common_pb2.WeightPlan) -> None:
+        """A plan listing more tensors than the engine has (names are unique, so some
+        are not the engine's) is refused before it is parsed: its count is one length,
+        and a plan may list a million tensors. The first names are read to say which."""
+        count, specs = len(wire.dtypes), self.adapter.tensor_specs()
+        if count <= len(specs):
+            return
+        blob = wire.names
+        head = blob[:64 * 1024].decode("utf-8", errors="replace").split("\0")
+        if len(blob) > 64 * 1024:
+            head.pop()  # cut short
+        unknown = list(islice((n for n in head if n not in specs), 5))
         if unknown:
-            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown[:5]}",
+            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown} (it lists {count} "
+                                  f"tensors; the engine has {len(specs)})", metadata={"tensor": unknown[0]})
+        raise InvalidArgument(f"plan lists {count} tensors; the engine has {len(specs)}")
+
+    def _check_plan_fits(self, plan: BucketPlan) -> None:
+        """The plan names exactly the engine's tensors, with their dtypes and shapes.
+        Names first: a plan that is not for this engine is refused before any
+        per-tensor shape is looked at."""
+        specs = self.adapter.tensor_specs()
+        names = plan.names
+        unknown = list(islice((n for n in names if n not in specs), 5))
+        if unknown:
+            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown}",
                                   metadata={"tensor": unknown[0]})
-        planned = set(names)
-        missing = [n for n in specs if n not in planned]
-        if missing:
-            raise InvalidArgument(f"plan lacks engine tensors: {missing[:5]} (a sync must cover every weight)",
+        if len(names) != len(specs):  # every name is the engine's and names are unique: some are missing
+            planned = set(names)
+            missing = list(islice((n for n in specs if n not in planned), 5))
+            raise InvalidArgument(f"plan lacks engine tensors: {missing} (a sync must cover every weight)",
                                   metadata={"tensor": missing[0]})
-        for slot in plan.slots:
-            dtype, shape = specs[slot.name]
-            if slot.dtype != dtype:
-                raise InvalidArgument(f"tensor {slot.name!r}: plan dtype {dtype_name(slot.dtype)} != engine "
-                                      f"dtype {dtype_name(dtype)}", metadata={"tensor": slot.name})
-            if tuple(slot.shape) != tuple(shape):
-                raise InvalidArgument(f"tensor {slot.name!r}: plan shape {list(slot.shape)} != engine shape "
-                                      f"{list(shape)}", metadata={"tensor": slot.name})
+        for name, planned_dtype, planned_shape in zip(names, plan.dtypes, plan.shapes, strict=True):
+            dtype, shape = specs[name]
+            if planned_dtype != dtype:
+                raise InvalidArgument(f"tensor {name!r}: plan dtype {dtype_name(planned_dtype)} != engine "
+                                      f"dtype {dtype_name(dtype)}", metadata={"tensor": name})
+            if planned_shape != tuple(shape):
+                raise InvalidArgument(f"tensor {name!r}: plan shape {list(planned_shape)} != engine shape "
+                                      f"{list(shape)}", metadata={"tensor": name})
 
     async def _receive(self, request) -> common_pb2.EngineOutcome:
         await self._engine(self._check_alive)
@@ -447,7 +469,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         rule = self.faults.take("receive", version=version, action="stale_tensor") if self.faults else None
         if rule is None or not targets:
             return None
-        index = next((i for i, s in enumerate(plan.slots) if s.name == rule.tensor), 0)
+        index = plan.names.index(rule.tensor) if rule.tensor in plan.names else 0
         target, old = targets[index], targets[index].clone()
         return lambda: target.copy_(old)
 

@@ -61,6 +61,7 @@ OPERATION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("weightsync_
 DEFAULT_PAUSE_TIMEOUT_S = 60.0
 DEFAULT_TRANSFER_TIMEOUT_S = 300.0
 RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinator's RPC one
+RECEIVE_PLAN_FIELD = agent_pb2.ReceiveRequest.DESCRIPTOR.fields_by_name["plan"].number
 MAX_EVENTS = 10_000
 MAX_ENGINE_ID_LEN = 128
 MAX_ADDRESS_LEN = 512
@@ -461,12 +462,15 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     store_secret=request.store_secret)
 
                 def receive_request(record: EngineRecord, validate_only: bool, by_reference: bool) -> bytes:
-                    return agent_pb2.ReceiveRequest(
+                    # The whole plan is encoded once and appended (protobuf merges
+                    # concatenated messages): not copied and re-encoded per engine.
+                    head = agent_pb2.ReceiveRequest(
                         idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
-                        plan=plan.reference_proto() if by_reference else plan.to_proto(),
+                        plan=plan.reference_proto() if by_reference else None,
                         rendezvous=rendezvous, rank=ranks[record.engine_id],
                         weights_digest=request.weights_digest, timeout_s=timeout_s, validate_only=validate_only,
                         probe=request.probe if request.HasField("probe") else None).SerializeToString()
+                    return head if by_reference else head + plan.embedded(RECEIVE_PLAN_FIELD)
 
                 async def call_receive(record: EngineRecord, validate_only: bool, rpc_timeout_s: float):
                     # Built and serialised on a worker thread: a whole plan may name 20k

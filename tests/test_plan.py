@@ -8,7 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightsync.errors import InvalidArgument
-from weightsync.plan import DTYPES, BucketPlan, pack_bucket, unpack_bucket, weights_digest
+from weightsync.plan import (
+    DTYPE_CODES,
+    DTYPES,
+    MAX_DIMS,
+    MAX_NAME_LEN,
+    BucketPlan,
+    dtype_name,
+    pack_bucket,
+    unpack_bucket,
+    weights_digest,
+)
+from weightsync.v1 import common_pb2
 
 
 def roundtrip(plan: BucketPlan, sources: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -36,17 +47,60 @@ def test_proto_roundtrip_and_tamper_detection():
     again = BucketPlan.from_proto(plan.to_proto())
     assert again == plan and again.plan_id == plan.plan_id
     msg = plan.to_proto()
-    msg.tensors[1].offset += 8
-    with pytest.raises(InvalidArgument, match="offset"):
+    msg.total_bytes += 8
+    with pytest.raises(InvalidArgument, match="total_bytes"):
         BucketPlan.from_proto(msg)
     msg = plan.to_proto()
-    msg.tensors[0].dtype = "complex64"
-    with pytest.raises(InvalidArgument, match="unknown dtype"):
+    msg.dtypes = bytes([0, len(DTYPE_CODES)])
+    with pytest.raises(InvalidArgument, match="unknown dtype code"):
+        BucketPlan.from_proto(msg)
+    msg = plan.to_proto()
+    msg.dims = msg.dims[:-8]
+    with pytest.raises(InvalidArgument, match="dims"):
+        BucketPlan.from_proto(msg)
+    msg = plan.to_proto()
+    msg.dims = msg.dims.replace((4).to_bytes(8, "little"), (5).to_bytes(8, "little"), 1)
+    with pytest.raises(InvalidArgument):  # the shape changed, so the layout or the fingerprint disagrees
         BucketPlan.from_proto(msg)
     msg = plan.to_proto()
     msg.plan_id = "0" * 32
     with pytest.raises(InvalidArgument, match="plan_id"):
         BucketPlan.from_proto(msg)
+
+
+def test_the_wire_dtype_codes_never_move():
+    # proto/weightsync/v1/common.proto documents the codes; a plan from an older sender
+    # must mean the same tensors to a newer receiver.
+    assert [dtype_name(d) for d in DTYPE_CODES] == ["float32", "float64", "float16", "bfloat16", "int64", "int32",
+                                                    "int16", "int8", "uint8", "bool"]
+
+
+@pytest.mark.parametrize("columns,match", [
+    (dict(names=b"a\0b", dtypes=b"\0", ranks=b"\0"), "names"),
+    (dict(names=b"a", dtypes=b"\0", ranks=b""), "ranks"),
+    (dict(names=b"a", dtypes=b"\0", ranks=bytes([MAX_DIMS + 1])), "dimensions"),
+    (dict(names=b"a", dtypes=b"\0", ranks=b"\1", dims=b"\0" * 4), "dims"),
+    (dict(names=b"a", dtypes=b"\0", ranks=b"\1", dims=(-1).to_bytes(8, "little", signed=True)), "negative"),
+    (dict(names=b"a", dtypes=b"\0", ranks=b"\2", dims=(2**40).to_bytes(8, "little") * 2), "bytes"),
+    (dict(names=b"a\0a", dtypes=b"\0\0", ranks=b"\0\0"), "duplicate"),
+    (dict(names=b"a\0", dtypes=b"\0\0", ranks=b"\0\0"), "bad tensor name"),
+    (dict(names=b"a\x07", dtypes=b"\0", ranks=b"\0"), "bad tensor name"),
+    (dict(names=b"\xff", dtypes=b"\0", ranks=b"\0"), "UTF-8"),
+    (dict(names="\u00e9\u2028".encode(), dtypes=b"\0", ranks=b"\0"), "bad tensor name"),  # not ASCII, not printable
+    (dict(names=b"x" * (MAX_NAME_LEN + 1), dtypes=b"\0", ranks=b"\0"), "bad tensor name"),
+])
+def test_inconsistent_columns_are_refused_with_what_is_wrong(columns, match):
+    msg = common_pb2.WeightPlan(bucket_bytes=64, total_bytes=8, **columns)
+    with pytest.raises(InvalidArgument, match=match):
+        BucketPlan.from_proto(msg)
+
+
+def test_a_plan_with_non_ascii_names_and_scalars_round_trips():
+    plan = BucketPlan.build([("gewicht.\u00e4", torch.float32, ()), ("b", torch.int8, (0, 3)), ("c", torch.bool, (2,))],
+                            bucket_bytes=64)
+    again = BucketPlan.from_proto(plan.to_proto())
+    assert again == plan and again.names == plan.names
+    assert again.shapes == ((), (0, 3), (2,)) and again.sizes == (4, 0, 2) and again.offsets == (0, 8, 8)
 
 
 @pytest.mark.parametrize("specs,match", [

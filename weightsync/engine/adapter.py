@@ -150,7 +150,7 @@ class ReferenceAdapter(EngineAdapter):
         # lookup per tensor, and the list is reused while the plan stays the same.
         if self._targets is None or self._targets[0] != plan.plan_id:
             live = self.engine.parameters_by_name()
-            self._targets = (plan.plan_id, [live[slot.name] for slot in plan.slots])
+            self._targets = (plan.plan_id, [live[name] for name in plan.names])
         return self._targets[1]
 
     def commit(self, version):

@@ -142,8 +142,8 @@ class SglangAdapter(HttpEngineAdapter):
                     "backend": group_backend(rendezvous)}, deadline_at)
                 self._group = name
             self._post_timed("/update_weights_from_distributed", {
-                "names": [s.name for s in plan.slots], "dtypes": [dtype_name(s.dtype) for s in plan.slots],
-                "shapes": [list(s.shape) for s in plan.slots], "group_name": name,
+                "names": list(plan.names), "dtypes": [dtype_name(d) for d in plan.dtypes],
+                "shapes": [list(s) for s in plan.shapes], "group_name": name,
                 # A cache flush with requests held in place fails SGLang's scheduler.
                 "flush_cache": self._pause_mode != "in_place"}, deadline_at)
         except BaseException:

@@ -53,10 +53,11 @@ class WeightsyncWorkerExtension:
                 receiver = receivers[rendezvous.transport] = transports.make_receiver(rendezvous.transport)
             # nccl lands the bytes in the worker's GPU; gloo and shm in host memory.
             device = self.device if rendezvous.group_backend == "nccl" else torch.device("cpu")
-            targets = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in plan.slots]
+            targets = [torch.empty(shape, dtype=dtype, device=device)
+                       for shape, dtype in zip(plan.shapes, plan.dtypes, strict=True)]
             receiver.receive(rendezvous, int(rank), plan, targets,
                              deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event())
-            named = [(s.name, t) for s, t in zip(plan.slots, targets, strict=True)]
+            named = list(zip(plan.names, targets, strict=True))
             reload_in_place(self.model_runner, named, reprocess_tied=skip_post_load != "1")
             return {"digest": weights_digest(named), "bytes": plan.total_bytes}
         except Exception as exc:  # reported to the agent as data; the agent marks the engine torn

@@ -72,12 +72,11 @@ def _direct(plan: BucketPlan, bucket: int, tensors: Sequence[torch.Tensor]) -> t
     that tensor directly, with no copy through a bucket buffer. Large tensors span many
     such buckets. The bytes on the wire are the same either way, so each side decides
     for itself."""
-    pieces = plan.pieces[bucket]
-    if len(pieces) != 1 or pieces[0].length != plan.bucket_size(bucket):
+    piece = plan.sole_piece(bucket)
+    if piece is None:
         return None
-    piece = pieces[0]
     tensor = tensors[piece.tensor_index]
-    if tensor.dtype != plan.slots[piece.tensor_index].dtype or not tensor.is_contiguous():
+    if tensor.dtype != plan.dtypes[piece.tensor_index] or not tensor.is_contiguous():
         return None
     return byte_view(tensor)[piece.tensor_start:piece.tensor_start + piece.length]
 

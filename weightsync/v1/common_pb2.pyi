@@ -75,72 +75,53 @@ the protocol of SGLang's weight update group. Backend in Rendezvous.group_backen
 Global___TransportKind: _TypeAlias = TransportKind  # noqa: Y015
 
 @_typing.final
-class TensorSpec(_message.Message):
-    """One tensor of a weight plan. All tensors are laid end to end (8-byte aligned)
-    in one byte stream; bucket b is the window [b*bucket_bytes, (b+1)*bucket_bytes).
+class WeightPlan(_message.Message):
+    """The bucket plan: built once by the trainer, replayed every step. All tensors are
+    laid end to end (each start 8-byte aligned) in one byte stream; bucket b is the
+    window [b*bucket_bytes, (b+1)*bucket_bytes); offsets follow from dtypes and shapes.
+    The tensors are four columns, not a message each: a plan may list a million
+    tensors, and a message per tensor cost seconds to build, parse and check.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    NAME_FIELD_NUMBER: _builtins.int
-    DTYPE_FIELD_NUMBER: _builtins.int
-    SHAPE_FIELD_NUMBER: _builtins.int
-    OFFSET_FIELD_NUMBER: _builtins.int
-    NBYTES_FIELD_NUMBER: _builtins.int
-    name: _builtins.str
-    dtype: _builtins.str
-    """dtype on the wire and in the engine, e.g. "float32" """
-    offset: _builtins.int
-    """byte offset in the stream"""
-    nbytes: _builtins.int
-    @_builtins.property
-    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    def __init__(
-        self,
-        *,
-        name: _builtins.str = ...,
-        dtype: _builtins.str = ...,
-        shape: _abc.Iterable[_builtins.int] | None = ...,
-        offset: _builtins.int = ...,
-        nbytes: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "shape", b"shape"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
-
-@_typing.final
-class WeightPlan(_message.Message):
-    """The bucket plan: built once by the trainer, replayed every step."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    TENSORS_FIELD_NUMBER: _builtins.int
     BUCKET_BYTES_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     PLAN_ID_FIELD_NUMBER: _builtins.int
+    NAMES_FIELD_NUMBER: _builtins.int
+    DTYPES_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    DIMS_FIELD_NUMBER: _builtins.int
     bucket_bytes: _builtins.int
     """size of one bucket buffer (a multiple of 8)"""
     total_bytes: _builtins.int
     """length of the stream"""
     plan_id: _builtins.str
-    """fingerprint of names, dtypes, shapes and layout"""
-    @_builtins.property
-    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
+    """fingerprint of the columns and layout"""
+    names: _builtins.bytes
+    """UTF-8 tensor names in stream order, separated by NUL"""
+    dtypes: _builtins.bytes
+    """one byte per tensor: 0 float32, 1 float64, 2 float16, 3 bfloat16,"""
+    ranks: _builtins.bytes
+    """4 int64, 5 int32, 6 int16, 7 int8, 8 uint8, 9 bool
+    one byte per tensor: its number of dimensions
+    """
+    dims: _builtins.bytes
+    """every tensor's dimensions end to end, int64 little-endian"""
     def __init__(
         self,
         *,
-        tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         bucket_bytes: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
         plan_id: _builtins.str = ...,
+        names: _builtins.bytes = ...,
+        dtypes: _builtins.bytes = ...,
+        ranks: _builtins.bytes = ...,
+        dims: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "plan_id", b"plan_id", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "dims", b"dims", "dtypes", b"dtypes", "names", b"names", "plan_id", b"plan_id", "ranks", b"ranks", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
