@@ -12,6 +12,7 @@ from weightsync.plan import (
     DTYPE_CODES,
     DTYPES,
     MAX_DIMS,
+    MAX_PLAN_BYTES,
     MAX_NAME_LEN,
     BucketPlan,
     dtype_name,
@@ -66,6 +67,14 @@ def test_proto_roundtrip_and_tamper_detection():
     msg.plan_id = "0" * 32
     with pytest.raises(InvalidArgument, match="plan_id"):
         BucketPlan.from_proto(msg)
+
+
+def test_a_plan_too_large_for_a_message_is_refused_where_it_is_built():
+    from weightsync.server.serving import MAX_MESSAGE_BYTES
+    assert MAX_PLAN_BYTES < MAX_MESSAGE_BYTES - 64 * 1024  # room for the rest of a Receive or Broadcast
+    long_names = ((f"{'x' * 500}.{i}", torch.float32, (1,)) for i in range(MAX_PLAN_BYTES // 500 + 1))
+    with pytest.raises(InvalidArgument, match="MiB on the wire"):
+        BucketPlan.build(long_names)
 
 
 def test_the_wire_dtype_codes_never_move():

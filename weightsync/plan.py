@@ -38,6 +38,7 @@ MAX_TENSORS = 1_000_000
 MAX_NAME_LEN = 512
 MAX_DIMS = 16  # dimensions of one tensor
 MAX_TENSOR_BYTES = 1 << 48  # one tensor's bytes (256 TiB): products and sums stay exact in int64
+MAX_PLAN_BYTES = 63 * 1024 * 1024  # a plan's wire form; requests carrying it must fit gRPC's 64 MiB
 _PLANS_BY_ID: OrderedDict[str, BucketPlan] = OrderedDict()  # validated plans by plan_id (from_proto, references)
 _PLANS_LOCK = threading.Lock()
 _PLANS_KEPT = 8
@@ -197,9 +198,14 @@ class BucketPlan:
             raise InvalidArgument("shapes must be sequences of integers") from None
         columns = _Columns(tuple(names), np.array(codes, dtype=np.uint8), np.array(ranks, dtype=np.uint8), dim_array)
         sizes = _sizes(columns)
-        return cls(columns, sizes, common_pb2.WeightPlan(
+        wire = common_pb2.WeightPlan(
             names=blob, dtypes=columns.codes.tobytes(), ranks=columns.ranks.tobytes(),
-            dims=dim_array.astype("<i8", copy=False).tobytes(), bucket_bytes=bucket_bytes))
+            dims=dim_array.astype("<i8", copy=False).tobytes(), bucket_bytes=bucket_bytes)
+        if wire.ByteSize() > MAX_PLAN_BYTES:  # else every request carrying it would fail in gRPC
+            raise InvalidArgument(f"the plan is {wire.ByteSize() / 2**20:.1f} MiB on the wire; at most "
+                                  f"{MAX_PLAN_BYTES / 2**20:.0f} MiB ({len(names)} tensors, names of "
+                                  f"{len(blob) / max(1, len(names)):.0f} bytes on average)")
+        return cls(columns, sizes, wire)
 
     @classmethod
     def from_tensors(cls, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
