@@ -20,6 +20,7 @@ import tempfile
 
 import torch
 
+from weightsync.bench.runner import parse_size
 from weightsync.client import LoopLagProbe, TrainerClient
 from weightsync.engine.model import ReferenceLM, config_for_size
 from weightsync.lifecycle import spawn, stop_process, wait_for_file
@@ -34,14 +35,6 @@ class H(http.server.BaseHTTPRequestHandler):
 with socketserver.ThreadingTCPServer(("127.0.0.1", 0), H) as s:
     open(sys.argv[1], "w").write(str(s.server_address[1])); s.serve_forever()
 """
-
-
-def parse_size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 async def http_loop(port: int, stop: asyncio.Event, timeout_s: float, counts: dict) -> None:

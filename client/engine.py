@@ -10,8 +10,8 @@ import grpc
 
 from weightsync.client.retry import new_key
 from weightsync.errors import from_rpc_error
+from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.security import Security
-from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 

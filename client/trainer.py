@@ -16,7 +16,6 @@ goes along. Control calls are grpc.aio.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import threading
 import time
@@ -44,6 +43,7 @@ from weightsync.errors import (
     from_rpc_error,
     outcome_error,
 )
+from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.idempotency import derive_key, validate_key
 from weightsync.plan import (
     DEFAULT_BUCKET_BYTES,
@@ -53,7 +53,7 @@ from weightsync.plan import (
     weights_digest,
 )
 from weightsync.security import Security
-from weightsync.server.serving import CHANNEL_OPTIONS
+from weightsync.threads import run_in
 from weightsync.transport.secure_store import StoreHost
 from weightsync.transport.store import host_store
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -246,8 +246,7 @@ class TrainerClient:
     async def _in_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Runs blocking work on the transfer thread with the caller's context (deadline)."""
         assert self._executor is not None
-        ctx = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: ctx.run(fn, *args, **kwargs))
+        return await run_in(self._executor, fn, *args, **kwargs)
 
     # ----- the three calls ---------------------------------------------------------------
 
@@ -431,8 +430,7 @@ class TrainerClient:
                 return sender.send(rendezvous, prepared.plan, prepared.sources, deadline_at=deadline_at,
                                    abort=self._abort)
 
-        ctx = contextvars.copy_context()
-        return asyncio.get_running_loop().run_in_executor(self._executor, lambda: ctx.run(send))
+        return run_in(self._executor, send)
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], with_digest: bool,
                  attest: AttestArg = None) -> _Prepared:

@@ -26,15 +26,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import islice
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from typing import TypeVar
 
 from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
-from weightsync.engine.adapter import EngineAdapter
-from weightsync.engine.reference import validate_tags
+from weightsync.engine.adapter import EngineAdapter, validate_tags
 from weightsync.errors import (
     MAX_MESSAGE_BYTES,
     EngineFault,
@@ -48,14 +47,15 @@ from weightsync.errors import (
     WeightSyncError,
     abort_with,
     bounded,
-    check_timeout,
 )
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore
 from weightsync.plan import BucketPlan, dtype_name, is_reference
 from weightsync.server.engine_watch import EngineWatch
 from weightsync.server.launcher import EngineLauncher
+from weightsync.threads import run_in
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from weightsync.validate import check_pause_mode, check_port, check_timeout
 
 log = logging.getLogger("weightsync.agent")
 T = TypeVar("T")
@@ -115,9 +115,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         log.info("%s %s", kind, fields or "")
 
     async def _engine(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        ctx = contextvars.copy_context()
-        return await loop.run_in_executor(self._control, lambda: ctx.run(fn, *args, **kwargs))
+        """Runs ``fn`` on the engine's control thread (one call at a time)."""
+        return await run_in(self._control, fn, *args, **kwargs)
 
     def fault(self) -> str:
         """Why this engine cannot serve: the engine's own fault or its launched process's.
@@ -173,8 +172,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     async def _pause(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
-        if request.mode not in (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT):
-            raise InvalidArgument(f"pause mode must be KEEP, ABORT or WAIT, got {request.mode}")
+        check_pause_mode(request.mode)
         timeout_s = check_timeout(request.timeout_s) or DEFAULT_TIMEOUT_S
         await self._engine(self.adapter.pause, request.mode, timeout_s=timeout_s)
         self.paused = True
@@ -277,8 +275,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             raise InvalidArgument(f"unknown transport {rdzv.transport}")
         if not rdzv.group_id or not rdzv.session_id or not rdzv.store_host:
             raise InvalidArgument("rendezvous needs group_id, session_id and store_host")
-        if not 0 < rdzv.store_port < 65536:
-            raise InvalidArgument(f"bad rendezvous store port {rdzv.store_port}")
+        check_port(rdzv.store_port, "rendezvous store_port")
         if rdzv.world_size < 2 or not 1 <= request.rank < rdzv.world_size:
             raise InvalidArgument(f"rank {request.rank} is not a receiver rank of world {rdzv.world_size}")
         self.adapter.check_receive(request)
@@ -371,16 +368,12 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 self._progress = (bucket + 1, total)
                 if faults is not None:
                     faults.on_bucket("receive", version, bucket, deadline_at=deadline_at)
-            ctx = contextvars.copy_context()
             if self.adapter.receives_in_engine:  # e.g. vLLM: its worker joins the transport itself
-                transfer = loop.run_in_executor(self._transfer, lambda: ctx.run(
-                    self.adapter.receive_in_engine, request.rendezvous, request.rank, plan, deadline_at=deadline_at,
-                    **({"skip_post_load": True} if skip_post_load else {})))
+                transfer = run_in(self._transfer, self.adapter.receive_in_engine, request.rendezvous, request.rank,
+                                  plan, deadline_at=deadline_at, **({"skip_post_load": True} if skip_post_load else {}))
             else:
-                transfer = loop.run_in_executor(
-                    self._transfer, lambda: ctx.run(receiver.receive, request.rendezvous, request.rank, plan,
-                                                    targets, deadline_at=deadline_at, abort=self._abort,
-                                                    on_bucket=on_bucket))
+                transfer = run_in(self._transfer, receiver.receive, request.rendezvous, request.rank, plan, targets,
+                                  deadline_at=deadline_at, abort=self._abort, on_bucket=on_bucket)
             # Invariant 6 on the engine side: a cancellation still waits for the bytes, and
             # for every step after them, so the receive always settles below.
             cancelled |= await wait_through_cancellation(transfer)
@@ -441,9 +434,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     async def _attest(self, probe: Probe, version: int, deadline_at: float) -> tuple[float, BaseException | None]:
         """Runs the probe on the engine (transfer thread, within the receive's deadline);
         returns the largest difference and the error that makes the engine torn, if any."""
-        ctx = contextvars.copy_context()
-        scoring = asyncio.get_running_loop().run_in_executor(self._transfer, lambda: ctx.run(
-            self.adapter.score, probe.sequences))
+        scoring = run_in(self._transfer, self.adapter.score, probe.sequences)
         left = deadline_at - time.monotonic()
         done, _ = await asyncio.wait({scoring}, timeout=max(left, 0.0))
         if not done:

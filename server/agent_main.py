@@ -22,22 +22,17 @@ from dataclasses import dataclass, field
 import grpc
 
 from weightsync import metrics
-from weightsync.engine.adapter import ReferenceAdapter
-from weightsync.engine.model import resolve_config
-from weightsync.errors import InvalidArgument, from_rpc_error
+from weightsync.engine import check_engine_choice, make_adapter
+from weightsync.errors import from_rpc_error
 from weightsync.faults import FaultInjector
+from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import Security
 from weightsync.server.agent import AgentCore
-from weightsync.server.decode_guard import DecodeGuard
-from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.launcher import EngineLauncher
 from weightsync.server.serving import (
-    CHANNEL_OPTIONS,
-    SERVER_OPTIONS,
-    add_health_and_reflection,
-    bind,
     set_not_serving,
+    start_server,
     write_port_file,
 )
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
@@ -117,10 +112,7 @@ def _engine_id_from_certificate(security: Security) -> str:
 
 async def run_agent(options: AgentOptions) -> int:
     """Runs the agent until a signal; returns the process exit code."""
-    if options.engine not in ("reference", "vllm", "sglang"):
-        raise InvalidArgument(f"engine {options.engine!r} is not supported; use reference, vllm or sglang")
-    if options.engine != "reference" and not options.engine_url:
-        raise InvalidArgument(f"--engine {options.engine} needs --engine-url (e.g. http://127.0.0.1:8000)")
+    check_engine_choice(options.engine, options.engine_url)
     engine_id = options.engine_id or _engine_id_from_certificate(options.security) or f"engine-{uuid.uuid4().hex[:8]}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -148,14 +140,8 @@ async def run_agent(options: AgentOptions) -> int:
             launcher.start()
             await launcher.wait_ready()
             monitor = asyncio.create_task(launcher.monitor())
-        if options.engine == "vllm":
-            from weightsync.engine.vllm import VllmAdapter
-            adapter = VllmAdapter(options.engine_url)
-        elif options.engine == "sglang":
-            from weightsync.engine.sglang import SglangAdapter
-            adapter = SglangAdapter(options.engine_url, checkpoint_dir=options.checkpoint_dir)
-        else:
-            adapter = ReferenceAdapter(resolve_config(options.model), step_delay_s=options.step_delay_s)
+        adapter = make_adapter(options.engine, url=options.engine_url, checkpoint_dir=options.checkpoint_dir,
+                               model=options.model, step_delay_s=options.step_delay_s)
         core = AgentCore(engine_id=engine_id, adapter=adapter, faults=faults, launcher=launcher)
         lag = asyncio.create_task(LoopLagMonitor("agent").run())
         if options.metrics_port:
@@ -164,14 +150,9 @@ async def run_agent(options: AgentOptions) -> int:
         # the first answer is in before the coordinator hears of us.
         await core.watch.refresh()
         watcher = asyncio.create_task(core.watch.run())
-        interceptors = [*options.security.server_interceptors(), DecodeGuard(enforce_roles=options.security.mutual)]
-        if faults is not None:
-            interceptors.append(FaultInterceptor(faults))
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
-        agent_pb2_grpc.add_EngineAgentServicer_to_server(core, server)
-        health = await add_health_and_reflection(server, [SERVICE])
-        core.address = bind(server, options.listen, options.security)
-        await server.start()
+        server, health, core.address = await start_server(
+            security=options.security, faults=faults, service=SERVICE, listen=options.listen,
+            add_servicer=lambda s: agent_pb2_grpc.add_EngineAgentServicer_to_server(core, s))
         channel = options.security.channel(options.coordinator, options=CHANNEL_OPTIONS)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         interval = await _register(stub, core, options)

@@ -40,7 +40,6 @@ from weightsync.errors import (
     PlanUnknown,
     WeightSyncError,
     abort_with,
-    check_timeout,
     from_rpc_error,
     nothing_changed,
 )
@@ -52,6 +51,7 @@ from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry, unreachable_reason
 from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from weightsync.validate import check_pause_mode, check_port, check_timeout
 
 log = logging.getLogger("weightsync.coordinator")
 # The idempotency key of the operation the current task serves: events it emits
@@ -285,12 +285,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         if missing:
             raise EngineUnavailable(f"required engines unavailable: {missing}",
                                     metadata={"engines": ",".join(missing)})
-        members = list(available.values())
-        # Engines of an unfinished round (for example torn ones) stay members.
-        for engine_id in self.round_engines:
-            record = self.registry.get(engine_id)
-            if record is not None and engine_id not in available and self.registry.is_available(record):
-                members.append(record)
+        members = list(available.values())  # torn engines of an unfinished round too: they are available
         if not members:
             raise EngineUnavailable("no engine is available")
         return members
@@ -309,8 +304,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             await asyncio.sleep(0.05)
 
     async def _pause(self, request) -> coordinator_pb2.PauseResponse:
-        if request.mode not in (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT):
-            raise InvalidArgument(f"pause mode must be KEEP, ABORT or WAIT, got {request.mode}")
+        check_pause_mode(request.mode)
         check_timeout(request.timeout_s)
         timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
         async with self._round_lock:
@@ -425,8 +419,9 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument(f"group_backend must be gloo or nccl, got {request.group_backend!r}")
         if request.group_backend and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
             raise InvalidArgument("group_backend applies to the group transport only")
-        if not request.store_host or not 0 < request.store_port < 65536:
-            raise InvalidArgument("store_host and a store_port in 1..65535 are required")
+        if not request.store_host:
+            raise InvalidArgument("store_host is required")
+        check_port(request.store_port, "store_port")
         if len(request.store_secret) > 128 or any(c not in "0123456789abcdef" for c in request.store_secret):
             raise InvalidArgument("store_secret must be at most 128 lowercase hex characters")
         check_timeout(request.timeout_s)

@@ -13,20 +13,14 @@ import logging
 import signal
 from dataclasses import dataclass, field
 
-import grpc
-
 from weightsync import metrics
 from weightsync.faults import FaultInjector
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import Security
 from weightsync.server.coordinator import CoordinatorCore
-from weightsync.server.decode_guard import DecodeGuard
-from weightsync.server.fault_interceptor import FaultInterceptor
 from weightsync.server.serving import (
-    SERVER_OPTIONS,
-    add_health_and_reflection,
-    bind,
     set_not_serving,
+    start_server,
     write_port_file,
 )
 from weightsync.statedb import StateDB
@@ -75,14 +69,9 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
         metrics.WEIGHT_VERSION.set(core.weight_version)
         if options.metrics_port:
             metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
-        interceptors = [*options.security.server_interceptors(), DecodeGuard(enforce_roles=options.security.mutual)]
-        if faults is not None:
-            interceptors.append(FaultInterceptor(faults))
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, server)
-        health = await add_health_and_reflection(server, [SERVICE])
-        address = bind(server, options.listen, options.security)
-        await server.start()
+        server, health, address = await start_server(
+            security=options.security, faults=faults, service=SERVICE, listen=options.listen,
+            add_servicer=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, s))
         if options.port_file:
             write_port_file(options.port_file, address)
         log.info("coordinator serving on %s (state %s, weight version %d)", address, options.state_db,

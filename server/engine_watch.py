@@ -17,7 +17,6 @@ may predate the commit.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import logging
 import threading
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 
 from weightsync.engine.adapter import EngineAdapter
 from weightsync.server.launcher import EngineLauncher
+from weightsync.threads import run_in
 
 log = logging.getLogger("weightsync.agent")
 
@@ -96,8 +96,7 @@ class EngineWatch:
 
     async def refresh(self) -> EngineSnapshot:
         """One poll, off the loop."""
-        ctx = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: ctx.run(self.poll_once))
+        return await run_in(self._executor, self.poll_once)
 
     async def run(self) -> None:
         """Polls until cancelled; a failing poll is logged and retried next interval."""

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.security import INSECURE, Security
-from weightsync.server.serving import CHANNEL_OPTIONS
 from weightsync.v1 import agent_pb2_grpc, common_pb2
 
 

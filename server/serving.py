@@ -8,27 +8,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from weightsync.faults import FaultInjector
+from weightsync.grpc_options import SERVER_OPTIONS
 from weightsync.security import Security
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # plans of ~1M tensors fit; tensor bytes never ride gRPC
-
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.enable_retries", 0),  # retries are ours: keyed, bounded, transient-only
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+from weightsync.server.decode_guard import DecodeGuard
+from weightsync.server.fault_interceptor import FaultInterceptor
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -73,5 +63,24 @@ def write_port_file(path: str, address: str) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["SERVER_OPTIONS", "CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "add_health_and_reflection",
+async def start_server(*, security: Security, faults: FaultInjector | None,
+                       add_servicer: Callable[[grpc.aio.Server], None], service: str,
+                       listen: str) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
+    """A started weightsync server, the same for the coordinator and every agent:
+    authentication (``security``), then request decoding and the role policy
+    (``DecodeGuard``), then injected faults where enabled; the service that
+    ``add_servicer`` adds, health and reflection; bound to ``listen``. Returns the
+    server, its health servicer and the bound address."""
+    interceptors = [*security.server_interceptors(), DecodeGuard(enforce_roles=security.mutual)]
+    if faults is not None:
+        interceptors.append(FaultInterceptor(faults))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    add_servicer(server)
+    health_servicer = await add_health_and_reflection(server, [service])
+    address = bind(server, listen, security)
+    await server.start()
+    return server, health_servicer, address
+
+
+__all__ = ["start_server", "add_health_and_reflection",
            "set_not_serving", "bind", "write_port_file"]

@@ -20,8 +20,8 @@ from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 def expert_plan(count: int) -> BucketPlan:
     """A mixture-of-experts-like plan: ``count`` small tensors with long names."""
-    return BucketPlan.build(((f"model.layers.{i // 1000}.mlp.experts.{i % 1000}.down_proj.weight", torch.float32,
-                              (4,)) for i in range(count)))
+    return BucketPlan.build((f"model.layers.{i // 1000}.mlp.experts.{i % 1000}.down_proj.weight", torch.float32,
+                              (4,)) for i in range(count))
 
 
 def test_a_plan_of_a_million_tensors_is_refused_while_every_engine_stays_available(cluster_factory):
@@ -62,7 +62,7 @@ def test_a_plan_of_a_million_tensors_is_refused_while_every_engine_stays_availab
             while True:  # everything emitted so far, then stop reading
                 try:
                     event = await asyncio.wait_for(events.read(), 1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
                 kinds.append((event.kind, event.engine_id))
             events.cancel()

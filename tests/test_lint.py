@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -21,8 +22,42 @@ def test_no_blocking_calls_in_async_code():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+PICKLING_MODULES = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "_pickle"}
+PICKLING_CALLS = {("torch", "load"), ("torch", "save"), ("numpy", "load"), ("np", "load")}
+
+
+def pickling_uses(source: str, filename: str = "<source>") -> list[str]:
+    """Every import of a pickling module and every call that unpickles or pickles
+    (``pickle.*``, ``torch.load``/``torch.save``, ``numpy.load``), found in the syntax
+    tree: an alias or a call inside a function counts as much as a top-level import."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            found += [f"{filename}:{node.lineno} import {a.name}" for a in node.names
+                      if a.name.split(".")[0] in PICKLING_MODULES]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PICKLING_MODULES:
+            found.append(f"{filename}:{node.lineno} from {node.module} import ...")
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch", "numpy"):
+            found += [f"{filename}:{node.lineno} from {node.module} import {a.name}" for a in node.names
+                      if (node.module, a.name) in PICKLING_CALLS]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and ((owner.id, node.func.attr) in PICKLING_CALLS
+                                                 or owner.id in PICKLING_MODULES):
+                found.append(f"{filename}:{node.lineno} {owner.id}.{node.func.attr}(...)")
+    return found
+
+
+def test_the_pickle_check_sees_calls_and_aliases_not_only_imports():
+    assert pickling_uses("import pickle as p\n")
+    assert pickling_uses("def f(b):\n    import torch\n    return torch.load(b)\n")
+    assert pickling_uses("from torch import save\n")
+    assert pickling_uses("import cloudpickle\n")
+    assert pickling_uses("x = marshal.loads(b)\n")
+    assert not pickling_uses("import torch\nt = torch.zeros(3)\nnp.frombuffer(b)\n")
+
+
 def test_no_pickle_on_any_wire():
-    offenders = [str(p) for folder in ("weightsync", "server", "client") for p in (ROOT / folder).rglob("*.py")
-                 if any(line.strip().startswith(("import pickle", "from pickle", "import cloudpickle"))
-                        for line in p.read_text().splitlines())]
+    offenders = [use for folder in ("weightsync", "server", "client") for p in sorted((ROOT / folder).rglob("*.py"))
+                 for use in pickling_uses(p.read_text(), str(p.relative_to(ROOT)))]
     assert offenders == []

@@ -12,8 +12,8 @@ from weightsync.plan import (
     DTYPE_CODES,
     DTYPES,
     MAX_DIMS,
-    MAX_PLAN_BYTES,
     MAX_NAME_LEN,
+    MAX_PLAN_BYTES,
     BucketPlan,
     dtype_name,
     pack_bucket,
@@ -70,7 +70,7 @@ def test_proto_roundtrip_and_tamper_detection():
 
 
 def test_a_plan_too_large_for_a_message_is_refused_where_it_is_built():
-    from weightsync.server.serving import MAX_MESSAGE_BYTES
+    from weightsync.grpc_options import MAX_MESSAGE_BYTES
     assert MAX_PLAN_BYTES < MAX_MESSAGE_BYTES - 64 * 1024  # room for the rest of a Receive or Broadcast
     long_names = ((f"{'x' * 500}.{i}", torch.float32, (1,)) for i in range(MAX_PLAN_BYTES // 500 + 1))
     with pytest.raises(InvalidArgument, match="MiB on the wire"):
@@ -147,9 +147,9 @@ dtypes = st.sampled_from(sorted(DTYPES))
 def test_pack_unpack_roundtrip_is_bitwise(specs, bucket, seed):
     g = torch.Generator().manual_seed(seed)
     sources = []
-    for dtype_name, shape in specs:
+    for wire_name, shape in specs:
         raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * 8,), generator=g, dtype=torch.uint8)
-        dtype = DTYPES[dtype_name]
+        dtype = DTYPES[wire_name]
         size = torch.empty((), dtype=dtype).element_size()
         t = raw[: torch.Size(shape).numel() * size].view(dtype).reshape(shape) if dtype != torch.bool else \
             (raw[: torch.Size(shape).numel()] % 2).bool().reshape(shape)

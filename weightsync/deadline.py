@@ -85,16 +85,9 @@ def remaining(default: float | None = None) -> float | None:
     return max(0.0, d.at - time.monotonic())
 
 
-def check() -> None:
-    """Raises StepTimeoutError naming the operation if the deadline has passed."""
-    left = remaining()
-    if left is not None and left <= 0:
-        raise expired()
-
-
 def expired() -> StepTimeoutError:
     """The error for the current operation's deadline."""
     return StepTimeoutError(f"deadline exceeded during {current_operation()}", operation=current_operation())
 
 
-__all__ = ["scope", "fresh", "operation", "current_operation", "remaining", "check", "expired"]
+__all__ = ["scope", "fresh", "operation", "current_operation", "remaining", "expired"]

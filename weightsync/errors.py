@@ -200,17 +200,6 @@ UNSUPPORTED_REASONS = frozenset({"UNSUPPORTED", "PAUSE_MODE_UNSUPPORTED", "GENER
                                  "ATTESTATION_UNSUPPORTED", "TRANSPORT_UNSUPPORTED", "DIGEST_UNSUPPORTED",
                                  "ENGINE_CANNOT_RECEIVE"})
 
-MAX_TIMEOUT_S = 24 * 3600.0
-
-
-def check_timeout(value: float, field: str = "timeout_s") -> float:
-    """A request's timeout: finite, 0 (server default) .. 24 h; InvalidArgument otherwise."""
-    if not (0.0 <= value <= MAX_TIMEOUT_S):  # also false for NaN
-        raise InvalidArgument(f"{field} must be between 0 and {MAX_TIMEOUT_S:.0f} seconds, got {value!r}",
-                              metadata={"field": field})
-    return value
-
-
 _BY_CODE: dict[grpc.StatusCode, type[WeightSyncError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
@@ -281,5 +270,5 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 __all__ = [
     "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
     "PermissionDenied", "PlanUnknown", "Unsupported", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
-    "StepTimeoutError", "check_timeout", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
+    "StepTimeoutError", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

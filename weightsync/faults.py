@@ -115,8 +115,5 @@ class FaultInjector:
             else:
                 raise TransferError(f"injected failure in {op} of version {version} at bucket {bucket}")
 
-    def fired(self) -> int:
-        return sum(r.fired for r in self.rules)
-
 
 __all__ = ["FaultInjector", "FaultRule", "ENV"]

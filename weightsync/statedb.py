@@ -8,20 +8,19 @@ restart recovery relies on.
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from weightsync.threads import run_in
 
 T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS engines (
-    engine_id TEXT PRIMARY KEY, address TEXT NOT NULL, model TEXT NOT NULL,
-    weight_version INTEGER NOT NULL DEFAULT 0, registered_at REAL NOT NULL);
+    engine_id TEXT PRIMARY KEY, address TEXT NOT NULL, model TEXT NOT NULL, registered_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS idempotency (
     key TEXT PRIMARY KEY, operation TEXT NOT NULL, fingerprint TEXT NOT NULL,
     state TEXT NOT NULL, response BLOB, error_code INTEGER, error_reason TEXT,
@@ -56,9 +55,7 @@ class StateDB:
                 conn.execute("BEGIN IMMEDIATE")
                 return fn(conn)
 
-        loop = asyncio.get_running_loop()
-        ctx = contextvars.copy_context()
-        return await loop.run_in_executor(self._executor, ctx.run, in_transaction)
+        return await run_in(self._executor, in_transaction)
 
     def run_sync(self, fn: Callable[[sqlite3.Connection], T], timeout_s: float = 30.0) -> T:
         """Blocking variant for start-up and shutdown paths (never call from the loop)."""

@@ -1,0 +1,45 @@
+"""The engines an agent can drive, each behind an ``EngineAdapter`` (``adapter.py``).
+
+``make_adapter`` is the one place that maps an engine's name to its adapter; the
+adapters are imported only when chosen (vLLM's and SGLang's pull in HTTP and
+checkpoint code a reference agent never needs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from weightsync.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from weightsync.engine.adapter import EngineAdapter
+
+ENGINES = ("reference", "vllm", "sglang")
+
+
+def check_engine_choice(engine: str, url: str) -> None:
+    """InvalidArgument for an unknown engine, or an HTTP engine without its URL."""
+    if engine not in ENGINES:
+        raise InvalidArgument(f"engine {engine!r} is not supported; use {', '.join(ENGINES)}")
+    if engine != "reference" and not url:
+        raise InvalidArgument(f"--engine {engine} needs --engine-url (e.g. http://127.0.0.1:8000)")
+
+
+def make_adapter(engine: str, *, url: str = "", checkpoint_dir: str = "", model: str = "tiny",
+                 step_delay_s: float = 0.0) -> EngineAdapter:
+    """The adapter for ``engine``: the reference engine in this process (``model``,
+    ``step_delay_s``), or a vLLM or SGLang server at ``url`` (SGLang also reads its
+    checkpoint's tensor specs from ``checkpoint_dir``)."""
+    check_engine_choice(engine, url)
+    if engine == "vllm":
+        from weightsync.engine.vllm import VllmAdapter
+        return VllmAdapter(url)
+    if engine == "sglang":
+        from weightsync.engine.sglang import SglangAdapter
+        return SglangAdapter(url, checkpoint_dir=checkpoint_dir)
+    from weightsync.engine.model import resolve_config
+    from weightsync.engine.reference import ReferenceAdapter
+    return ReferenceAdapter(resolve_config(model), step_delay_s=step_delay_s)
+
+
+__all__ = ["ENGINES", "check_engine_choice", "make_adapter"]

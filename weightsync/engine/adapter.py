@@ -1,4 +1,8 @@
-"""The engine adapter interface the agent drives, and the reference engine's adapter.
+"""The engine adapter interface the agent drives, and the types it speaks in.
+
+It depends on no engine: each engine's adapter lives with that engine
+(``reference.py``, ``vllm.py``, ``sglang.py``) and ``weightsync.engine.make_adapter``
+picks one by name.
 
 Adapters are synchronous: the agent calls them from its engine-control thread (and
 the load path from its transfer thread), never from the event loop.
@@ -7,17 +11,51 @@ the load path from its transfer thread), never from the event loop.
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.attest import Probe, check_vocab
-from weightsync.engine.model import ModelConfig
-from weightsync.engine.reference import ReferenceEngine, Request
+from weightsync.attest import Probe
 from weightsync.errors import InvalidArgument, Unsupported
-from weightsync.plan import BucketPlan, weights_digest
+from weightsync.plan import BucketPlan
 
 ATTESTATION_UNSUPPORTED = "ATTESTATION_UNSUPPORTED"
+
+TAGS = ("weights", "kv_cache")  # what an engine can put to sleep and wake
+
+
+@dataclass
+class Request:
+    """One generation request and what it produced so far."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    status: str = "queued"          # queued | running | finished | aborted | failed
+    tokens: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    error: str = ""
+    seq: int = 0
+    slot: int | None = None
+    cached: int = 0                 # positions already in this request's KV cache
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def sequence(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+def validate_tags(tags: Sequence[str]) -> list[str]:
+    """Empty means all tags; unknown tags are an InvalidArgument."""
+    if not tags:
+        return list(TAGS)
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown:
+        raise InvalidArgument(f"unknown sleep tags {unknown}; known: {list(TAGS)}")
+    return list(dict.fromkeys(tags))
+
+
 
 
 class EngineAdapter(abc.ABC):
@@ -106,77 +144,4 @@ class EngineAdapter(abc.ABC):
         """Stops the engine (bounded). Idempotent."""
 
 
-class ReferenceAdapter(EngineAdapter):
-    """Hosts a ``ReferenceEngine`` in the agent process."""
-
-    name = "reference"
-    state_is_local = True
-
-    def __init__(self, config: ModelConfig, *, step_delay_s: float = 0.0, max_running: int = 8) -> None:
-        self.engine = ReferenceEngine(config, step_delay_s=step_delay_s, max_running=max_running)
-        self._targets: tuple[str, list[torch.Tensor]] | None = None
-
-    def pause(self, mode, *, timeout_s):
-        self.engine.pause(mode, timeout_s=timeout_s)
-
-    def resume(self):
-        self.engine.resume()
-
-    def sleep(self, tags):
-        return self.engine.sleep(tags)
-
-    def wake(self, tags):
-        return self.engine.wake(tags)
-
-    @property
-    def asleep(self):
-        return self.engine.asleep
-
-    def tensor_specs(self):
-        return self.engine.tensor_specs()
-
-    def check_probe(self, probe):
-        check_vocab(probe, self.engine.config.vocab_size)
-        longest = max(len(s) for s in probe.sequences)
-        if longest > self.engine.config.max_seq_len:
-            raise InvalidArgument(f"probe sequence of {longest} tokens is longer than the engine's context "
-                                  f"of {self.engine.config.max_seq_len}")
-
-    def score(self, sequences):
-        return self.engine.score(sequences)
-
-    def load_targets(self, plan):
-        # The Parameters themselves (not ``.data``, a new tensor each time): one dict
-        # lookup per tensor, and the list is reused while the plan stays the same.
-        if self._targets is None or self._targets[0] != plan.plan_id:
-            live = self.engine.parameters_by_name()
-            self._targets = (plan.plan_id, [live[name] for name in plan.names])
-        return self._targets[1]
-
-    def commit(self, version):
-        self.engine.weight_version = version
-
-    @property
-    def weight_version(self):
-        return self.engine.weight_version
-
-    def fault(self):
-        return self.engine.fault
-
-    def weights_digest(self):
-        return weights_digest(self.engine.named_tensors())
-
-    def submit(self, prompt, max_tokens):
-        return self.engine.submit(prompt, max_tokens)
-
-    def get(self, request_id, wait_s):
-        return self.engine.get(request_id, wait_s)
-
-    def counts(self):
-        return self.engine.counts()
-
-    def close(self):
-        self.engine.close()
-
-
-__all__ = ["EngineAdapter", "ReferenceAdapter", "ATTESTATION_UNSUPPORTED"]
+__all__ = ["EngineAdapter", "Request", "TAGS", "validate_tags", "ATTESTATION_UNSUPPORTED"]

@@ -24,47 +24,18 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.attest import token_logprobs
+from weightsync.attest import check_vocab, token_logprobs
+from weightsync.engine.adapter import EngineAdapter, Request, validate_tags
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import EngineFault, FailedPrecondition, InvalidArgument, StepTimeoutError
+from weightsync.plan import weights_digest
 from weightsync.v1 import common_pb2
+from weightsync.validate import check_pause_mode
 
-TAGS = ("weights", "kv_cache")
 MAX_FINISHED_KEPT = 10_000
-
-
-@dataclass
-class Request:
-    """One generation request and what it produced so far."""
-
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    status: str = "queued"          # queued | running | finished | aborted | failed
-    tokens: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    error: str = ""
-    seq: int = 0
-    slot: int | None = None
-    cached: int = 0                 # positions already in this request's KV cache
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def sequence(self) -> list[int]:
-        return self.prompt + self.tokens
-
-
-def validate_tags(tags: Sequence[str]) -> list[str]:
-    """Empty means all tags; unknown tags are an InvalidArgument."""
-    if not tags:
-        return list(TAGS)
-    unknown = [t for t in tags if t not in TAGS]
-    if unknown:
-        raise InvalidArgument(f"unknown sleep tags {unknown}; known: {list(TAGS)}")
-    return list(dict.fromkeys(tags))
 
 
 class ReferenceEngine:
@@ -131,8 +102,7 @@ class ReferenceEngine:
 
     def pause(self, mode: int, *, timeout_s: float = 30.0) -> None:
         """Pauses stepping (see module docstring). Returns once no step is running."""
-        if mode not in (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT):
-            raise InvalidArgument(f"unknown pause mode {mode}")
+        check_pause_mode(mode)
         with self._cond:
             self._raise_if_faulted()
             if mode == common_pb2.PAUSE_MODE_WAIT and not self._paused:
@@ -352,4 +322,77 @@ class ReferenceEngine:
             del self._requests[oldest_id]
 
 
-__all__ = ["ReferenceEngine", "Request", "TAGS", "validate_tags"]
+__all__ = ["ReferenceEngine", "ReferenceAdapter"]
+
+
+class ReferenceAdapter(EngineAdapter):
+    """Hosts a ``ReferenceEngine`` in the agent process."""
+
+    name = "reference"
+    state_is_local = True
+
+    def __init__(self, config: ModelConfig, *, step_delay_s: float = 0.0, max_running: int = 8) -> None:
+        self.engine = ReferenceEngine(config, step_delay_s=step_delay_s, max_running=max_running)
+        self._targets: tuple[str, list[torch.Tensor]] | None = None
+
+    def pause(self, mode, *, timeout_s):
+        self.engine.pause(mode, timeout_s=timeout_s)
+
+    def resume(self):
+        self.engine.resume()
+
+    def sleep(self, tags):
+        return self.engine.sleep(tags)
+
+    def wake(self, tags):
+        return self.engine.wake(tags)
+
+    @property
+    def asleep(self):
+        return self.engine.asleep
+
+    def tensor_specs(self):
+        return self.engine.tensor_specs()
+
+    def check_probe(self, probe):
+        check_vocab(probe, self.engine.config.vocab_size)
+        longest = max(len(s) for s in probe.sequences)
+        if longest > self.engine.config.max_seq_len:
+            raise InvalidArgument(f"probe sequence of {longest} tokens is longer than the engine's context "
+                                  f"of {self.engine.config.max_seq_len}")
+
+    def score(self, sequences):
+        return self.engine.score(sequences)
+
+    def load_targets(self, plan):
+        # The Parameters themselves (not ``.data``, a new tensor each time): one dict
+        # lookup per tensor, and the list is reused while the plan stays the same.
+        if self._targets is None or self._targets[0] != plan.plan_id:
+            live = self.engine.parameters_by_name()
+            self._targets = (plan.plan_id, [live[name] for name in plan.names])
+        return self._targets[1]
+
+    def commit(self, version):
+        self.engine.weight_version = version
+
+    @property
+    def weight_version(self):
+        return self.engine.weight_version
+
+    def fault(self):
+        return self.engine.fault
+
+    def weights_digest(self):
+        return weights_digest(self.engine.named_tensors())
+
+    def submit(self, prompt, max_tokens):
+        return self.engine.submit(prompt, max_tokens)
+
+    def get(self, request_id, wait_s):
+        return self.engine.get(request_id, wait_s)
+
+    def counts(self):
+        return self.engine.counts()
+
+    def close(self):
+        self.engine.close()

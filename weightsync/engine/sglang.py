@@ -29,9 +29,9 @@ import time
 
 import torch
 
+from weightsync.engine.adapter import validate_tags
 from weightsync.engine.checkpoint import checkpoint_specs
 from weightsync.engine.http_engine import HttpEngineAdapter
-from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
     EngineFault,
     EngineUnavailable,

@@ -26,9 +26,8 @@ import torch
 from google.protobuf import json_format
 
 from weightsync.attest import Probe, check_vocab
-from weightsync.engine.adapter import ATTESTATION_UNSUPPORTED
+from weightsync.engine.adapter import ATTESTATION_UNSUPPORTED, validate_tags
 from weightsync.engine.http_engine import HttpEngineAdapter
-from weightsync.engine.reference import validate_tags
 from weightsync.errors import (
     EngineFault,
     InvalidArgument,
