@@ -17,7 +17,6 @@ import asyncio
 import logging
 import signal
 import uuid
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -27,6 +26,7 @@ from weightsync.errors import from_rpc_error
 from weightsync.faults import FaultInjector
 from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.loop_lag import LoopLagMonitor
+from weightsync.options import AgentOptions
 from weightsync.security import Security
 from weightsync.server.agent import AgentCore
 from weightsync.server.launcher import EngineLauncher
@@ -39,29 +39,6 @@ from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinato
 
 log = logging.getLogger("weightsync.agent")
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["EngineAgent"].full_name
-
-
-@dataclass(frozen=True)
-class AgentOptions:
-    """Options of ``weightsync agent``."""
-
-    coordinator: str
-    engine: str = "reference"
-    model: str = "tiny"
-    listen: str = "127.0.0.1:0"
-    engine_id: str = ""
-    port_file: str = ""
-    register_timeout_s: float = 30.0
-    shutdown_grace_s: float = 10.0
-    step_delay_s: float = 0.0
-    enable_fault_injection: bool = False
-    launch: tuple[str, ...] = ()
-    health_url: str = ""
-    launch_timeout_s: float = 120.0
-    engine_url: str = ""
-    checkpoint_dir: str = ""
-    security: Security = field(default_factory=Security)
-    metrics_port: int = 0
 
 
 async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
@@ -229,4 +206,4 @@ async def _deregister(stub, core: AgentCore) -> None:
         log.warning("could not deregister from the coordinator (%s): %s", exc.code().name, exc.details())
 
 
-__all__ = ["AgentOptions", "run_agent"]
+__all__ = ["run_agent"]

@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass, field
 
 from weightsync import metrics
 from weightsync.faults import FaultInjector
 from weightsync.loop_lag import LoopLagMonitor
-from weightsync.security import Security
+from weightsync.options import CoordinatorOptions
 from weightsync.server.coordinator import CoordinatorCore
 from weightsync.server.serving import (
     set_not_serving,
@@ -28,23 +27,6 @@ from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("weightsync.coordinator")
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
-
-
-@dataclass(frozen=True)
-class CoordinatorOptions:
-    """Options of ``weightsync coordinator``."""
-
-    listen: str = "127.0.0.1:50051"
-    state_db: str = "weightsync-state.db"
-    port_file: str = ""
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 3.0
-    shutdown_grace_s: float = 10.0
-    idempotency_retention_s: float = 24 * 3600.0
-    idempotency_max_records: int = 100_000
-    enable_fault_injection: bool = False
-    security: Security = field(default_factory=Security)
-    metrics_port: int = 0
 
 
 async def run_coordinator(options: CoordinatorOptions) -> int:
@@ -111,4 +93,4 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
     return 0
 
 
-__all__ = ["CoordinatorOptions", "run_coordinator"]
+__all__ = ["run_coordinator"]

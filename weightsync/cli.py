@@ -9,8 +9,10 @@ import logging
 import os
 import sys
 
+from weightsync.engine import ENGINES
 from weightsync.errors import WeightSyncError
 from weightsync.logs import configure_logging
+from weightsync.options import AGENT_DEFAULTS, COORDINATOR_DEFAULTS
 from weightsync.security import TOKEN_ENV, Security
 
 
@@ -37,17 +39,18 @@ def _security(args) -> Security:
 
 
 def _add_coordinator(sub) -> None:
+    C = COORDINATOR_DEFAULTS  # noqa: N806
     p = sub.add_parser("coordinator", help="run the coordinator service")
-    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve on (port 0 = ephemeral)")
-    p.add_argument("--state-db", default="weightsync-state.db", help="SQLite state file (survives restarts)")
+    p.add_argument("--listen", default=C.listen, help="HOST:PORT to serve on (port 0 = ephemeral)")
+    p.add_argument("--state-db", default=C.state_db, help="SQLite state file (survives restarts)")
     p.add_argument("--port-file", default="", help="write the bound HOST:PORT here once serving")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between agent heartbeats")
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
+    p.add_argument("--heartbeat-interval", type=float, default=C.heartbeat_interval_s, help="seconds between agent heartbeats")
+    p.add_argument("--heartbeat-timeout", type=float, default=C.heartbeat_timeout_s,
                    help="an engine silent this long is unavailable")
-    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight RPCs get at shutdown")
-    p.add_argument("--idempotency-retention", type=float, default=24 * 3600.0,
+    p.add_argument("--shutdown-grace", type=float, default=C.shutdown_grace_s, help="seconds in-flight RPCs get at shutdown")
+    p.add_argument("--idempotency-retention", type=float, default=C.idempotency_retention_s,
                    help="seconds idempotency records are kept")
-    p.add_argument("--idempotency-max-records", type=int, default=100_000,
+    p.add_argument("--idempotency-max-records", type=int, default=C.idempotency_max_records,
                    help="most idempotency records kept")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
@@ -55,23 +58,24 @@ def _add_coordinator(sub) -> None:
 
 
 def _add_agent(sub) -> None:
+    A = AGENT_DEFAULTS  # noqa: N806
     p = sub.add_parser("agent", help="run an engine agent (sidecar)")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
-    p.add_argument("--engine", default="reference", choices=["reference", "vllm", "sglang"], help="engine kind")
+    p.add_argument("--engine", default=A.engine, choices=ENGINES, help="engine kind")
     p.add_argument("--engine-url", default="", help="vllm, sglang: the server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--checkpoint-dir", default="",
                    help="sglang: the served model's local safetensors folder, when /model_info's model_path is "
                         "not one (plans are checked against it)")
-    p.add_argument("--model", default="tiny", help="reference model preset (tiny|small|medium) or JSON config")
-    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (port 0 = ephemeral)")
+    p.add_argument("--model", default=A.model, help="reference model preset (tiny|small|medium) or JSON config")
+    p.add_argument("--listen", default=A.listen, help="HOST:PORT to serve on (port 0 = ephemeral)")
     p.add_argument("--engine-id", default="", help="engine id (default: random)")
     p.add_argument("--port-file", default="", help="write the bound HOST:PORT here once registered")
-    p.add_argument("--register-timeout", type=float, default=30.0, help="seconds to keep trying to register")
-    p.add_argument("--shutdown-grace", type=float, default=10.0,
+    p.add_argument("--register-timeout", type=float, default=A.register_timeout_s, help="seconds to keep trying to register")
+    p.add_argument("--shutdown-grace", type=float, default=A.shutdown_grace_s,
                    help="seconds a running transfer gets to finish at shutdown")
-    p.add_argument("--step-delay", type=float, default=0.0, help="reference engine: sleep between steps (s)")
+    p.add_argument("--step-delay", type=float, default=A.step_delay_s, help="reference engine: sleep between steps (s)")
     p.add_argument("--health-url", default="", help="launched engine's health URL (e.g. http://127.0.0.1:8000/health)")
-    p.add_argument("--launch-timeout", type=float, default=120.0, help="seconds the launched engine gets to be healthy")
+    p.add_argument("--launch-timeout", type=float, default=A.launch_timeout_s, help="seconds the launched engine gets to be healthy")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     # Tests only: honour WEIGHTSYNC_FAULTS. Hidden so nobody turns it on from --help.
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     try:
         if args.command == "coordinator":
-            from weightsync.server.coordinator_main import CoordinatorOptions, run_coordinator
+            from weightsync.options import CoordinatorOptions
+            from weightsync.server.coordinator_main import run_coordinator
             return asyncio.run(run_coordinator(CoordinatorOptions(
                 listen=args.listen, state_db=args.state_db, port_file=args.port_file,
                 heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 enable_fault_injection=args.enable_fault_injection, security=_security(args),
                 metrics_port=args.metrics_port)))
         if args.command == "agent":
-            from weightsync.server.agent_main import AgentOptions, run_agent
+            from weightsync.options import AgentOptions
+            from weightsync.server.agent_main import run_agent
             return _exit_now(asyncio.run(run_agent(AgentOptions(
                 coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
                 engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout,
