@@ -48,7 +48,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
                                idempotency_max_records=options.idempotency_max_records,
                                security=options.security)
         core.restore_engines()
-        metrics.WEIGHT_VERSION.set(core.weight_version)
+        metrics.WEIGHT_VERSION.set(core.round.weight_version)
         if options.metrics_port:
             metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
         server, health, address = await start_server(
@@ -57,7 +57,7 @@ async def run_coordinator(options: CoordinatorOptions) -> int:
         if options.port_file:
             write_port_file(options.port_file, address)
         log.info("coordinator serving on %s (state %s, weight version %d)", address, options.state_db,
-                 core.weight_version)
+                 core.round.weight_version)
         liveness = asyncio.create_task(core.watch_liveness(stop))
         lag = asyncio.create_task(LoopLagMonitor("coordinator").run())
         await stop.wait()

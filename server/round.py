@@ -1,0 +1,517 @@
+"""The sync round: its state, how it persists, and its three steps.
+
+A round is ``pause`` -> ``broadcast`` -> ``resume`` (the Coordinator service's
+handlers validate the call, run it under its idempotency key and map errors; the
+round itself is here):
+- ``pause`` fixes the round's members (available engines; ``required_engines`` must
+  be among them) and pauses them concurrently.
+- ``broadcast`` first asks every member to validate the request (``validate_only``),
+  so a plan one engine rejects changes nothing anywhere; then it publishes the
+  ``Rendezvous`` to the trainer, fans ``Receive`` out to every member with a deadline
+  and records the result. A failure bumps the group epoch, so the next round builds a
+  fresh data-plane group instead of reusing a broken one.
+- ``resume`` resumes the members; engines holding torn weights refuse (they stay
+  paused) unless ``allow_torn``.
+
+Per-engine keys are derived from the trainer's, so a retried step can never start a
+second receive on any engine. The round's state and the weight version persist in
+SQLite (``meta``); a round that was broadcasting when the coordinator died comes back
+``failed`` with a new epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from weightsync import metrics
+from weightsync import transport as transports
+from weightsync.attest import Probe
+from weightsync.errors import (
+    EngineUnavailable,
+    FailedPrecondition,
+    InvalidArgument,
+    PlanUnknown,
+    WeightSyncError,
+    from_rpc_error,
+    nothing_changed,
+)
+from weightsync.faults import FaultInjector
+from weightsync.idempotency import derive_key
+from weightsync.plan import BucketPlan, is_reference
+from weightsync.server.broadcast_progress import BroadcastProgress
+from weightsync.server.registry import EngineRecord, EngineRegistry
+from weightsync.statedb import StateDB, get_meta, set_meta
+from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2
+from weightsync.validate import check_pause_mode, check_port, check_timeout
+
+DEFAULT_PAUSE_TIMEOUT_S = 60.0
+DEFAULT_TRANSFER_TIMEOUT_S = 300.0
+RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinator's RPC one
+RECEIVE_PLAN_FIELD = agent_pb2.ReceiveRequest.DESCRIPTOR.fields_by_name["plan"].number
+AGENT_ATTEMPTS = 3          # coordinator -> agent retries of UNAVAILABLE (keyed, so safe)
+VALIDATE_TIMEOUT_S = 30.0   # an engine's check of a Broadcast (phase 1)
+_PERSISTED = (("weight_version", "0"), ("epoch", "0"), ("round_id", "0"), ("phase", "idle"),
+              ("round_engines", "[]"), ("target_version", "0"), ("group_key", ""))
+
+Emit = Callable[..., Awaitable[None]]  # emit(kind, engine_id="", **fields): the coordinator's event stream
+
+
+def failed_outcome(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
+    """An engine's outcome for ``error``."""
+    outcome = common_pb2.EngineOutcome(engine_id=engine_id, ok=False, error_reason=error.reason,
+                                       error_message=error.message, error_code=error.code.value[0])
+    if "max_diff" in error.metadata:  # an attestation that ran and failed: report how far off
+        try:
+            outcome.attested, outcome.attest_max_diff = True, float(error.metadata["max_diff"])
+        except ValueError:
+            pass
+    return outcome
+
+
+def _channel_closed(record: EngineRecord, operation: str) -> EngineUnavailable | None:
+    """The engine's failure when grpc.aio cancelled its call because the channel closed.
+
+    Closing a channel (the engine deregistered, or re-registered at a new address)
+    raises ``CancelledError`` in every call on it, not an ``AioRpcError``. That is this
+    engine's failure, not a cancellation of the round: the caller must hear at once,
+    not wait out its deadline. Returns None when our own task is being cancelled.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return None
+    error = EngineUnavailable(f"engine {record.engine_id} went away during {operation} (its channel closed: "
+                              "it deregistered or re-registered)")
+    error.metadata["engine_id"] = record.engine_id
+    return error
+
+
+def _engine_error(record: EngineRecord, exc: grpc.aio.AioRpcError, operation: str) -> WeightSyncError:
+    """The typed error of a failed agent call; an unreachable agent is ENGINE_UNAVAILABLE."""
+    error = from_rpc_error(exc, operation=operation)
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and error.reason == "UNAVAILABLE":
+        error = EngineUnavailable(f"engine {record.engine_id} unreachable during {operation}: {exc.details()}")
+    error.metadata["engine_id"] = record.engine_id
+    return error
+
+
+async def fan_out(records: list[EngineRecord], call: Callable[[EngineRecord], Awaitable], *, operation: str,
+                  retry: bool = True) -> list[common_pb2.EngineOutcome]:
+    """Calls every engine concurrently; each failure becomes that engine's outcome."""
+    async def one(record: EngineRecord) -> common_pb2.EngineOutcome:
+        try:
+            outcome = await (call_with_retry(record, call) if retry else call(record))
+            outcome.engine_id = record.engine_id
+            return outcome
+        except grpc.aio.AioRpcError as exc:
+            return failed_outcome(record.engine_id, _engine_error(record, exc, operation))
+        except WeightSyncError as exc:
+            return failed_outcome(record.engine_id, exc)
+        except asyncio.CancelledError:
+            closed = _channel_closed(record, operation)
+            if closed is None:
+                raise
+            return failed_outcome(record.engine_id, closed)
+    return list(await asyncio.gather(*(one(r) for r in records)))
+
+
+async def call_with_retry(record: EngineRecord, call: Callable[[EngineRecord], Awaitable]):
+    """A few quick retries of UNAVAILABLE. Safe because every agent call carries a key
+    derived from the trainer's: a retry attaches to, or replays, the first."""
+    for attempt in range(1, AGENT_ATTEMPTS + 1):
+        try:
+            return await call(record)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == AGENT_ATTEMPTS:
+                raise
+            await asyncio.sleep(0.1 * attempt)
+
+
+@dataclass
+class BroadcastSetup:
+    """What a Broadcast settles before anything changes: the plan, who takes part and
+    at which rank, where they meet, and by when."""
+
+    plan: BucketPlan
+    members: list[EngineRecord]
+    gone: list[str]                 # round members no longer available: reported as failed
+    ranks: dict[str, int]
+    rendezvous: common_pb2.Rendezvous
+    timeout_s: float
+
+
+class SyncRound:
+    """The coordinator's one round at a time (see the module docstring).
+
+    Args:
+        db: the coordinator's state file (the round's state is read at once).
+        registry: the engines and their availability.
+        emit: the coordinator's event stream.
+        rejoin_window_s: after a restart, how long a round waits for known engines'
+            first heartbeats before deciding on its members.
+        faults: test-only fault injection.
+    """
+
+    def __init__(self, db: StateDB, registry: EngineRegistry, *, emit: Emit, rejoin_window_s: float,
+                 faults: FaultInjector | None = None) -> None:
+        self.db = db
+        self.registry = registry
+        self.emit = emit
+        self.faults = faults
+        self.lock = asyncio.Lock()  # one step of one round at a time
+        self.started_at = time.monotonic()
+        self.rejoin_window_s = rejoin_window_s
+        self._load()
+
+    # ----- state ------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        def read(conn):
+            meta = {key: get_meta(conn, key, default) for key, default in _PERSISTED}
+            if meta["phase"] == "broadcasting":
+                # A Broadcast was running when we died: its transfer did not complete
+                # here, so the next one must build a fresh group.
+                meta["phase"] = "failed"
+                meta["epoch"] = str(int(meta["epoch"]) + 1)
+                set_meta(conn, "phase", meta["phase"])
+                set_meta(conn, "epoch", meta["epoch"])
+            return meta
+
+        meta = self.db.run_sync(read)
+        self.weight_version = int(meta["weight_version"])
+        self.epoch = int(meta["epoch"])
+        self.round_id = int(meta["round_id"])
+        self.phase: str = meta["phase"]  # idle | paused | broadcasting | broadcast_done | failed
+        self.round_engines: list[str] = json.loads(meta["round_engines"])
+        self.target_version = int(meta["target_version"])
+        self.group_key: str = meta["group_key"]
+
+    async def save(self) -> None:
+        values = {"round_id": self.round_id, "phase": self.phase, "round_engines": json.dumps(self.round_engines),
+                  "epoch": self.epoch, "weight_version": self.weight_version,
+                  "target_version": self.target_version, "group_key": self.group_key}
+
+        def save(conn):
+            for key, value in values.items():
+                set_meta(conn, key, value)
+
+        await self.db.run(save)
+
+    def view(self) -> coordinator_pb2.RoundState:
+        """The round as GetState shows it."""
+        return coordinator_pb2.RoundState(round_id=self.round_id, phase=self.phase, engines=self.round_engines,
+                                          target_version=self.target_version)
+
+    def _members(self) -> list[EngineRecord]:
+        return [r for r in map(self.registry.get, self.round_engines) if r is not None]
+
+    async def _await_rejoin(self, engine_ids: list[str], timeout_s: float) -> None:
+        """Right after a restart every known engine counts as unavailable until its
+        first heartbeat. A round that starts in that window waits (bounded by its
+        deadline) for those engines to report, instead of deciding on a subset that
+        would then be final for its key."""
+        end = min(self.started_at + self.rejoin_window_s, time.monotonic() + timeout_s)
+        while time.monotonic() < end:
+            silent = [e for e in engine_ids
+                      if (record := self.registry.get(e)) is not None and not record.last_heartbeat]
+            if not silent:
+                return
+            await asyncio.sleep(0.05)
+
+    # ----- pause ------------------------------------------------------------------------
+
+    async def pause(self, request: coordinator_pb2.PauseRequest) -> coordinator_pb2.PauseResponse:
+        check_pause_mode(request.mode)
+        check_timeout(request.timeout_s)
+        timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
+        async with self.lock:
+            with nothing_changed():
+                members = await self._pause_members(request, timeout_s)
+
+            def call(record: EngineRecord):
+                return record.stub.Pause(agent_pb2.AgentPauseRequest(
+                    idempotency_key=derive_key(request.idempotency_key, record.engine_id), mode=request.mode,
+                    offload_kv=request.offload_kv, timeout_s=timeout_s), timeout=timeout_s + RPC_MARGIN_S)
+
+            outcomes = await fan_out(members, call, operation="pause")
+            member_ids = {r.engine_id for r in members}
+            # Registered engines that are down are reported, not silently skipped.
+            for record in self.registry.all():
+                if record.engine_id not in member_ids:
+                    why = self.registry.why_unavailable(record)
+                    outcomes.append(failed_outcome(record.engine_id, EngineUnavailable(
+                        f"engine {record.engine_id} is unavailable: {why}")))
+            self.round_id += 1
+            self.round_engines = [o.engine_id for o in outcomes if o.ok]
+            self.phase = "paused" if self.round_engines else "idle"
+            await self.save()
+            await self._report("pause", outcomes, ok=bool(self.round_engines))
+            metrics.ROUND_ID.set(self.round_id)
+            await self.emit("paused", round_id=self.round_id, engines=",".join(self.round_engines),
+                            failed=",".join(o.engine_id for o in outcomes if not o.ok))
+            unpaused = [o for o in outcomes if not o.ok and o.engine_id in request.required_engines]
+            if unpaused:
+                # The engines that did pause stay members, so a Resume releases them.
+                raise EngineUnavailable("required engines did not pause: " + "; ".join(
+                    f"{o.engine_id}: {o.error_message}" for o in unpaused),
+                    metadata={"engines": ",".join(o.engine_id for o in unpaused)})
+            return coordinator_pb2.PauseResponse(round_id=self.round_id, engines=outcomes)
+
+    async def _pause_members(self, request, timeout_s: float) -> list[EngineRecord]:
+        """The engines a Pause takes in, or the reason it cannot start (nothing changed yet)."""
+        if self.phase == "broadcasting":
+            raise FailedPrecondition("a broadcast is running; wait for its result")
+        await self._await_rejoin([r.engine_id for r in self.registry.all()], timeout_s)
+        available = {r.engine_id: r for r in self.registry.available()}
+        missing = [e for e in request.required_engines if e not in available]
+        if missing:
+            raise EngineUnavailable(f"required engines unavailable: {missing}",
+                                    metadata={"engines": ",".join(missing)})
+        members = list(available.values())  # torn engines of an unfinished round too: they are available
+        if not members:
+            raise EngineUnavailable("no engine is available")
+        return members
+
+    async def _report(self, step: str, outcomes: list[common_pb2.EngineOutcome], *, ok: bool) -> None:
+        metrics.ROUNDS.labels(step, "ok" if ok else "failed").inc()
+        for o in outcomes:
+            if not o.ok:
+                metrics.FAILURES.labels(step, o.error_reason).inc()
+
+    # ----- broadcast --------------------------------------------------------------------
+
+    async def broadcast(self, request: coordinator_pb2.BroadcastRequest,
+                        progress: BroadcastProgress) -> coordinator_pb2.BroadcastResult:
+        """Phase 1 (nothing changes anywhere): the request checked here and by every
+        member. Phase 2: the transfer, its result recorded."""
+        async with self.lock:
+            with nothing_changed():  # until the transfer starts, a failure leaves everything as it was
+                setup = await self._set_up(request)
+                await self._check_with_every_engine(request, setup)
+            self.phase, self.target_version = "broadcasting", request.version
+            await self.save()
+            try:
+                return await self._transfer(request, setup, progress)
+            except BaseException as exc:
+                if self.phase == "broadcasting":
+                    # Whatever broke (a bug, a cancellation at shutdown), the round must not
+                    # stay "broadcasting": that phase refuses every Pause until a restart.
+                    self.phase = "failed"
+                    self.epoch += 1  # never reuse a group that saw a failure
+                    metrics.BROADCAST_IN_PROGRESS.set(0)
+                    await asyncio.shield(self.save())
+                    await self.emit("broadcast_failed", version=request.version, error=repr(exc))
+                raise
+
+    def _check_request(self, request) -> BucketPlan:
+        """Runs on a worker thread: a plan may hold a million tensors."""
+        plan = BucketPlan.from_proto(request.plan)
+        if request.transport not in transports.KIND_NAMES:
+            raise InvalidArgument(f"unknown transport {request.transport}")
+        if request.group_backend not in ("", "gloo", "nccl"):
+            raise InvalidArgument(f"group_backend must be gloo or nccl, got {request.group_backend!r}")
+        if request.group_backend and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
+            raise InvalidArgument("group_backend applies to the group transport only")
+        if not request.store_host:
+            raise InvalidArgument("store_host is required")
+        check_port(request.store_port, "store_port")
+        if len(request.store_secret) > 128 or any(c not in "0123456789abcdef" for c in request.store_secret):
+            raise InvalidArgument("store_secret must be at most 128 lowercase hex characters")
+        check_timeout(request.timeout_s)
+        if request.HasField("probe"):
+            Probe.from_proto(request.probe)  # InvalidArgument before any engine is asked
+        if request.version <= self.weight_version:
+            raise FailedPrecondition(f"version {request.version} is not newer than the current version "
+                                     f"{self.weight_version}", reason="VERSION_NOT_NEWER")
+        return plan
+
+    async def _set_up(self, request) -> BroadcastSetup:
+        try:
+            plan = await asyncio.to_thread(self._check_request, request)
+        except PlanUnknown:  # the trainer sends the whole plan again, same key
+            await self.emit("plan_unknown", plan_id=request.plan.plan_id)
+            raise
+        if self.phase not in ("paused", "failed", "broadcast_done"):
+            raise FailedPrecondition(f"no paused round (phase {self.phase!r}): call Pause first")
+        timeout_s = request.timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
+        await self._await_rejoin(self.round_engines, timeout_s)
+        members = [r for r in self._members() if self.registry.is_available(r)]
+        if not members:
+            raise EngineUnavailable("no engine of the paused round is available")
+        taking_part = {r.engine_id for r in members}
+        ranks = {r.engine_id: i + 1 for i, r in enumerate(members)}
+        rendezvous = common_pb2.Rendezvous(
+            group_id=await self._group_id(request, members, ranks), transport=request.transport,
+            store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
+            session_id=uuid.uuid4().hex, group_backend=request.group_backend, store_secret=request.store_secret)
+        return BroadcastSetup(plan, members, [e for e in self.round_engines if e not in taking_part], ranks,
+                              rendezvous, timeout_s)
+
+    async def _group_id(self, request, members: list[EngineRecord], ranks: dict[str, int]) -> str:
+        """The data-plane group id of this Broadcast: the same id only for the same group.
+
+        Members keep their group between rounds while the id stays (plan once, replay).
+        So an id must never name two different groups: whenever anything that defines
+        the group differs from the last round's (transport, backend, the trainer's
+        store, the members, their ranks, a member's registration), the epoch moves on
+        and the id is new -- also when an earlier membership recurs, whose store keys
+        and half-dropped groups still exist. A failed round moves it on as well.
+        """
+        membership = "|".join(f"{r.engine_id}={ranks[r.engine_id]}@{r.incarnation}"
+                              for r in sorted(members, key=lambda r: r.engine_id))
+        group_key = hashlib.blake2b(
+            f"{request.transport}|{request.group_backend}|{request.store_host}:{request.store_port}|{membership}"
+            .encode(), digest_size=8).hexdigest()
+        if group_key != self.group_key:
+            self.epoch += 1
+            self.group_key = group_key
+            await self.save()
+        return f"e{self.epoch}-{group_key}"
+
+    @staticmethod
+    def _receive_request(request, setup: BroadcastSetup, record: EngineRecord, validate_only: bool,
+                         by_reference: bool) -> bytes:
+        """One engine's Receive, serialised. The whole plan is encoded once and appended
+        (protobuf merges concatenated messages): not copied and re-encoded per engine."""
+        head = agent_pb2.ReceiveRequest(
+            idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
+            plan=setup.plan.reference_proto() if by_reference else None, rendezvous=setup.rendezvous,
+            rank=setup.ranks[record.engine_id], weights_digest=request.weights_digest, timeout_s=setup.timeout_s,
+            validate_only=validate_only, probe=request.probe if request.HasField("probe") else None,
+        ).SerializeToString()
+        return head if by_reference else head + setup.plan.embedded(RECEIVE_PLAN_FIELD)
+
+    async def _call_receive(self, request, setup: BroadcastSetup, record: EngineRecord, validate_only: bool,
+                            rpc_timeout_s: float) -> common_pb2.EngineOutcome:
+        """One engine's Receive. Built on a worker thread: a whole plan may name 20k
+        tensors. An agent that took this plan before gets its id alone; one that forgot
+        it (PLAN_UNKNOWN: nothing ran) gets the whole plan again."""
+        plan_id = setup.plan.plan_id
+        by_reference = plan_id in record.plans_held
+        payload = await asyncio.to_thread(self._receive_request, request, setup, record, validate_only, by_reference)
+        try:
+            outcome = await record.receive_serialized(payload, timeout=rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if not (by_reference and isinstance(from_rpc_error(exc), PlanUnknown)):
+                raise
+            record.plans_held.discard(plan_id)
+            await self.emit("plan_unknown", engine_id=record.engine_id, plan_id=plan_id)
+            payload = await asyncio.to_thread(self._receive_request, request, setup, record, validate_only, False)
+            outcome = await record.receive_serialized(payload, timeout=rpc_timeout_s)
+        record.plans_held.add(plan_id)
+        return outcome
+
+    async def _check_with_every_engine(self, request, setup: BroadcastSetup) -> None:
+        """Phase 1: every engine checks the request (``validate_only``); one refusal
+        refuses the Broadcast, and nothing has changed anywhere."""
+        checks = await fan_out(setup.members, lambda r: self._call_receive(request, setup, r, True,
+                                                                           VALIDATE_TIMEOUT_S),
+                               operation="validate")
+        rejected = [o for o in checks if not o.ok]
+        if not rejected:
+            return
+        first = rejected[0]
+        detail = "; ".join(f"{o.engine_id}: {o.error_message}" for o in rejected)
+        if first.error_reason == InvalidArgument.reason:
+            raise InvalidArgument(f"engine rejected the broadcast: {detail}", metadata={"engine_id": first.engine_id})
+        raise FailedPrecondition(f"engine cannot take the broadcast: {detail}",
+                                 reason=first.error_reason or "FAILED_PRECONDITION",
+                                 metadata={"engine_id": first.engine_id})
+
+    async def _transfer(self, request, setup: BroadcastSetup,
+                        progress: BroadcastProgress) -> coordinator_pb2.BroadcastResult:
+        """Phase 2: the rendezvous to the trainer, every member's Receive, the result."""
+        await self.emit("broadcast_started", version=request.version, bytes=setup.plan.total_bytes,
+                        plan="by_id" if is_reference(request.plan) else "whole", engines=",".join(setup.ranks),
+                        transport=transports.KIND_NAMES[request.transport])
+        progress.publish(coordinator_pb2.BroadcastEvent(rendezvous=setup.rendezvous))
+        started = time.monotonic()
+        metrics.BROADCAST_IN_PROGRESS.set(1)
+        if self.faults is not None and self.faults.take("round", method="transfer") is not None:
+            raise RuntimeError("injected failure in the transfer phase")
+
+        async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
+            try:
+                return await call_with_retry(record, lambda r: self._call_receive(
+                    request, setup, r, False, setup.timeout_s + RPC_MARGIN_S))
+            except grpc.aio.AioRpcError as exc:
+                # Tell the trainer now, so it stops sending instead of waiting out its
+                # deadline for an engine that will never acknowledge.
+                error = _engine_error(record, exc, "broadcast")
+                progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id, error)))
+                raise
+            except asyncio.CancelledError:
+                closed = _channel_closed(record, "broadcast")
+                if closed is None:
+                    raise
+                progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id,
+                                                                                             closed)))
+                raise closed from None
+
+        try:
+            outcomes = await fan_out(setup.members, receive, operation="broadcast", retry=False)
+        finally:
+            metrics.BROADCAST_IN_PROGRESS.set(0)
+        for o in outcomes:
+            o.rank = setup.ranks[o.engine_id]
+        for engine_id in setup.gone:
+            outcomes.append(failed_outcome(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
+        return await self._record_broadcast(request, setup, outcomes, time.monotonic() - started)
+
+    async def _record_broadcast(self, request, setup: BroadcastSetup, outcomes: list[common_pb2.EngineOutcome],
+                                seconds: float) -> coordinator_pb2.BroadcastResult:
+        ok = all(o.ok for o in outcomes)
+        if ok:
+            self.weight_version = request.version
+            self.phase = "broadcast_done"
+        else:
+            self.phase = "failed"
+            self.epoch += 1  # never reuse a group that saw a failure
+        await self.save()
+        await self._report("broadcast", outcomes, ok=ok)
+        metrics.SYNC_SECONDS.observe(seconds)
+        if ok:
+            metrics.SYNC_BYTES.observe(setup.plan.total_bytes)
+            metrics.WEIGHT_VERSION.set(self.weight_version)
+        for o in outcomes:
+            await self.emit("engine_received" if o.ok else "engine_failed", o.engine_id,
+                            version=request.version, reason=o.error_reason, message=o.error_message)
+        await self.emit("broadcast_done" if ok else "broadcast_failed", version=request.version,
+                        seconds=f"{seconds:.4f}")
+        return coordinator_pb2.BroadcastResult(version=request.version, ok=ok, engines=outcomes,
+                                               bytes=setup.plan.total_bytes, seconds=seconds)
+
+    # ----- resume -----------------------------------------------------------------------
+
+    async def resume(self, request: coordinator_pb2.ResumeRequest) -> coordinator_pb2.ResumeResponse:
+        check_timeout(request.timeout_s)
+        async with self.lock:
+            if self.phase == "idle" or not self.round_engines:
+                return coordinator_pb2.ResumeResponse()
+            timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
+
+            def call(record: EngineRecord):
+                return record.stub.Resume(agent_pb2.AgentResumeRequest(
+                    idempotency_key=derive_key(request.idempotency_key, record.engine_id),
+                    allow_torn=request.allow_torn, timeout_s=timeout_s), timeout=timeout_s + RPC_MARGIN_S)
+
+            outcomes = await fan_out(self._members(), call, operation="resume")
+            still_paused = [o.engine_id for o in outcomes if not o.ok]
+            self.round_engines = still_paused  # they stay members until a good round
+            self.phase = "failed" if still_paused else "idle"
+            await self.save()
+            await self._report("resume", outcomes, ok=not still_paused)
+            await self.emit("resumed", engines=",".join(o.engine_id for o in outcomes if o.ok),
+                            still_paused=",".join(still_paused))
+            return coordinator_pb2.ResumeResponse(engines=outcomes)
+
+
+__all__ = ["SyncRound", "BroadcastSetup", "fan_out", "call_with_retry", "failed_outcome",
+           "DEFAULT_PAUSE_TIMEOUT_S", "DEFAULT_TRANSFER_TIMEOUT_S", "RPC_MARGIN_S"]

@@ -1,0 +1,154 @@
+"""The round's state machine in process (``server/round.py``): phases, epochs, members
+and what survives a restart, beside the real-process tests of the whole service.
+
+The engines here are registrations at ports nothing listens on (closed sockets, as an
+agent that died leaves): the calls to them really fail, so what the round does with
+failed engines is what it does in production. Rounds that reach real agents are in
+test_e2e.py, test_sync_safety.py and test_rounds_end.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from weightsync.errors import EngineUnavailable, FailedPrecondition
+from weightsync.server.registry import EngineRegistry
+from weightsync.server.round import SyncRound
+from weightsync.statedb import StateDB
+from weightsync.v1 import common_pb2, coordinator_pb2
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, dict]] = []
+
+    async def __call__(self, kind: str, engine_id: str = "", **fields) -> None:
+        self.seen.append((kind, engine_id, fields))
+
+
+def new_round(db: StateDB, registry: EngineRegistry, events: Events) -> SyncRound:
+    return SyncRound(db, registry, emit=events, rejoin_window_s=0.0)
+
+
+@pytest.fixture
+def db(tmp_path):
+    database = StateDB(str(tmp_path / "state.db"))
+    yield database
+    database.close()
+
+
+def test_a_pause_with_no_engine_changes_nothing(db):
+    events = Events()
+
+    async def go():
+        round_ = new_round(db, EngineRegistry(heartbeat_timeout_s=5.0), events)
+        with pytest.raises(EngineUnavailable, match="no engine is available") as refused:
+            await round_.pause(coordinator_pb2.PauseRequest(idempotency_key="p", mode=common_pb2.PAUSE_MODE_ABORT))
+        return round_, refused.value
+
+    round_, error = asyncio.run(go())
+    assert error.nothing_ran
+    assert (round_.phase, round_.round_id, round_.round_engines) == ("idle", 0, [])
+    assert events.seen == []
+
+
+def test_engines_that_cannot_be_reached_are_reported_and_the_round_stays_idle(db):
+    events = Events()
+
+    async def go():
+        registry = EngineRegistry(heartbeat_timeout_s=5.0)
+        for engine_id in ("e0", "e1"):
+            registry.upsert(engine_id, f"127.0.0.1:{closed_port()}", "tiny", heartbeat=True)
+        round_ = new_round(db, registry, events)
+        response = await round_.pause(coordinator_pb2.PauseRequest(
+            idempotency_key="p", mode=common_pb2.PAUSE_MODE_ABORT, timeout_s=5.0))
+        resumed = await round_.resume(coordinator_pb2.ResumeRequest(idempotency_key="r"))
+        for record in registry.all():
+            await record.channel.close(grace=None)
+        return round_, response, resumed
+
+    round_, response, resumed = asyncio.run(go())
+    assert sorted(o.engine_id for o in response.engines) == ["e0", "e1"]
+    assert all(not o.ok and o.error_reason == "ENGINE_UNAVAILABLE" for o in response.engines), response
+    assert (round_.phase, round_.round_id, round_.round_engines) == ("idle", 1, [])
+    assert ("paused", "", {"round_id": 1, "engines": "", "failed": "e0,e1"}) in events.seen
+    assert list(resumed.engines) == []  # an idle round has nobody to resume
+
+
+def test_a_broadcast_needs_a_paused_round(db):
+    from tests.test_plan_references import small_plan
+
+    async def go():
+        round_ = new_round(db, EngineRegistry(heartbeat_timeout_s=5.0), Events())
+        with pytest.raises(FailedPrecondition, match="call Pause first") as refused:
+            await round_.broadcast(coordinator_pb2.BroadcastRequest(
+                idempotency_key="b", version=1, plan=small_plan().to_proto(),
+                transport=common_pb2.TRANSPORT_KIND_SHM, store_host="127.0.0.1", store_port=1), progress=None)
+        return round_, refused.value
+
+    round_, error = asyncio.run(go())
+    assert error.nothing_ran and round_.phase == "idle" and round_.weight_version == 0
+
+
+def test_the_group_id_changes_exactly_when_the_group_does_and_survives_a_restart(tmp_path):
+    path = str(tmp_path / "state.db")
+
+    async def ids():
+        db = StateDB(path)
+        registry = EngineRegistry(heartbeat_timeout_s=5.0)
+        a, _ = registry.upsert("a", "127.0.0.1:1", "tiny", heartbeat=True)
+        b, _ = registry.upsert("b", "127.0.0.1:2", "tiny", heartbeat=True)
+        round_ = new_round(db, registry, Events())
+        request = coordinator_pb2.BroadcastRequest(transport=common_pb2.TRANSPORT_KIND_GLOO, store_host="h",
+                                                   store_port=7)
+        both = await round_._group_id(request, [a, b], {"a": 1, "b": 2})
+        again = await round_._group_id(request, [a, b], {"a": 1, "b": 2})
+        swapped = await round_._group_id(request, [a, b], {"a": 2, "b": 1})
+        alone = await round_._group_id(request, [a], {"a": 1})
+        back = await round_._group_id(request, [a, b], {"a": 1, "b": 2})
+        registry.upsert("a", "127.0.0.1:1", "tiny", heartbeat=True)  # a re-registration: a new incarnation
+        reregistered = await round_._group_id(request, [a, b], {"a": 1, "b": 2})
+        epoch = round_.epoch
+        for record in registry.all():
+            await record.channel.close(grace=None)
+        db.close()
+        return both, again, swapped, alone, back, reregistered, epoch
+
+    both, again, swapped, alone, back, reregistered, epoch = asyncio.run(ids())
+    assert again == both  # the same group keeps its id: plan once, replay
+    assert len({both, swapped, alone, back, reregistered}) == 5  # every other group is a new id
+    assert back != both  # an earlier membership that recurs is a new group too (new epoch)
+
+    restarted = StateDB(path)
+    try:
+        round_ = new_round(restarted, EngineRegistry(heartbeat_timeout_s=5.0), Events())
+        assert round_.epoch == epoch and round_.group_key == reregistered.split("-", 1)[1]
+    finally:
+        restarted.close()
+
+
+def test_a_round_that_died_broadcasting_comes_back_failed_with_a_new_epoch(tmp_path):
+    path = str(tmp_path / "state.db")
+    db = StateDB(path)
+    round_ = new_round(db, EngineRegistry(heartbeat_timeout_s=5.0), Events())
+    round_.phase, round_.round_engines, round_.epoch, round_.round_id = "broadcasting", ["e0"], 4, 9
+    asyncio.run(round_.save())
+    db.close()
+
+    db = StateDB(path)
+    try:
+        back = new_round(db, EngineRegistry(heartbeat_timeout_s=5.0), Events())
+        assert (back.phase, back.epoch, back.round_engines, back.round_id) == ("failed", 5, ["e0"], 9)
+        again = new_round(db, EngineRegistry(heartbeat_timeout_s=5.0), Events())
+        assert (again.phase, again.epoch) == ("failed", 5)  # persisted: a second restart adds nothing
+    finally:
+        db.close()
