@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import TypeVar
 
@@ -75,6 +76,48 @@ def _never_started(error: BaseException) -> WeightSyncError:
         error.args = (error.message,)
         return error
     return TransferError(prefix + repr(error), reason="TRANSFER_NEVER_STARTED")
+
+
+@dataclass
+class _ReceiveJob:
+    """One Receive on this engine: what it was asked, and what its steps left."""
+
+    request: agent_pb2.ReceiveRequest
+    plan: BucketPlan
+    receiver: transports.Receiver
+    probe: Probe | None
+    deadline_at: float
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None       # when the steps ended (settling takes longer)
+    error: BaseException | None = None
+    cancelled: bool = False             # a cancellation arrived: re-raised once settled
+    attest_max_diff: float | None = None
+
+    async def wait(self, step: asyncio.Future):
+        """The step's result; a step that failed sets ``error`` (and returns None). A
+        cancellation meanwhile is remembered, never abandons the step."""
+        self.cancelled |= await wait_through_cancellation(step)
+        if step.exception() is not None:
+            if self.error is None:
+                self.error = step.exception()
+            return None
+        return step.result()
+
+    def seconds(self) -> float:
+        """How long the steps took."""
+        return (self.finished or time.monotonic()) - self.started
+
+    def outcome(self, make_outcome: Callable[..., common_pb2.EngineOutcome]) -> common_pb2.EngineOutcome:
+        """The settled receive's answer: its outcome, or its error (a cancellation
+        first, chained to what failed)."""
+        if self.cancelled:
+            raise asyncio.CancelledError() from self.error
+        if self.error is not None:
+            if isinstance(self.error, WeightSyncError):
+                raise self.error
+            raise TransferError(f"receive failed: {self.error!r}") from self.error
+        attested = {} if self.attest_max_diff is None else {"attested": True, "attest_max_diff": self.attest_max_diff}
+        return make_outcome(bytes=self.plan.total_bytes, seconds=self.seconds(), rank=self.request.rank, **attested)
 
 
 class AgentCore(agent_pb2_grpc.EngineAgentServicer):
@@ -336,6 +379,19 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                                       f"{list(shape)}", metadata={"tensor": name})
 
     async def _receive(self, request) -> common_pb2.EngineOutcome:
+        job = await self._start_receive(request)
+        try:
+            await self._receive_steps(job)
+        except BaseException as exc:  # anything before or around the transfer: nothing trustworthy landed
+            job.error = exc
+            job.cancelled |= isinstance(exc, asyncio.CancelledError)
+        finally:
+            await self._settle_receive(job)
+        return job.outcome(self._outcome)
+
+    async def _start_receive(self, request) -> _ReceiveJob:
+        """Checks everything, then claims the engine for one receive (nothing has
+        changed if this raises)."""
         await self._engine(self._check_alive)
         plan, receiver, probe = await self._engine(self.validate_receive, request)
         if not self.paused:
@@ -344,74 +400,79 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             raise FailedPrecondition("a receive is already running on this engine")
         if "weights" in self._asleep_tags():
             await self._wake_tags(["weights"])
-        loop = asyncio.get_running_loop()
-        self._receive_task = loop.create_future()
-        timeout_s = request.timeout_s or DEFAULT_TIMEOUT_S
-        deadline_at = time.monotonic() + timeout_s
+        self._receive_task = asyncio.get_running_loop().create_future()
         self._abort.clear()
         self.record("transfer_started", version=request.version, bytes=plan.total_bytes,
                     plan="by_id" if is_reference(request.plan) else "whole")
-        started = time.monotonic()
-        error: BaseException | None = None
-        cancelled = False
-        attest_max_diff: float | None = None
-        try:
-            targets = self.adapter.load_targets(plan)
-            faults, version, total = self.faults, request.version, plan.num_buckets
-            restore_stale = self._inject_stale_tensor(plan, targets, version)
-            skip_post_load = faults is not None and faults.take("receive", version=version,
-                                                                action="skip_post_load") is not None
-            self._progress = (0, total)
+        return _ReceiveJob(request, plan, receiver, probe,
+                           deadline_at=time.monotonic() + (request.timeout_s or DEFAULT_TIMEOUT_S))
 
-            def on_bucket(bucket: int) -> None:
-                # Runs on the transfer thread; a tuple swap is atomic, heartbeats read it.
-                self._progress = (bucket + 1, total)
-                if faults is not None:
-                    faults.on_bucket("receive", version, bucket, deadline_at=deadline_at)
-            if self.adapter.receives_in_engine:  # e.g. vLLM: its worker joins the transport itself
-                transfer = run_in(self._transfer, self.adapter.receive_in_engine, request.rendezvous, request.rank,
-                                  plan, deadline_at=deadline_at, **({"skip_post_load": True} if skip_post_load else {}))
-            else:
-                transfer = run_in(self._transfer, receiver.receive, request.rendezvous, request.rank, plan, targets,
-                                  deadline_at=deadline_at, abort=self._abort, on_bucket=on_bucket)
-            # Invariant 6 on the engine side: a cancellation still waits for the bytes, and
-            # for every step after them, so the receive always settles below.
-            cancelled |= await wait_through_cancellation(transfer)
-            error = transfer.exception()
-            if error is None and restore_stale is not None:
-                restore_stale()
-            if error is None and request.weights_digest:
-                digesting = asyncio.ensure_future(self._engine(self.adapter.weights_digest))
-                cancelled |= await wait_through_cancellation(digesting)
-                if digesting.result() != request.weights_digest:
-                    error = TransferError("received weights do not match the trainer's digest")
-            if error is None and probe is not None:
-                # Invariant 11: the engine's own outputs, not the bytes, decide "ok".
-                attesting = asyncio.ensure_future(self._attest(probe, request.version, deadline_at))
-                cancelled |= await wait_through_cancellation(attesting)
-                attest_max_diff, error = attesting.result()
-            if error is None:
-                # Inside the try, and off the loop (an HTTP call for vLLM and SGLang): an
-                # engine that cannot record the version fails the receive like any other
-                # step, and the receive still settles below.
-                committing = asyncio.ensure_future(self._engine(self.adapter.commit, request.version))
-                cancelled |= await wait_through_cancellation(committing)
-                committing.result()
+    async def _receive_steps(self, job: _ReceiveJob) -> None:
+        """The bytes, then the checks that decide whether they are good (digest, the
+        attestation probe), then the version commit. Invariant 6 on the engine side: a
+        cancellation still waits for each step, so the receive always settles."""
+        request, plan = job.request, job.plan
+        targets = self.adapter.load_targets(plan)
+        restore_stale = self._inject_stale_tensor(plan, targets, request.version)
+        await job.wait(self._start_transfer(job, targets))
+        if job.error is None and restore_stale is not None:
+            restore_stale()
+        if job.error is None and request.weights_digest:
+            digest = await job.wait(asyncio.ensure_future(self._engine(self.adapter.weights_digest)))
+            if job.error is None and digest != request.weights_digest:
+                job.error = TransferError("received weights do not match the trainer's digest")
+        if job.error is None and job.probe is not None:
+            # Invariant 11: the engine's own outputs, not the bytes, decide "ok".
+            attested = await job.wait(asyncio.ensure_future(self._attest(job.probe, request.version,
+                                                                         job.deadline_at)))
+            if attested is not None:
+                job.attest_max_diff, job.error = attested
+        if job.error is None:
+            # Off the loop (an HTTP call for vLLM and SGLang): an engine that cannot record
+            # the version fails the receive like any other step.
+            await job.wait(asyncio.ensure_future(self._engine(self.adapter.commit, request.version)))
+            if job.error is None:
                 self.watch.committed(request.version)
-        except Exception as exc:  # anything before or around the transfer: nothing trustworthy landed
-            error = exc
-        seconds = time.monotonic() - started
+
+    def _start_transfer(self, job: _ReceiveJob, targets: list) -> asyncio.Future:
+        """The transfer on the transfer thread: into ``targets`` through the agent's
+        receiver, or inside the engine's own processes (vLLM's workers join the
+        transport themselves)."""
+        request, faults, version, total = job.request, self.faults, job.request.version, job.plan.num_buckets
+        skip_post_load = faults is not None and faults.take("receive", version=version,
+                                                            action="skip_post_load") is not None
+        self._progress = (0, total)
+        if self.adapter.receives_in_engine:
+            return run_in(self._transfer, self.adapter.receive_in_engine, request.rendezvous, request.rank,
+                          job.plan, deadline_at=job.deadline_at,
+                          **({"skip_post_load": True} if skip_post_load else {}))
+
+        def on_bucket(bucket: int) -> None:
+            # Runs on the transfer thread; a tuple swap is atomic, heartbeats read it.
+            self._progress = (bucket + 1, total)
+            if faults is not None:
+                faults.on_bucket("receive", version, bucket, deadline_at=job.deadline_at)
+
+        return run_in(self._transfer, job.receiver.receive, request.rendezvous, request.rank, job.plan, targets,
+                      deadline_at=job.deadline_at, abort=self._abort, on_bucket=on_bucket)
+
+    async def _settle_receive(self, job: _ReceiveJob) -> None:
+        """Always runs, once per receive: the engine's weights are trusted, or torn, or
+        (a rendezvous that wrote nothing) as they were; the receive slot is freed; the
+        KV cache the sync put to sleep is woken."""
+        request, error = job.request, job.error
+        job.finished = time.monotonic()
         if error is None:
-            self._progress = (plan.num_buckets, plan.num_buckets)
+            self._progress = (job.plan.num_buckets, job.plan.num_buckets)
             self.torn, self.torn_version = False, 0
-            self.record("transfer_done", version=request.version, seconds=f"{seconds:.4f}",
-                        **({} if attest_max_diff is None else {"attest_max_diff": f"{attest_max_diff:.3g}"}))
+            self.record("transfer_done", version=request.version, seconds=f"{job.seconds():.4f}",
+                        **({} if job.attest_max_diff is None else {"attest_max_diff": f"{job.attest_max_diff:.3g}"}))
         elif getattr(error, "wrote_nothing", False):
             # The rendezvous failed before any byte reached the engine's tensors: its
             # weights are what they were (trusted unless already torn), and the error
             # says the transfer never started.
-            error = _never_started(error)
-            self.record("transfer_failed", version=request.version, error=str(error), wrote="nothing")
+            job.error = _never_started(error)
+            self.record("transfer_failed", version=request.version, error=str(job.error), wrote="nothing")
         else:
             self.torn, self.torn_version = True, request.version
             self.record("transfer_failed", version=request.version, error=str(error))
@@ -420,16 +481,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         # that now holds torn weights (vLLM resumes on a full wake); then it stays asleep
         # and paused, and Resume wakes it first if it is ever allowed to run.
         if self._kv_offloaded_for_sync and "kv_cache" in self._asleep_tags() and not (
-                error is not None and self.adapter.wake_resumes):
+                job.error is not None and self.adapter.wake_resumes):
             await asyncio.shield(self._wake_tags(["kv_cache"]))
-        if cancelled:
-            raise asyncio.CancelledError() from error
-        if error is not None:
-            if isinstance(error, WeightSyncError):
-                raise error
-            raise TransferError(f"receive failed: {error!r}") from error
-        attested = {} if attest_max_diff is None else {"attested": True, "attest_max_diff": attest_max_diff}
-        return self._outcome(bytes=plan.total_bytes, seconds=seconds, rank=request.rank, **attested)
 
     async def _attest(self, probe: Probe, version: int, deadline_at: float) -> tuple[float, BaseException | None]:
         """Runs the probe on the engine (transfer thread, within the receive's deadline);
