@@ -34,7 +34,7 @@ from typing import TypeVar
 from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
-from weightsync.engine.adapter import EngineAdapter, validate_tags
+from weightsync.engine.adapter import Delivery, EngineAdapter, validate_tags
 from weightsync.errors import (
     MAX_MESSAGE_BYTES,
     EngineFault,
@@ -412,9 +412,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         attestation probe), then the version commit. Invariant 6 on the engine side: a
         cancellation still waits for each step, so the receive always settles."""
         request, plan = job.request, job.plan
-        targets = self.adapter.load_targets(plan)
-        restore_stale = self._inject_stale_tensor(plan, targets, request.version)
-        await job.wait(self._start_transfer(job, targets))
+        restore_stale = self._inject_stale_tensor(plan, request.version)
+        await job.wait(self._start_transfer(job))
         if job.error is None and restore_stale is not None:
             restore_stale()
         if job.error is None and request.weights_digest:
@@ -434,18 +433,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             if job.error is None:
                 self.watch.committed(request.version)
 
-    def _start_transfer(self, job: _ReceiveJob, targets: list) -> asyncio.Future:
-        """The transfer on the transfer thread: into ``targets`` through the agent's
-        receiver, or inside the engine's own processes (vLLM's workers join the
-        transport themselves)."""
+    def _start_transfer(self, job: _ReceiveJob) -> asyncio.Future:
+        """The transfer, on the transfer thread, through the adapter's one receive entry
+        point (into tensors this process holds, or inside the engine's own processes)."""
         request, faults, version, total = job.request, self.faults, job.request.version, job.plan.num_buckets
         skip_post_load = faults is not None and faults.take("receive", version=version,
                                                             action="skip_post_load") is not None
         self._progress = (0, total)
-        if self.adapter.receives_in_engine:
-            return run_in(self._transfer, self.adapter.receive_in_engine, request.rendezvous, request.rank,
-                          job.plan, deadline_at=job.deadline_at,
-                          **({"skip_post_load": True} if skip_post_load else {}))
 
         def on_bucket(bucket: int) -> None:
             # Runs on the transfer thread; a tuple swap is atomic, heartbeats read it.
@@ -453,8 +447,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             if faults is not None:
                 faults.on_bucket("receive", version, bucket, deadline_at=job.deadline_at)
 
-        return run_in(self._transfer, job.receiver.receive, request.rendezvous, request.rank, job.plan, targets,
-                      deadline_at=job.deadline_at, abort=self._abort, on_bucket=on_bucket)
+        return run_in(self._transfer, self.adapter.receive, Delivery(
+            request.rendezvous, request.rank, job.plan, job.receiver, job.deadline_at, self._abort, on_bucket,
+            skip_post_load))
 
     async def _settle_receive(self, job: _ReceiveJob) -> None:
         """Always runs, once per receive: the engine's weights are trusted, or torn, or
@@ -506,12 +501,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 metadata={"engine_id": self.engine_id, "max_diff": f"{comparison.max_diff:.6g}"})
         return comparison.max_diff, None
 
-    def _inject_stale_tensor(self, plan: BucketPlan, targets: list, version: int) -> Callable[[], None] | None:
+    def _inject_stale_tensor(self, plan: BucketPlan, version: int) -> Callable[[], None] | None:
         """Test-only fault ``stale_tensor``: one tensor keeps its old contents after the
         receive (the bytes arrived; the engine does not use them), as a reload that skips
         a layer does. Returns the function that puts the old contents back."""
         rule = self.faults.take("receive", version=version, action="stale_tensor") if self.faults else None
-        if rule is None or not targets:
+        targets = self.adapter.load_targets(plan) if rule is not None else []
+        if not targets:
             return None
         index = plan.names.index(rule.tensor) if rule.tensor in plan.names else 0
         target, old = targets[index], targets[index].clone()

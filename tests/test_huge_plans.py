@@ -25,7 +25,11 @@ def expert_plan(count: int) -> BucketPlan:
 
 
 def test_a_plan_of_a_million_tensors_is_refused_while_every_engine_stays_available(cluster_factory):
-    cluster = cluster_factory(2)
+    # The service's default heartbeats (every 0.5 s, unavailable after 3 s), not the
+    # suite's tighter ones: a plan this size moves 57 MiB through gRPC three times, and
+    # the suite may share two cores with another; the freeze this guards against
+    # lasted 9-15 s.
+    cluster = cluster_factory(2, coordinator_args=("--heartbeat-interval", "0.5", "--heartbeat-timeout", "3.0"))
     plan = expert_plan(MAX_TENSORS)
     wire = plan.to_proto()
     assert len(wire.SerializeToString()) > 40 * 1024 * 1024  # the real thing: tens of megabytes
@@ -53,7 +57,7 @@ def test_a_plan_of_a_million_tensors_is_refused_while_every_engine_stays_availab
                         transport=common_pb2.TRANSPORT_KIND_SHM, store_host="127.0.0.1", store_port=1), timeout=120):
                     pass
             refused_after = time.monotonic() - started
-            await asyncio.sleep(2.0)  # a heartbeat lapse shows within the timeout (1.5 s) after the stall
+            await asyncio.sleep(3.5)  # a heartbeat lapse shows within the timeout (3 s) after the stall
             done.set()
             await watcher
             after = await stub.GetState(coordinator_pb2.GetStateRequest(), timeout=10)

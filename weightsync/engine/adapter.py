@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from weightsync.attest import Probe
 from weightsync.errors import InvalidArgument, Unsupported
 from weightsync.plan import BucketPlan
+from weightsync.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from weightsync.transport.base import Receiver
 
 ATTESTATION_UNSUPPORTED = "ATTESTATION_UNSUPPORTED"
 
@@ -58,11 +63,24 @@ def validate_tags(tags: Sequence[str]) -> list[str]:
 
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """One receive, as the agent hands it to its engine's adapter."""
+
+    rendezvous: common_pb2.Rendezvous
+    rank: int
+    plan: BucketPlan
+    receiver: Receiver                  # the agent's transport receiver (engines whose tensors it holds)
+    deadline_at: float
+    abort: threading.Event
+    on_bucket: Callable[[int], None] | None = None
+    skip_post_load: bool = False        # fault injection (vLLM): tied layers keep their old kernels
+
+
 class EngineAdapter(abc.ABC):
     """What an agent needs from an engine."""
 
     name: str = "engine"
-    receives_in_engine = False  # True: the engine process receives (receive_in_engine), not the agent
     wake_resumes = False        # True: waking the last sleeping tag resumes the engine by itself
     # True: fault(), weight_version and counts() read local memory (never block), so
     # the agent may read them live on its loop instead of from the polled snapshot.
@@ -110,7 +128,19 @@ class EngineAdapter(abc.ABC):
 
     @abc.abstractmethod
     def load_targets(self, plan: BucketPlan) -> list[torch.Tensor]:
-        """The tensors to receive into, in plan order (already validated)."""
+        """The tensors to receive into, in plan order (already validated); empty for
+        an engine whose weights live in its own processes."""
+
+    def receive(self, delivery: Delivery) -> None:
+        """Receives a round's bytes into the engine's weights (blocking: the agent's
+        transfer thread; bounded by ``delivery.deadline_at``). By default into
+        ``load_targets`` through the agent's transport receiver; an engine that
+        receives in its own processes (vLLM's workers, SGLang's update group)
+        overrides this. Raises on any failure (the agent then marks the engine torn,
+        unless the transport says nothing was written)."""
+        d = delivery
+        d.receiver.receive(d.rendezvous, d.rank, d.plan, self.load_targets(d.plan), deadline_at=d.deadline_at,
+                           abort=d.abort, on_bucket=d.on_bucket)
 
     @abc.abstractmethod
     def commit(self, version: int) -> None:
@@ -144,4 +174,4 @@ class EngineAdapter(abc.ABC):
         """Stops the engine (bounded). Idempotent."""
 
 
-__all__ = ["EngineAdapter", "Request", "TAGS", "validate_tags", "ATTESTATION_UNSUPPORTED"]
+__all__ = ["EngineAdapter", "Delivery", "Request", "TAGS", "validate_tags", "ATTESTATION_UNSUPPORTED"]

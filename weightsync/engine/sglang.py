@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from weightsync.engine.adapter import validate_tags
+from weightsync.engine.adapter import Delivery, validate_tags
 from weightsync.engine.checkpoint import checkpoint_specs
 from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.errors import (
@@ -40,7 +40,7 @@ from weightsync.errors import (
     TransferError,
     Unsupported,
 )
-from weightsync.plan import BucketPlan, dtype_from_name, dtype_name
+from weightsync.plan import dtype_from_name, dtype_name
 from weightsync.transport.group import group_backend, group_name
 from weightsync.v1 import common_pb2
 
@@ -55,7 +55,6 @@ class SglangAdapter(HttpEngineAdapter):
 
     name = "sglang"
     engine_label = "SGLang"
-    receives_in_engine = True
 
     def __init__(self, url: str, *, timeout_s: float = 30.0, checkpoint_dir: str = "") -> None:
         super().__init__(url, timeout_s=timeout_s)
@@ -129,9 +128,9 @@ class SglangAdapter(HttpEngineAdapter):
     def load_targets(self, plan):
         return []  # the bytes land inside SGLang, not in this process
 
-    def receive_in_engine(self, rendezvous: common_pb2.Rendezvous, rank: int, plan: BucketPlan,
-                          *, deadline_at: float) -> None:
+    def receive(self, delivery: Delivery) -> None:
         """Joins SGLang to the trainer's group (once) and has it receive the plan (blocking)."""
+        rendezvous, rank, plan, deadline_at = delivery.rendezvous, delivery.rank, delivery.plan, delivery.deadline_at
         name = group_name(rendezvous)
         try:
             if self._group != name:

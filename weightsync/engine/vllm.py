@@ -7,7 +7,7 @@ keeps its own ledger of what is asleep (``asleep``) and wakes before resuming.
 
 Weights: vLLM runs weightsync's worker extension
 (``--worker-extension-cls weightsync.engine.vllm_worker.WeightsyncWorkerExtension``).
-``receive_in_engine`` calls it through ``/collective_rpc``: inside vLLM's worker it
+``receive`` calls it through ``/collective_rpc``: inside vLLM's worker it
 joins the weightsync transport (``shm`` or ``gloo``), receives the buckets and feeds
 them to vLLM's in-place reload, tied layers re-processed. Arguments and results are
 JSON; no pickle.
@@ -26,7 +26,7 @@ import torch
 from google.protobuf import json_format
 
 from weightsync.attest import Probe, check_vocab
-from weightsync.engine.adapter import ATTESTATION_UNSUPPORTED, validate_tags
+from weightsync.engine.adapter import ATTESTATION_UNSUPPORTED, Delivery, validate_tags
 from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.errors import (
     EngineFault,
@@ -35,7 +35,7 @@ from weightsync.errors import (
     TransferError,
     Unsupported,
 )
-from weightsync.plan import BucketPlan, dtype_from_name
+from weightsync.plan import dtype_from_name
 from weightsync.v1 import common_pb2
 
 MODES = {common_pb2.PAUSE_MODE_KEEP: "keep", common_pb2.PAUSE_MODE_ABORT: "abort",
@@ -48,7 +48,6 @@ class VllmAdapter(HttpEngineAdapter):
 
     name = "vllm"
     engine_label = "vLLM"
-    receives_in_engine = True
     wake_resumes = True  # a full /wake_up resumes vLLM's scheduler by itself
 
     def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
@@ -110,10 +109,11 @@ class VllmAdapter(HttpEngineAdapter):
     def load_targets(self, plan):
         return []  # bytes land inside vLLM's worker, not in this process
 
-    def receive_in_engine(self, rendezvous: common_pb2.Rendezvous, rank: int, plan: BucketPlan,
-                          *, deadline_at: float, skip_post_load: bool = False) -> None:
+    def receive(self, delivery: Delivery) -> None:
         """Runs the receive inside vLLM's worker (blocking; the agent's transfer thread).
         ``skip_post_load`` is fault injection: the tied layers keep their old kernels."""
+        rendezvous, rank, plan = delivery.rendezvous, delivery.rank, delivery.plan
+        deadline_at, skip_post_load = delivery.deadline_at, delivery.skip_post_load
         # The worker remembers plans it took whole: later rounds name the plan by id (a
         # 20k-tensor plan is megabytes of JSON). A worker that forgot it (vLLM restarted)
         # answers PlanUnknown before receiving anything, and gets the whole plan.
