@@ -52,6 +52,7 @@ from weightsync.plan import (
     is_reference,
     weights_digest,
 )
+from weightsync.retry import retry
 from weightsync.security import Security
 from weightsync.threads import run_in
 from weightsync.transport.secure_store import StoreHost
@@ -333,39 +334,45 @@ class TrainerClient:
     async def _broadcast(self, stub, request, prepared: _Prepared, kind) -> SyncResult:
         self._abort.clear()
         transfer: asyncio.Future | None = None
-        result: coordinator_pb2.BroadcastResult | None = None
-        attempt = 0
-        try:
-            while result is None:
-                attempt += 1
-                left = deadline.remaining()
-                request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
+
+        async def follow_round() -> coordinator_pb2.BroadcastResult:
+            """One Broadcast call, followed to its result: the rendezvous starts the send,
+            an engine's failure stops it."""
+            nonlocal transfer
+            left = deadline.remaining()
+            request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
+            result = None
+            async for event in stub.Broadcast(request, timeout=left):  # read to the end: the status too
+                self._plans_sent.add(prepared.plan.plan_id)  # validated: the coordinator holds it
+                which = event.WhichOneof("event")
+                if which == "rendezvous" and transfer is None:
+                    transfer = self._start_send(event.rendezvous, prepared, kind)
+                elif which == "engine_failed":
+                    self._abort.set()  # stop sending to a round that cannot complete
+                elif which == "result":
+                    result = event.result
+            if result is None:
+                raise TransferError("broadcast stream ended without a result")
+            return result
+
+        async def attempt() -> coordinator_pb2.BroadcastResult:
+            while True:
                 try:
-                    async for event in stub.Broadcast(request, timeout=left):
-                        self._plans_sent.add(prepared.plan.plan_id)  # validated: the coordinator holds it
-                        which = event.WhichOneof("event")
-                        if which == "rendezvous" and transfer is None:
-                            transfer = self._start_send(event.rendezvous, prepared, kind)
-                        elif which == "engine_failed":
-                            self._abort.set()  # stop sending to a round that cannot complete
-                        elif which == "result":
-                            result = event.result
-                    if result is None:
-                        raise TransferError("broadcast stream ended without a result")
+                    return await follow_round()
                 except grpc.aio.AioRpcError as exc:
-                    if isinstance(from_rpc_error(exc), PlanUnknown) and is_reference(request.plan):
-                        # The coordinator restarted (or forgot the plan): nothing ran, and
-                        # the same key with the whole plan is the same request.
-                        self._plans_sent.discard(prepared.plan.plan_id)
-                        await self._in_thread(request.plan.CopyFrom, prepared.plan.to_proto())
-                        continue
-                    delay = self.retry.backoff(attempt)
-                    left = deadline.remaining()
-                    # A retry with the same key attaches to the running round, never re-runs it.
-                    if is_transient(exc) and attempt < self.retry.max_attempts and (left is None or left > delay):
-                        await asyncio.sleep(delay)
-                        continue
-                    raise from_rpc_error(exc, operation="broadcast") from exc
+                    if not (isinstance(from_rpc_error(exc), PlanUnknown) and is_reference(request.plan)):
+                        raise
+                # The coordinator restarted (or forgot the plan): nothing ran, and the same
+                # key with the whole plan is the same request -- sent at once, not a retry.
+                self._plans_sent.discard(prepared.plan.plan_id)
+                await self._in_thread(request.plan.CopyFrom, prepared.plan.to_proto())
+
+        try:
+            try:
+                # A retry with the same key attaches to the running round, never re-runs it.
+                result = await retry(attempt, policy=self.retry, retryable=is_transient, time_left=deadline.remaining)
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc, operation="broadcast") from exc
         except BaseException:
             if transfer is not None:
                 self._abort.set()

@@ -27,6 +27,7 @@ from weightsync.faults import FaultInjector
 from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.options import AgentOptions
+from weightsync.retry import RetryPolicy, retry
 from weightsync.security import Security
 from weightsync.server.agent import AgentCore
 from weightsync.server.launcher import EngineLauncher
@@ -38,6 +39,8 @@ from weightsync.server.serving import (
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("weightsync.agent")
+# Bounded by --register-timeout, not by a count.
+REGISTER_RETRY = RetryPolicy(max_attempts=1_000_000, initial_backoff_s=0.1, max_backoff_s=1.0, jitter=0.0)
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["EngineAgent"].full_name
 
 
@@ -48,20 +51,16 @@ async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
         agent_address=core.address, model=options.model)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + options.register_timeout_s
-    delay = 0.1
-    while True:
-        try:
-            response = await stub.RegisterEngine(request, timeout=max(0.1, deadline - loop.time()))
-            return response.heartbeat_interval_s or 0.5
-        except grpc.aio.AioRpcError as exc:
-            # ENGINE_ID_IN_USE: our previous incarnation's registration has not expired
-            # yet (a restart within the heartbeat timeout); it will.
-            retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
-                from_rpc_error(exc).reason == "ENGINE_ID_IN_USE"
-            if not retryable or loop.time() + delay >= deadline:
-                raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+
+    def retryable(exc: grpc.aio.AioRpcError) -> bool:
+        # ENGINE_ID_IN_USE: our previous incarnation's registration has not expired yet
+        # (a restart within the heartbeat timeout); it will.
+        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
+            from_rpc_error(exc).reason == "ENGINE_ID_IN_USE"
+
+    response = await retry(lambda: stub.RegisterEngine(request, timeout=max(0.1, deadline - loop.time())),
+                           policy=REGISTER_RETRY, retryable=retryable, time_left=lambda: deadline - loop.time())
+    return response.heartbeat_interval_s or 0.5
 
 
 async def _heartbeats(stub, core: AgentCore, options: AgentOptions, interval_s: float) -> None:

@@ -46,6 +46,7 @@ from weightsync.errors import (
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import derive_key
 from weightsync.plan import BucketPlan, is_reference
+from weightsync.retry import RetryPolicy, retry
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.statedb import StateDB, get_meta, set_meta
@@ -56,7 +57,7 @@ DEFAULT_PAUSE_TIMEOUT_S = 60.0
 DEFAULT_TRANSFER_TIMEOUT_S = 300.0
 RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinator's RPC one
 RECEIVE_PLAN_FIELD = agent_pb2.ReceiveRequest.DESCRIPTOR.fields_by_name["plan"].number
-AGENT_ATTEMPTS = 3          # coordinator -> agent retries of UNAVAILABLE (keyed, so safe)
+AGENT_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0, jitter=0.0)  # -> agents
 VALIDATE_TIMEOUT_S = 30.0   # an engine's check of a Broadcast (phase 1)
 _PERSISTED = (("weight_version", "0"), ("epoch", "0"), ("round_id", "0"), ("phase", "idle"),
               ("round_engines", "[]"), ("target_version", "0"), ("group_key", ""))
@@ -125,13 +126,7 @@ async def fan_out(records: list[EngineRecord], call: Callable[[EngineRecord], Aw
 async def call_with_retry(record: EngineRecord, call: Callable[[EngineRecord], Awaitable]):
     """A few quick retries of UNAVAILABLE. Safe because every agent call carries a key
     derived from the trainer's: a retry attaches to, or replays, the first."""
-    for attempt in range(1, AGENT_ATTEMPTS + 1):
-        try:
-            return await call(record)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == AGENT_ATTEMPTS:
-                raise
-            await asyncio.sleep(0.1 * attempt)
+    return await retry(lambda: call(record), policy=AGENT_RETRY)
 
 
 @dataclass
