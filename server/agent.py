@@ -24,7 +24,6 @@ import contextvars
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from weightsync.errors import (
     abort_with,
     bounded,
 )
+from weightsync.event_log import EventLog
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore
 from weightsync.plan import BucketPlan, dtype_name, is_reference
@@ -65,7 +65,6 @@ T = TypeVar("T")
 OPERATION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("weightsync_agent_operation_key", default="")
 
 DEFAULT_TIMEOUT_S = 60.0
-MAX_EVENTS = 10_000
 
 
 def _never_started(error: BaseException) -> WeightSyncError:
@@ -143,19 +142,14 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.paused = False
         self._kv_offloaded_for_sync = False
         self._progress = (0, 0)  # (buckets done, buckets total) of the running or last receive
-        self._events: deque[common_pb2.Event] = deque(maxlen=MAX_EVENTS)
-        self._seq = 0
+        self.events = EventLog(log, engine_id=engine_id)
         self.accepting = True
 
     # ----- helpers --------------------------------------------------------------------
 
     def record(self, kind: str, **fields: object) -> None:
         """Appends to the agent's event log (GetEvents): what happened, in order."""
-        self._seq += 1
-        self._events.append(common_pb2.Event(seq=self._seq, unix_time=time.time(), kind=kind,
-                                             engine_id=self.engine_id, idempotency_key=OPERATION_KEY.get(),
-                                             fields={k: str(v) for k, v in fields.items()}))
-        log.info("%s %s", kind, fields or "")
+        self.events.append(kind, key=OPERATION_KEY.get(), **fields)
 
     async def _engine(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Runs ``fn`` on the engine's control thread (one call at a time)."""
@@ -541,7 +535,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                                     versions=list(req.versions), error=req.error)
 
     async def GetEvents(self, request, context):
-        return agent_pb2.GetEventsResponse(events=[e for e in self._events if e.seq > request.after_seq])
+        return agent_pb2.GetEventsResponse(events=self.events.after(request.after_seq))
 
     # ----- lifecycle ------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -29,6 +28,7 @@ from weightsync.errors import (
     abort_with,
     nothing_changed,
 )
+from weightsync.event_log import EventLog
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore, validate_key
 from weightsync.security import INSECURE, Security
@@ -43,7 +43,6 @@ log = logging.getLogger("weightsync.coordinator")
 # carry it, so an operator can count executions per key.
 OPERATION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("weightsync_operation_key", default="")
 
-MAX_EVENTS = 10_000
 MAX_ENGINE_ID_LEN = 128
 MAX_ADDRESS_LEN = 512
 
@@ -70,9 +69,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         self.registry = EngineRegistry(heartbeat_timeout_s=heartbeat_timeout_s, security=security)
         self.idempotency = IdempotencyStore(db, retention_s=idempotency_retention_s,
                                             max_records=idempotency_max_records)
-        self._events: deque[common_pb2.Event] = deque(maxlen=MAX_EVENTS)
-        self._event_cond = asyncio.Condition()
-        self._seq = 0
+        self.events = EventLog(log)
         self._progress: dict[str, BroadcastProgress] = {}  # by key, while a Broadcast runs or is watched
         self.accepting = True
         self._load()
@@ -98,14 +95,9 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     # ----- events -----------------------------------------------------------------------
 
     async def emit(self, kind: str, engine_id: str = "", **fields: object) -> None:
-        """Adds an event to the stream WatchEvents serves."""
-        self._seq += 1
-        self._events.append(common_pb2.Event(seq=self._seq, unix_time=time.time(), kind=kind, engine_id=engine_id,
-                                             idempotency_key=OPERATION_KEY.get(),
-                                             fields={k: str(v) for k, v in fields.items()}))
-        log.info("%s %s %s", kind, engine_id, fields or "")
-        async with self._event_cond:
-            self._event_cond.notify_all()
+        """Adds an event to the stream WatchEvents serves (a coroutine: the round and
+        the handlers await it wherever they are)."""
+        self.events.append(kind, engine_id=engine_id, key=OPERATION_KEY.get(), **fields)
 
     # ----- helpers ----------------------------------------------------------------------
 
@@ -335,16 +327,9 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     async def WatchEvents(self, request, context):
         after = request.after_seq
         while True:
-            pending = [e for e in self._events if e.seq > after]
-            for event in pending:
+            for event in await self.events.wait_after(after, timeout_s=1.0):
                 yield event
                 after = event.seq
-            async with self._event_cond:
-                if not any(e.seq > after for e in self._events):
-                    try:
-                        await asyncio.wait_for(self._event_cond.wait(), timeout=1.0)
-                    except TimeoutError:
-                        pass
             if not self.accepting:
                 return
 
