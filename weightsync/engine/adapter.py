@@ -33,7 +33,8 @@ TAGS = ("weights", "kv_cache")  # what an engine can put to sleep and wake
 
 @dataclass
 class Request:
-    """One generation request and what it produced so far."""
+    """One generation request and what it produced so far (``EngineAdapter.get``). The
+    last fields are the reference engine's scheduling state; other engines leave them."""
 
     request_id: str
     prompt: list[int]
