@@ -20,11 +20,11 @@ import tempfile
 
 import torch
 
-from weightsync.bench.runner import parse_size
+from weightsync.apps.bench.runner import parse_size
+from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import LoopLagProbe, TrainerClient
 from weightsync.engine.model import ReferenceLM, config_for_size
 from weightsync.lifecycle import spawn, stop_process, wait_for_file
-from weightsync.local_cluster import LocalCluster
 
 HTTP_SERVER = r"""
 import http.server, socketserver, sys

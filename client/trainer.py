@@ -130,6 +130,48 @@ class _Prepared:
         return "nccl" if any(t.is_cuda for t in self.sources) else "gloo"
 
 
+@dataclass
+class _Send:
+    """The send a Broadcast started (at its rendezvous), shared by the call's attempts."""
+
+    transfer: asyncio.Future | None = None
+
+
+def _sync_result(result: coordinator_pb2.BroadcastResult, transfer: asyncio.Future | None) -> SyncResult:
+    """The caller's result of a finished round, or its typed error: every engine's
+    attestation mismatch or timeout as one error of that kind, otherwise ``SyncFailed``
+    (chained to the sender's error, if it failed too); a sender that failed in a round
+    the engines report good is a ``TransferError``."""
+    send_error = transfer.exception() if transfer is not None else None
+    send_seconds = transfer.result().seconds if transfer is not None and send_error is None else 0.0
+    sync = SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
+                      transfer_seconds=send_seconds or result.seconds,
+                      engines=tuple(EngineResult.from_proto(o) for o in result.engines))
+    if result.ok:
+        if send_error is not None:
+            raise TransferError(f"sender failed: {send_error}") from send_error
+        return sync
+    failed = "; ".join(f"{e.engine_id}: [{e.error_reason}] {e.error_message}" for e in sync.failed)
+    error = SyncFailed(f"broadcast of version {result.version} failed on {len(sync.failed)} "
+                       f"engine(s): {failed}", result=sync)
+    if all(e.error_reason == EngineOutputMismatch.reason for e in sync.failed):
+        worst = max(e.attest_max_diff or 0.0 for e in sync.failed)
+        mismatch = EngineOutputMismatch(
+            f"engines loaded version {result.version} but do not compute with it: {failed}",
+            metadata={"failed": ",".join(e.engine_id for e in sync.failed), "max_diff": f"{worst:.6g}"})
+        mismatch.result = sync  # type: ignore[attr-defined]
+        raise mismatch from error
+    if all(e.error_reason == StepTimeoutError.reason for e in sync.failed):
+        # The engines' deadline fired first; the caller sees the same error as if its
+        # own had: a timeout naming the operation.
+        timeout = StepTimeoutError(f"deadline exceeded during broadcast: {failed}", operation="broadcast")
+        timeout.result = sync  # type: ignore[attr-defined]
+        raise timeout from error
+    if send_error is not None:
+        raise error from send_error
+    raise error
+
+
 class TrainerClient:
     """Async context manager; see the module docstring.
 
@@ -332,87 +374,63 @@ class TrainerClient:
             return round_task.result()
 
     async def _broadcast(self, stub, request, prepared: _Prepared, kind) -> SyncResult:
+        """The Broadcast call, retried with the same key (a retry attaches to the running
+        round, never re-runs it), and the send it starts; the send always ends before
+        this returns or raises."""
         self._abort.clear()
-        transfer: asyncio.Future | None = None
-
-        async def follow_round() -> coordinator_pb2.BroadcastResult:
-            """One Broadcast call, followed to its result: the rendezvous starts the send,
-            an engine's failure stops it."""
-            nonlocal transfer
-            left = deadline.remaining()
-            request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
-            result = None
-            async for event in stub.Broadcast(request, timeout=left):  # read to the end: the status too
-                self._plans_sent.add(prepared.plan.plan_id)  # validated: the coordinator holds it
-                which = event.WhichOneof("event")
-                if which == "rendezvous" and transfer is None:
-                    transfer = self._start_send(event.rendezvous, prepared, kind)
-                elif which == "engine_failed":
-                    self._abort.set()  # stop sending to a round that cannot complete
-                elif which == "result":
-                    result = event.result
-            if result is None:
-                raise TransferError("broadcast stream ended without a result")
-            return result
-
-        async def attempt() -> coordinator_pb2.BroadcastResult:
-            while True:
-                try:
-                    return await follow_round()
-                except grpc.aio.AioRpcError as exc:
-                    if not (isinstance(from_rpc_error(exc), PlanUnknown) and is_reference(request.plan)):
-                        raise
-                # The coordinator restarted (or forgot the plan): nothing ran, and the same
-                # key with the whole plan is the same request -- sent at once, not a retry.
-                self._plans_sent.discard(prepared.plan.plan_id)
-                await self._in_thread(request.plan.CopyFrom, prepared.plan.to_proto())
-
+        send = _Send()
         try:
             try:
-                # A retry with the same key attaches to the running round, never re-runs it.
-                result = await retry(attempt, policy=self.retry, retryable=is_transient, time_left=deadline.remaining)
+                result = await retry(lambda: self._attempt_broadcast(stub, request, prepared, kind, send),
+                                     policy=self.retry, retryable=is_transient, time_left=deadline.remaining)
             except grpc.aio.AioRpcError as exc:
                 raise from_rpc_error(exc, operation="broadcast") from exc
         except BaseException:
-            if transfer is not None:
+            if send.transfer is not None:
                 self._abort.set()
-                await wait_through_cancellation(transfer)
-                if not transfer.cancelled():
+                await wait_through_cancellation(send.transfer)
+                if not send.transfer.cancelled():
                     # Retrieved, so its "aborted" is not logged as an unhandled error when the
                     # future is collected: the round's own error is the one that matters.
-                    transfer.exception()
+                    send.transfer.exception()
             raise
-        send_seconds = 0.0
-        if transfer is not None:
-            await wait_through_cancellation(transfer)
-            if transfer.exception() is None:
-                send_seconds = transfer.result().seconds
-        sync = SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
-                          transfer_seconds=send_seconds or result.seconds,
-                          engines=tuple(EngineResult.from_proto(o) for o in result.engines))
-        if not result.ok:
-            failed = "; ".join(f"{e.engine_id}: [{e.error_reason}] {e.error_message}" for e in sync.failed)
-            error = SyncFailed(f"broadcast of version {result.version} failed on {len(sync.failed)} "
-                               f"engine(s): {failed}", result=sync)
-            if all(e.error_reason == EngineOutputMismatch.reason for e in sync.failed):
-                worst = max(e.attest_max_diff or 0.0 for e in sync.failed)
-                mismatch = EngineOutputMismatch(
-                    f"engines loaded version {result.version} but do not compute with it: {failed}",
-                    metadata={"failed": ",".join(e.engine_id for e in sync.failed), "max_diff": f"{worst:.6g}"})
-                mismatch.result = sync  # type: ignore[attr-defined]
-                raise mismatch from error
-            if all(e.error_reason == StepTimeoutError.reason for e in sync.failed):
-                # The engines' deadline fired first; the caller sees the same error as
-                # if its own had: a timeout naming the operation.
-                timeout = StepTimeoutError(f"deadline exceeded during broadcast: {failed}", operation="broadcast")
-                timeout.result = sync  # type: ignore[attr-defined]
-                raise timeout from error
-            if transfer is not None and transfer.exception() is not None:
-                raise error from transfer.exception()
-            raise error
-        if transfer is not None and transfer.exception() is not None:
-            raise TransferError(f"sender failed: {transfer.exception()}") from transfer.exception()
-        return sync
+        if send.transfer is not None:
+            await wait_through_cancellation(send.transfer)
+        return _sync_result(result, send.transfer)
+
+    async def _attempt_broadcast(self, stub, request, prepared: _Prepared, kind,
+                                 send: _Send) -> coordinator_pb2.BroadcastResult:
+        """One attempt. A coordinator that answers PLAN_UNKNOWN to a plan named by id
+        (it restarted, or forgot the plan) ran nothing: the same key with the whole plan
+        is the same request, sent at once, not a retry."""
+        while True:
+            try:
+                return await self._follow_round(stub, request, prepared, kind, send)
+            except grpc.aio.AioRpcError as exc:
+                if not (isinstance(from_rpc_error(exc), PlanUnknown) and is_reference(request.plan)):
+                    raise
+            self._plans_sent.discard(prepared.plan.plan_id)
+            await self._in_thread(request.plan.CopyFrom, prepared.plan.to_proto())
+
+    async def _follow_round(self, stub, request, prepared: _Prepared, kind,
+                            send: _Send) -> coordinator_pb2.BroadcastResult:
+        """One Broadcast call, followed to its result: the rendezvous starts the send, an
+        engine's failure stops it."""
+        left = deadline.remaining()
+        request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
+        result = None
+        async for event in stub.Broadcast(request, timeout=left):  # read to the end: the status too
+            self._plans_sent.add(prepared.plan.plan_id)  # validated: the coordinator holds it
+            which = event.WhichOneof("event")
+            if which == "rendezvous" and send.transfer is None:
+                send.transfer = self._start_send(event.rendezvous, prepared, kind)
+            elif which == "engine_failed":
+                self._abort.set()  # stop sending to a round that cannot complete
+            elif which == "result":
+                result = event.result
+        if result is None:
+            raise TransferError("broadcast stream ended without a result")
+        return result
 
     def _store_for(self, kind) -> tuple[int, str]:
         """The store a round of ``kind`` meets at (hosted on first use): its port, and for

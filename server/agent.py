@@ -245,8 +245,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         await self._wake_tags(tags)
         return self._outcome()
 
-    async def _wake_tags(self, tags: list[str]) -> None:
-        woken = await self._engine(self.adapter.wake, tags)
+    async def _wake_tags(self, tags: list[str], *, keep_paused: bool = False) -> None:
+        woken = await self._engine(self.adapter.wake_paused if keep_paused else self.adapter.wake, tags)
         if "weights" in woken:
             # Woken weights are empty storage: nothing trustworthy until a good receive.
             self.torn, self.torn_version = True, self.torn_version or 0
@@ -466,12 +466,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self.torn, self.torn_version = True, request.version
             self.record("transfer_failed", version=request.version, error=str(error))
         self._receive_task.set_result(None)
-        # Wake the KV cache the sync put to sleep -- unless waking would resume an engine
-        # that now holds torn weights (vLLM resumes on a full wake); then it stays asleep
-        # and paused, and Resume wakes it first if it is ever allowed to run.
-        if self._kv_offloaded_for_sync and "kv_cache" in self._asleep_tags() and not (
-                job.error is not None and self.adapter.wake_resumes):
-            await asyncio.shield(self._wake_tags(["kv_cache"]))
+        # Wake the KV cache the sync put to sleep. An engine that now holds torn weights
+        # must stay paused: an engine that cannot wake without resuming (vLLM) keeps it
+        # asleep, and Resume wakes it first if the engine is ever allowed to run.
+        if self._kv_offloaded_for_sync and "kv_cache" in self._asleep_tags():
+            await asyncio.shield(self._wake_tags(["kv_cache"], keep_paused=job.error is not None))
 
     async def _attest(self, probe: Probe, version: int, deadline_at: float) -> tuple[float, BaseException | None]:
         """Runs the probe on the engine (transfer thread, within the receive's deadline);

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import uuid
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -32,8 +32,10 @@ from weightsync.security import Security
 from weightsync.server.agent import AgentCore
 from weightsync.server.launcher import EngineLauncher
 from weightsync.server.serving import (
+    Shutdown,
     set_not_serving,
     start_server,
+    stop_on_signals,
     write_port_file,
 )
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
@@ -86,109 +88,102 @@ def _engine_id_from_certificate(security: Security) -> str:
     return identity.engine_id if identity is not None and identity.role == "agent" else ""
 
 
+@dataclass
+class _RunningAgent:
+    """What a running agent holds; the shutdown stops whatever of it was started."""
+
+    engine_id: str
+    core: AgentCore | None = None
+    faults: FaultInjector | None = None
+    launcher: EngineLauncher | None = None
+    server: grpc.aio.Server | None = None
+    health: object | None = None
+    channel: grpc.aio.Channel | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
 async def run_agent(options: AgentOptions) -> int:
     """Runs the agent until a signal; returns the process exit code."""
     check_engine_choice(options.engine, options.engine_url)
-    engine_id = options.engine_id or _engine_id_from_certificate(options.security) or f"engine-{uuid.uuid4().hex[:8]}"
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals_seen = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        if signals_seen > 1:
-            log.warning("signal %d during shutdown ignored; cleanup continues", signum)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-
-    core = server = channel = heartbeat = health = launcher = monitor = faults = watcher = lag = None
+    agent = _RunningAgent(options.engine_id or _engine_id_from_certificate(options.security)
+                          or f"engine-{uuid.uuid4().hex[:8]}")
+    stop = stop_on_signals(log)
     errors: list[BaseException] = []
     try:
-        options.security.require_server_mode()
-        options.security.require_role("agent", engine_id)
-        faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
-        if options.launch:
-            launcher = EngineLauncher(options.launch, health_url=options.health_url,
-                                      ready_timeout_s=options.launch_timeout_s, grace_s=options.shutdown_grace_s)
-            launcher.start()
-            await launcher.wait_ready()
-            monitor = asyncio.create_task(launcher.monitor())
-        adapter = make_adapter(options.engine, url=options.engine_url, checkpoint_dir=options.checkpoint_dir,
-                               model=options.model, step_delay_s=options.step_delay_s)
-        core = AgentCore(engine_id=engine_id, adapter=adapter, faults=faults, launcher=launcher)
-        lag = asyncio.create_task(LoopLagMonitor("agent").run())
-        if options.metrics_port:
-            metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
-        # The engine is asked how it is on the watch's own thread, never on this loop;
-        # the first answer is in before the coordinator hears of us.
-        await core.watch.refresh()
-        watcher = asyncio.create_task(core.watch.run())
-        server, health, core.address = await start_server(
-            security=options.security, faults=faults, service=SERVICE, listen=options.listen,
-            add_servicer=lambda s: agent_pb2_grpc.add_EngineAgentServicer_to_server(core, s))
-        channel = options.security.channel(options.coordinator, options=CHANNEL_OPTIONS)
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        interval = await _register(stub, core, options)
-        if options.port_file:
-            write_port_file(options.port_file, core.address)
-        log.info("agent %s serving on %s, registered with %s", engine_id, core.address, options.coordinator)
-        heartbeat = asyncio.create_task(_heartbeats(stub, core, options, interval))
+        await _start(agent, options)
         await stop.wait()
     except Exception as exc:
         log.error("agent failed: %r", exc)
         errors.append(exc)
     finally:
-        errors += await _shutdown(core, server, channel, [heartbeat, monitor, watcher, lag], health, launcher, faults,
-                                  options)
-    if errors:
-        log.error("agent %s stopped with errors: %r", engine_id, ExceptionGroup("agent shutdown", errors))
-        return 1
-    return 0
+        shutdown = Shutdown(log, errors=errors, faults=agent.faults)
+        await _shutdown(agent, shutdown, options.shutdown_grace_s)
+    return shutdown.exit_code(f"agent {agent.engine_id}")
 
 
-async def _shutdown(core, server, channel, tasks, health, launcher, faults,
-                    options: AgentOptions) -> list[BaseException]:
-    """Every step runs whatever failed before it; returns every failure. Each step is
-    bounded, so a stuck component cannot hang the shutdown."""
-    errors: list[BaseException] = []
-    grace = options.shutdown_grace_s
+async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
+    """Engine (launched first if asked), gRPC server, registration, heartbeats; each part
+    is kept in ``agent`` as soon as it exists, so the shutdown stops it."""
+    options.security.require_server_mode()
+    options.security.require_role("agent", agent.engine_id)
+    agent.faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
+    if options.launch:
+        agent.launcher = EngineLauncher(options.launch, health_url=options.health_url,
+                                        ready_timeout_s=options.launch_timeout_s, grace_s=options.shutdown_grace_s)
+        agent.launcher.start()
+        await agent.launcher.wait_ready()
+        agent.tasks.append(asyncio.create_task(agent.launcher.monitor()))
+    adapter = make_adapter(options.engine, url=options.engine_url, checkpoint_dir=options.checkpoint_dir,
+                           model=options.model, step_delay_s=options.step_delay_s)
+    core = agent.core = AgentCore(engine_id=agent.engine_id, adapter=adapter, faults=agent.faults,
+                                  launcher=agent.launcher)
+    agent.tasks.append(asyncio.create_task(LoopLagMonitor("agent").run()))
+    if options.metrics_port:
+        metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
+    # The engine is asked how it is on the watch's own thread, never on this loop; the
+    # first answer is in before the coordinator hears of us.
+    await core.watch.refresh()
+    agent.tasks.append(asyncio.create_task(core.watch.run()))
+    agent.server, agent.health, core.address = await start_server(
+        security=options.security, faults=agent.faults, service=SERVICE, listen=options.listen,
+        add_servicer=lambda s: agent_pb2_grpc.add_EngineAgentServicer_to_server(core, s))
+    agent.channel = options.security.channel(options.coordinator, options=CHANNEL_OPTIONS)
+    stub = coordinator_pb2_grpc.CoordinatorStub(agent.channel)
+    interval = await _register(stub, core, options)
+    if options.port_file:
+        write_port_file(options.port_file, core.address)
+    log.info("agent %s serving on %s, registered with %s", agent.engine_id, core.address, options.coordinator)
+    agent.tasks.append(asyncio.create_task(_heartbeats(stub, core, options, interval)))
 
-    async def step(name: str, make_coro) -> None:
-        try:
-            if faults is not None and faults.take("shutdown", method=name) is not None:
-                raise RuntimeError(f"injected failure in shutdown step {name!r}")
-            await asyncio.wait_for(make_coro(), timeout=3 * grace + 5)
-        except Exception as exc:
-            log.error("shutdown step %s failed: %r", name, exc)
-            errors.append(exc)
 
-    if health is not None:
-        await set_not_serving(health)
+async def _shutdown(agent: _RunningAgent, shutdown: Shutdown, grace: float) -> None:
+    """Health NOT_SERVING, drain, stop the tasks, deregister, stop the server, close the
+    engine, stop the launched engine, close the channel. Each step is bounded, so a
+    stuck component cannot hang the shutdown."""
+    bound = 3 * grace + 5
+    core = agent.core
+    if agent.health is not None:
+        await set_not_serving(agent.health)
     if core is not None:
-        await step("drain", lambda: core.drain(grace))
-    for task in tasks:
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=grace)
-    if channel is not None and core is not None:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        await step("deregister", lambda: _deregister(stub, core))
-    if server is not None:
-        await step("server", lambda: server.stop(grace))
+        await shutdown.step("drain", lambda: core.drain(grace), timeout_s=bound)
+    for task in reversed(agent.tasks):  # heartbeats first: no heartbeat after deregistering
+        task.cancel()
+        await asyncio.wait({task}, timeout=grace)
+    if agent.channel is not None and core is not None:
+        stub = coordinator_pb2_grpc.CoordinatorStub(agent.channel)
+        await shutdown.step("deregister", lambda: _deregister(stub, core), timeout_s=bound)
+    if agent.server is not None:
+        await shutdown.step("server", lambda: agent.server.stop(grace), timeout_s=bound)
     if core is not None:
         async def close_core() -> None:
             failures = await asyncio.to_thread(core.close)
             if failures:
                 raise ExceptionGroup("closing the engine", failures)
-        await step("engine", close_core)
-    if launcher is not None:
-        await step("launched-engine", lambda: asyncio.to_thread(launcher.stop))
-    if channel is not None:
-        await step("channel", lambda: channel.close(grace=None))
-    return errors
+        await shutdown.step("engine", close_core, timeout_s=bound)
+    if agent.launcher is not None:
+        await shutdown.step("launched-engine", lambda: asyncio.to_thread(agent.launcher.stop), timeout_s=bound)
+    if agent.channel is not None:
+        await shutdown.step("channel", lambda: agent.channel.close(grace=None), timeout_s=bound)
 
 
 async def _deregister(stub, core: AgentCore) -> None:

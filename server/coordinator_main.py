@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
+from dataclasses import dataclass
+
+import grpc
 
 from weightsync import metrics
 from weightsync.faults import FaultInjector
@@ -18,8 +20,10 @@ from weightsync.loop_lag import LoopLagMonitor
 from weightsync.options import CoordinatorOptions
 from weightsync.server.coordinator import CoordinatorCore
 from weightsync.server.serving import (
+    Shutdown,
     set_not_serving,
     start_server,
+    stop_on_signals,
     write_port_file,
 )
 from weightsync.statedb import StateDB
@@ -29,68 +33,80 @@ log = logging.getLogger("weightsync.coordinator")
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
+@dataclass
+class _RunningCoordinator:
+    """What a running coordinator holds; the shutdown stops whatever of it was started."""
+
+    db: StateDB | None = None
+    core: CoordinatorCore | None = None
+    faults: FaultInjector | None = None
+    server: grpc.aio.Server | None = None
+    health: object | None = None
+    liveness: asyncio.Task | None = None
+    lag: asyncio.Task | None = None
+
+
 async def run_coordinator(options: CoordinatorOptions) -> int:
     """Runs the coordinator until a signal; returns the process exit code."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)  # a second signal only sets it again
-    db = core = server = health = liveness = lag = None
+    stop = stop_on_signals(log)
+    coordinator = _RunningCoordinator()
     errors: list[BaseException] = []
     try:
-        options.security.require_server_mode()
-        options.security.require_role("coordinator")
-        db = StateDB(options.state_db)
-        faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
-        core = CoordinatorCore(db, faults=faults, heartbeat_interval_s=options.heartbeat_interval_s,
-                               heartbeat_timeout_s=options.heartbeat_timeout_s,
-                               idempotency_retention_s=options.idempotency_retention_s,
-                               idempotency_max_records=options.idempotency_max_records,
-                               security=options.security)
-        core.restore_engines()
-        metrics.WEIGHT_VERSION.set(core.round.weight_version)
-        if options.metrics_port:
-            metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
-        server, health, address = await start_server(
-            security=options.security, faults=faults, service=SERVICE, listen=options.listen,
-            add_servicer=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, s))
-        if options.port_file:
-            write_port_file(options.port_file, address)
-        log.info("coordinator serving on %s (state %s, weight version %d)", address, options.state_db,
-                 core.round.weight_version)
-        liveness = asyncio.create_task(core.watch_liveness(stop))
-        lag = asyncio.create_task(LoopLagMonitor("coordinator").run())
+        await _start(coordinator, options, stop)
         await stop.wait()
     except Exception as exc:
+        log.error("coordinator failed: %r", exc)
         errors.append(exc)
     finally:
-        grace = options.shutdown_grace_s
-        if health is not None:
-            await set_not_serving(health)
-        if core is not None:
-            core.accepting = False
-        stop.set()
-        if lag is not None:
-            lag.cancel()
-        for name, coro_fn in (("liveness", lambda: asyncio.wait({liveness}, timeout=grace) if liveness else None),
-                              ("server", lambda: server.stop(grace) if server else None),
-                              ("channels", lambda: core.registry.close() if core else None)):
-            try:
-                coro = coro_fn()
-                if coro is not None:
-                    await asyncio.wait_for(coro, timeout=grace + 1)
-            except Exception as exc:
-                log.error("shutdown step %s failed: %r", name, exc)
-                errors.append(exc)
-        if db is not None:
-            try:
-                await asyncio.to_thread(db.close)
-            except Exception as exc:
-                errors.append(exc)
-    if errors:
-        log.error("coordinator stopped with errors: %r", ExceptionGroup("coordinator shutdown", errors))
-        return 1
-    return 0
+        stop.set()  # the liveness watch ends with it
+        shutdown = Shutdown(log, errors=errors, faults=coordinator.faults)
+        await _shutdown(coordinator, shutdown, options.shutdown_grace_s)
+    return shutdown.exit_code("coordinator")
+
+
+async def _start(coordinator: _RunningCoordinator, options: CoordinatorOptions, stop: asyncio.Event) -> None:
+    """State database, round state restored from it, gRPC server, liveness watch."""
+    options.security.require_server_mode()
+    options.security.require_role("coordinator")
+    coordinator.db = StateDB(options.state_db)
+    coordinator.faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
+    core = coordinator.core = CoordinatorCore(
+        coordinator.db, faults=coordinator.faults, heartbeat_interval_s=options.heartbeat_interval_s,
+        heartbeat_timeout_s=options.heartbeat_timeout_s, idempotency_retention_s=options.idempotency_retention_s,
+        idempotency_max_records=options.idempotency_max_records, security=options.security)
+    core.restore_engines()
+    metrics.WEIGHT_VERSION.set(core.round.weight_version)
+    if options.metrics_port:
+        metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
+    coordinator.server, coordinator.health, address = await start_server(
+        security=options.security, faults=coordinator.faults, service=SERVICE, listen=options.listen,
+        add_servicer=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, s))
+    if options.port_file:
+        write_port_file(options.port_file, address)
+    log.info("coordinator serving on %s (state %s, weight version %d)", address, options.state_db,
+             core.round.weight_version)
+    coordinator.liveness = asyncio.create_task(core.watch_liveness(stop))
+    coordinator.lag = asyncio.create_task(LoopLagMonitor("coordinator").run())
+
+
+async def _shutdown(coordinator: _RunningCoordinator, shutdown: Shutdown, grace: float) -> None:
+    """Health NOT_SERVING, refuse new calls, stop the tasks, stop the server (calls in
+    flight get the grace period), close the engine channels and the state database."""
+    if coordinator.health is not None:
+        await set_not_serving(coordinator.health)
+    if coordinator.core is not None:
+        coordinator.core.accepting = False
+    if coordinator.lag is not None:
+        coordinator.lag.cancel()
+    if coordinator.liveness is not None:  # it ends by itself once ``stop`` is set
+        await shutdown.step("liveness", lambda: asyncio.wait({coordinator.liveness}, timeout=grace),
+                            timeout_s=grace + 1)
+    if coordinator.server is not None:
+        await shutdown.step("server", lambda: coordinator.server.stop(grace), timeout_s=grace + 1)
+    if coordinator.core is not None:
+        await shutdown.step("channels", coordinator.core.registry.close, timeout_s=grace + 1)
+    if coordinator.db is not None:
+        await shutdown.step("state", lambda: asyncio.to_thread(coordinator.db.close), timeout_s=grace + 1)
 
 
 __all__ = ["run_coordinator"]

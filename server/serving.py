@@ -1,4 +1,5 @@
-"""What every weightsync gRPC server has: health checking, reflection, bound address.
+"""What every weightsync server process has: health checking, reflection, a bound
+address, stop signals and a bounded shutdown.
 
 Servers bind ``HOST:0`` for an ephemeral port; ``write_port_file`` publishes the
 bound address atomically so a parent (the demo, a test) can find it without races.
@@ -6,9 +7,12 @@ bound address atomically so a parent (the demo, a test) can find it without race
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -82,5 +86,51 @@ async def start_server(*, security: Security, faults: FaultInjector | None,
     return server, health_servicer, address
 
 
-__all__ = ["start_server", "add_health_and_reflection",
-           "set_not_serving", "bind", "write_port_file"]
+def stop_on_signals(log: logging.Logger) -> asyncio.Event:
+    """An event the first SIGTERM or SIGINT sets; later ones are logged and ignored, so
+    they cannot cut the cleanup short."""
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("signal %d during shutdown ignored; cleanup continues", signum)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return stop
+
+
+class Shutdown:
+    """A server process's shutdown: named steps, each bounded, each run whatever failed
+    before it; every failure is kept and makes the exit code 1.
+
+    ``faults`` (where enabled) can fail a named step, to test that the rest still runs.
+    """
+
+    def __init__(self, log: logging.Logger, *, errors: list[BaseException] | None = None,
+                 faults: FaultInjector | None = None) -> None:
+        self.log = log
+        self.errors: list[BaseException] = list(errors or [])
+        self.faults = faults
+
+    async def step(self, name: str, make_coro: Callable[[], Awaitable[object]], *, timeout_s: float) -> None:
+        try:
+            if self.faults is not None and self.faults.take("shutdown", method=name) is not None:
+                raise RuntimeError(f"injected failure in shutdown step {name!r}")
+            await asyncio.wait_for(make_coro(), timeout=timeout_s)
+        except Exception as exc:
+            self.log.error("shutdown step %s failed: %r", name, exc)
+            self.errors.append(exc)
+
+    def exit_code(self, what: str) -> int:
+        """0, or 1 after logging every failure of ``what`` together."""
+        if not self.errors:
+            return 0
+        self.log.error("%s stopped with errors: %r", what, ExceptionGroup(f"{what} shutdown", self.errors))
+        return 1
+
+
+__all__ = ["start_server", "add_health_and_reflection", "set_not_serving", "bind", "write_port_file",
+           "stop_on_signals", "Shutdown"]

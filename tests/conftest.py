@@ -8,87 +8,38 @@ and always stops every process it started, checking none is left behind.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import psutil
 import pytest
 
-from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.apps.local_cluster import LocalCluster, ServiceProcess, start_service
 
 START_TIMEOUT_S = 60.0
+# Heartbeats fast enough that a test sees a dead agent within a couple of seconds.
+TEST_HEARTBEATS = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5")
 
-
-@dataclass
-class AgentProc:
-    engine_id: str
-    address: str
-    proc: subprocess.Popen
-    log_path: str
-
-
-@dataclass
-class Cluster:
-    """A running coordinator plus agents; ``address`` is the coordinator's."""
-
-    address: str
-    coordinator: subprocess.Popen
-    agents: list[AgentProc]
-    tmp: str
-    state_db: str
-    coordinator_args: list[str] = field(default_factory=list)
-    started: list[subprocess.Popen] = field(default_factory=list)  # every process to stop at teardown
-
-    def agent(self, engine_id: str) -> AgentProc:
-        return next(a for a in self.agents if a.engine_id == engine_id)
-
-    def start_agent(self, engine_id: str, *extra: str, env: dict | None = None) -> AgentProc:
-        """Starts (or restarts) an agent; the fixture stops it at teardown."""
-        agent = start_agent(self.tmp, self.address, engine_id, *extra, env=env)
-        self.started.append(agent.proc)
-        self.agents = [a for a in self.agents if a.engine_id != engine_id] + [agent]
-        return agent
-
-    def logs(self) -> str:
-        out = []
-        for name in sorted(os.listdir(self.tmp)):
-            if name.endswith(".log"):
-                with open(os.path.join(self.tmp, name), errors="replace") as f:
-                    out.append(f"--- {name}\n{f.read()[-4000:]}")
-        return "\n".join(out)
+Cluster = LocalCluster  # what the cluster fixtures give a test
+AgentProc = ServiceProcess
 
 
 def start_coordinator(tmp: str, *extra: str, state_db: str | None = None, name: str = "coordinator",
                       listen: str = "127.0.0.1:0", env: dict | None = None):
-    """Starts a coordinator process; returns (proc, bound address, state db path)."""
+    """Starts a coordinator process outside any cluster (insecure, test heartbeats);
+    returns (proc, bound address, state db path). The caller stops it."""
     state_db = state_db or os.path.join(tmp, "state.db")
-    port_file = os.path.join(tmp, f"{name}.addr")
-    if os.path.exists(port_file):
-        os.unlink(port_file)
-    log = open(os.path.join(tmp, f"{name}.log"), "a")
-    args = ["coordinator", "--insecure", "--listen", listen, "--state-db", state_db, "--port-file", port_file,
-            "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", *extra]
-    proc = spawn(weightsync_command(*args), stdout=log, stderr=log, env={**os.environ, **(env or {})})
-    log.close()
-    return proc, wait_for_file(port_file, timeout_s=START_TIMEOUT_S, proc=proc), state_db
+    service = start_service(tmp, name, "coordinator", "--insecure", "--listen", listen, "--state-db", state_db,
+                            *TEST_HEARTBEATS, *extra, env=env, timeout_s=START_TIMEOUT_S)
+    return service.proc, service.address, state_db
 
 
 def start_agent(tmp: str, coordinator: str, engine_id: str, *extra: str, env: dict | None = None,
-                insecure: bool = True) -> AgentProc:
-    port_file = os.path.join(tmp, f"{engine_id}.addr")
-    if os.path.exists(port_file):  # a restart: never read the previous process's address
-        os.unlink(port_file)
-    log_path = os.path.join(tmp, f"{engine_id}.log")
-    log = open(log_path, "a")
+                insecure: bool = True) -> ServiceProcess:
+    """Starts an agent process outside any cluster; the caller stops it."""
     mode = ["--insecure"] if insecure else []
-    proc = spawn(weightsync_command("agent", *mode, "--coordinator", coordinator, "--engine-id", engine_id,
-                                    "--port-file", port_file, *extra),
-                 stdout=log, stderr=log, env={**os.environ, **(env or {})})
-    log.close()
-    address = wait_for_file(port_file, timeout_s=START_TIMEOUT_S, proc=proc)
-    return AgentProc(engine_id, address, proc, log_path)
+    return start_service(tmp, engine_id, "agent", *mode, "--coordinator", coordinator, "--engine-id", engine_id,
+                         *extra, env=env, timeout_s=START_TIMEOUT_S)
 
 
 def wait_available(address: str, engine_ids: list[str], timeout_s: float = 30.0) -> None:
@@ -127,33 +78,32 @@ def descendants_alive(pids: list[int]) -> list[int]:
 
 
 @pytest.fixture
-def cluster_factory(tmp_path) -> Callable[..., Cluster]:
-    """Starts clusters; stops all of their processes at teardown and checks none survive."""
-    started: list[subprocess.Popen] = []
+def cluster_factory(tmp_path) -> Callable[..., LocalCluster]:
+    """Starts LocalClusters (insecure, test heartbeats, default log level) and waits until
+    every engine is available; stops all of their processes at teardown and checks that
+    none, nor any of their children, survives."""
+    clusters: list[LocalCluster] = []
 
     def make(engines: int = 2, *, agent_args: tuple[str, ...] = (), coordinator_args: tuple[str, ...] = (),
-             agent_env: dict | None = None, coordinator_env: dict | None = None) -> Cluster:
-        tmp = str(tmp_path)
-        coordinator, address, state_db = start_coordinator(tmp, *coordinator_args, env=coordinator_env)
-        started.append(coordinator)
-        agents = []
-        for i in range(engines):
-            agent = start_agent(tmp, address, f"engine-{i}", *agent_args, env=agent_env)
-            started.append(agent.proc)
-            agents.append(agent)
-        wait_available(address, [a.engine_id for a in agents])
-        cluster = Cluster(address, coordinator, agents, tmp, state_db, list(coordinator_args), started)
+             agent_env: dict | None = None, coordinator_env: dict | None = None) -> LocalCluster:
+        cluster = LocalCluster(str(tmp_path), engines=engines, coordinator_args=(*TEST_HEARTBEATS, *coordinator_args),
+                               agent_args=agent_args, coordinator_env=coordinator_env, agent_env=agent_env,
+                               log_level=None, start_timeout_s=START_TIMEOUT_S, agent_timeout_s=START_TIMEOUT_S)
+        clusters.append(cluster)
+        cluster.__enter__()
+        wait_available(cluster.address, [a.engine_id for a in cluster.agents])
         return cluster
 
     yield make
+    started = [proc for cluster in clusters for proc in cluster.procs]
     pids = []
     for proc in started:
         try:
             pids += [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             pass
-    for proc in reversed(started):
-        stop_process(proc, grace_s=10.0)
+    for cluster in reversed(clusters):
+        cluster.__exit__(None, None, None)
     assert descendants_alive(pids) == [], "a test process outlived its cluster"
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from weightsync.bench.runner import parse_size
+from weightsync.apps.bench.runner import parse_size
 
 METHODS = {"weightsync", "per-tensor-gloo", "flat-gloo", "disk", "grpc-stream", "memcpy"}
 

@@ -27,7 +27,7 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import start_coordinator, wait_available
+from tests.conftest import wait_available
 from tests.test_attestation import perturbed
 from tests.test_rounds_end import agent_events
 from tests.test_sync_safety import BUCKET
@@ -54,7 +54,6 @@ class Chaos:
     def __init__(self, cluster, rng: random.Random) -> None:
         self.cluster = cluster
         self.rng = rng
-        self.port = cluster.address.rsplit(":", 1)[1]
         self.restarts = 0
         self.exit_codes: list[tuple[str, int | None]] = []  # (who, code) of SIGTERMed processes
 
@@ -70,22 +69,18 @@ class Chaos:
                 await asyncio.to_thread(agent.proc.wait, 30)
         elif action in ("sigterm_coordinator", "sigkill_coordinator"):
             if action == "sigterm_coordinator":
-                cluster.coordinator.send_signal(signal.SIGTERM)
-                self.exit_codes.append(("coordinator", await asyncio.to_thread(cluster.coordinator.wait, 30)))
+                cluster.coordinator.proc.send_signal(signal.SIGTERM)
+                self.exit_codes.append(("coordinator", await asyncio.to_thread(cluster.coordinator.proc.wait, 30)))
             else:
-                cluster.coordinator.kill()
-                await asyncio.to_thread(cluster.coordinator.wait, 30)
+                cluster.coordinator.proc.kill()
+                await asyncio.to_thread(cluster.coordinator.proc.wait, 30)
 
     async def heal(self) -> None:
         """Restarts whatever is down; returns when every engine is available again."""
         cluster = self.cluster
-        if cluster.coordinator.poll() is not None:
+        if cluster.coordinator.proc.poll() is not None:
             self.restarts += 1
-            proc, _, _ = await asyncio.to_thread(
-                start_coordinator, cluster.tmp, "--shutdown-grace", "1", state_db=cluster.state_db,
-                name=f"coordinator-{self.restarts}", listen=f"127.0.0.1:{self.port}")
-            cluster.coordinator = proc
-            cluster.started.append(proc)
+            await asyncio.to_thread(cluster.restart_coordinator, name=f"coordinator-{self.restarts}")
         for agent in list(cluster.agents):
             if agent.proc.poll() is not None:
                 await asyncio.to_thread(cluster.start_agent, agent.engine_id, "--enable-fault-injection",
@@ -170,4 +165,4 @@ async def test_seeded_chaos_around_sync_rounds(cluster_factory):
         started = Counter(e.idempotency_key for e in await agent_events(agent.address) if e.kind == "transfer_started")
         duplicated = {k: n for k, n in started.items() if n > 1}
         assert not duplicated, f"{agent.engine_id} ran a key's transfer twice: {duplicated} (seed {SEED})"
-    assert cluster.coordinator.poll() is None
+    assert cluster.coordinator.proc.poll() is None

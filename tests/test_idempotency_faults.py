@@ -13,7 +13,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import start_coordinator, wait_available
+from tests.conftest import wait_available
 from tests.test_sync_safety import BUCKET, kinds, slow, wait_for_event
 from weightsync.client import RetryPolicy, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
@@ -43,11 +43,9 @@ async def test_lost_responses_on_every_trainer_call_are_replayed(cluster_factory
              rpc("GetState", "delay", seconds=0.3)]
     cluster = cluster_factory(2, coordinator_args=("--enable-fault-injection",))
     # the coordinator was started without the rules; restart it with them on the same state
-    os.kill(cluster.coordinator.pid, signal.SIGTERM)
-    cluster.coordinator.wait(30)
-    proc, _, _ = start_coordinator(cluster.tmp, "--enable-fault-injection", state_db=cluster.state_db,
-                                   name="coordinator-faulty", listen=cluster.address,
-                                   env={"WEIGHTSYNC_FAULTS": json.dumps(rules)})
+    os.kill(cluster.coordinator.proc.pid, signal.SIGTERM)
+    cluster.coordinator.proc.wait(30)
+    proc = cluster.restart_coordinator(name="coordinator-faulty", env={"WEIGHTSYNC_FAULTS": json.dumps(rules)}).proc
     try:
         wait_available(cluster.address, ["engine-0", "engine-1"])
         model = ReferenceLM(PRESETS["tiny"])
@@ -81,16 +79,14 @@ async def test_coordinator_killed_mid_broadcast_then_restarted(cluster_factory):
     cluster = cluster_factory(2, agent_args=("--enable-fault-injection",),
                               agent_env={"WEIGHTSYNC_FAULTS": json.dumps([slow(1, 0.3)])})
     model = ReferenceLM(PRESETS["tiny"])
-    port = cluster.address.rsplit(":", 1)[1]
     async with TrainerClient(cluster.address, bucket_bytes=BUCKET, retry=PATIENT) as client:
         await client.pause()
         broadcast = asyncio.create_task(client.broadcast(model.named_parameters(), version=1, key="crash-1",
                                                          timeout_s=30))
         await wait_for_event(cluster.agents[0].address, "transfer_started")
-        os.kill(cluster.coordinator.pid, signal.SIGKILL)
-        cluster.coordinator.wait(10)
-        restarted, _, _ = start_coordinator(cluster.tmp, state_db=cluster.state_db, name="coordinator-restarted",
-                                            listen=f"127.0.0.1:{port}")
+        os.kill(cluster.coordinator.proc.pid, signal.SIGKILL)
+        cluster.coordinator.proc.wait(10)
+        restarted = cluster.restart_coordinator(name="coordinator-restarted").proc
         try:
             started = time.monotonic()
             try:

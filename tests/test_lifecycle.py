@@ -183,22 +183,20 @@ async def test_coordinator_sigterm_during_a_sync_then_restart(cluster_factory):
                               agent_env={"WEIGHTSYNC_FAULTS": json.dumps([slow(1, 0.2)])},
                               coordinator_args=("--shutdown-grace", "1"))
     model = ReferenceLM(PRESETS["tiny"])
-    port = cluster.address.rsplit(":", 1)[1]
     async with TrainerClient(cluster.address, bucket_bytes=BUCKET,
                              retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.1)) as client:
         sync = asyncio.create_task(client.update_weights(model.named_parameters(), version=1, timeout_s=30))
         await wait_for_event(cluster.agents[0].address, "transfer_started")
         started = time.monotonic()
-        cluster.coordinator.send_signal(signal.SIGTERM)
+        cluster.coordinator.proc.send_signal(signal.SIGTERM)
         try:
             await sync
         except WeightSyncError as exc:  # a typed error, not a hang
             assert exc.reason in ("UNAVAILABLE", "SHUTTING_DOWN", "ENGINE_UNAVAILABLE", "DEADLINE_EXCEEDED",
                                   "OPERATION_ABORTED", "TRANSFER_FAILED"), exc
         assert time.monotonic() - started < 30
-        assert await asyncio.to_thread(cluster.coordinator.wait, 30) == 0
-    restarted, _, _ = start_coordinator(cluster.tmp, state_db=cluster.state_db, name="coordinator2",
-                                        listen=f"127.0.0.1:{port}")
+        assert await asyncio.to_thread(cluster.coordinator.proc.wait, 30) == 0
+    restarted = cluster.restart_coordinator(name="coordinator2").proc
     try:
         await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
         async with TrainerClient(cluster.address) as client:
@@ -237,7 +235,7 @@ async def test_a_health_watcher_sees_not_serving_and_does_not_keep_servers_alive
     """Load balancers hold ``Health/Watch`` streams open. On SIGTERM each server tells its
     watchers NOT_SERVING, ends their streams with its other calls, and exits 0 promptly
     (a thread-based health servicer kept both servers running after SIGTERM)."""
-    servers = [(cluster.agents[0].address, cluster.agents[0].proc), (cluster.address, cluster.coordinator)]
+    servers = [(cluster.agents[0].address, cluster.agents[0].proc), (cluster.address, cluster.coordinator.proc)]
     for address, proc in servers:
         async with grpc.aio.insecure_channel(address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)

@@ -61,3 +61,34 @@ def test_no_pickle_on_any_wire():
     offenders = [use for folder in ("weightsync", "server", "client") for p in sorted((ROOT / folder).rglob("*.py"))
                  for use in pickling_uses(p.read_text(), str(p.relative_to(ROOT)))]
     assert offenders == []
+
+
+def imports_of(source: str) -> set[str]:
+    """Every module a source imports, at any depth (lazy imports inside functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_import_check_sees_lazy_and_from_imports():
+    assert "weightsync.apps.demo" in imports_of("def f():\n    from weightsync.apps import demo\n")
+    assert "weightsync.apps.cli" in imports_of("import weightsync.apps.cli as c\n")
+    assert not any(n.startswith("weightsync.apps") for n in imports_of("from weightsync import plan\n"))
+
+
+def test_dependencies_point_one_way():
+    """Dependencies point one way: apps (CLI, demo, bench, local cluster) -> server/client
+    -> core. ``weightsync/__main__.py`` is the entry point that runs the CLI."""
+    core = [p for p in sorted((ROOT / "weightsync").rglob("*.py"))
+            if "apps" not in p.relative_to(ROOT).parts and p.name != "__main__.py"]
+    offenders = [(str(p.relative_to(ROOT)), name) for p in [*core, *(ROOT / "server").rglob("*.py"),
+                                                            *(ROOT / "client").rglob("*.py")]
+                 for name in imports_of(p.read_text()) if name.startswith("weightsync.apps")]
+    offenders += [(str(p.relative_to(ROOT)), name) for p in sorted((ROOT / "client").rglob("*.py"))
+                  for name in imports_of(p.read_text()) if name.startswith("weightsync.server")]
+    assert offenders == []

@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from tests.conftest import start_coordinator, wait_available
+from tests.conftest import wait_available
 from tests.test_attestation import perturbed
 from tests.test_rounds_end import agent_events, coordinator_events
 from weightsync.client import TrainerClient
@@ -88,12 +88,9 @@ async def test_steps_name_the_plan_by_id_and_restarts_get_it_whole(cluster):
 
         # A restarted coordinator holds no plan: the trainer's step by id is answered
         # PLAN_UNKNOWN, and the same key with the whole plan then runs once.
-        port = cluster.address.rsplit(":", 1)[1]
-        os.kill(cluster.coordinator.pid, signal.SIGKILL)
-        await asyncio.to_thread(cluster.coordinator.wait, 10)
-        restarted, _, _ = await asyncio.to_thread(start_coordinator, cluster.tmp, state_db=cluster.state_db,
-                                                  name="coordinator2", listen=f"127.0.0.1:{port}")
-        cluster.started.append(restarted)
+        os.kill(cluster.coordinator.proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(cluster.coordinator.proc.wait, 10)
+        await asyncio.to_thread(cluster.restart_coordinator, name="coordinator2")
         await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
         assert (await client.update_weights(models[2].named_parameters(), version=3, timeout_s=60)).ok
         events = await coordinator_events(cluster.address)

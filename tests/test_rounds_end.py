@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import start_agent, start_coordinator, wait_available
+from tests.conftest import start_agent, wait_available
 from tests.test_attestation import perturbed
 from tests.test_sync_safety import BUCKET, slow, wait_for_event
 from weightsync.client import EngineClient, RetryPolicy, SyncFailed, TrainerClient
@@ -173,12 +173,9 @@ async def test_a_restarted_trainer_retries_its_whole_sync_with_its_key(cluster):
 
 async def test_a_sync_right_after_a_coordinator_restart_waits_for_the_engines(cluster):
     model = perturbed(3)
-    port = cluster.address.rsplit(":", 1)[1]
-    cluster.coordinator.send_signal(signal.SIGTERM)
-    assert await asyncio.to_thread(cluster.coordinator.wait, 30) == 0
-    restarted, _, _ = await asyncio.to_thread(start_coordinator, cluster.tmp, state_db=cluster.state_db,
-                                              name="coordinator2", listen=f"127.0.0.1:{port}")
-    cluster.started.append(restarted)
+    cluster.coordinator.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(cluster.coordinator.proc.wait, 30) == 0
+    await asyncio.to_thread(cluster.restart_coordinator, name="coordinator2")
     # No waiting for the agents to heartbeat again: the coordinator waits for them
     # (they are known from before the restart) instead of syncing a subset or none.
     async with TrainerClient(cluster.address) as client:

@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
+from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import TrainerClient
 from weightsync.engine.model import ReferenceLM, config_for_size
 from weightsync.errors import InvalidArgument
-from weightsync.local_cluster import LocalCluster
 
 PAYLOAD = 128 << 20
 MAX_RATIO = 6.0

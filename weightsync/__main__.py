@@ -1,3 +1,3 @@
-from weightsync.cli import main
+from weightsync.apps.cli import main
 
 raise SystemExit(main())

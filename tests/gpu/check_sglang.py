@@ -37,9 +37,9 @@ import urllib.request
 import torch
 from safetensors.torch import load_file
 
+from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import TrainerClient
 from weightsync.errors import InvalidArgument
-from weightsync.local_cluster import LocalCluster
 
 CHECKED = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 

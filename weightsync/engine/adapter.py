@@ -82,7 +82,6 @@ class EngineAdapter(abc.ABC):
     """What an agent needs from an engine."""
 
     name: str = "engine"
-    wake_resumes = False        # True: waking the last sleeping tag resumes the engine by itself
     # True: fault(), weight_version and counts() read local memory (never block), so
     # the agent may read them live on its loop instead of from the polled snapshot.
     state_is_local = False
@@ -98,6 +97,12 @@ class EngineAdapter(abc.ABC):
 
     @abc.abstractmethod
     def wake(self, tags: Sequence[str]) -> list[str]: ...
+
+    def wake_paused(self, tags: Sequence[str]) -> list[str]:
+        """Wakes ``tags`` only where the engine stays paused (after a failed receive it
+        must not run); returns the tags woken. Waking memory does not resume an engine,
+        so by default this is ``wake``; an engine whose wake resumes it overrides this."""
+        return self.wake(tags)
 
     @property
     @abc.abstractmethod

@@ -48,7 +48,6 @@ class VllmAdapter(HttpEngineAdapter):
 
     name = "vllm"
     engine_label = "vLLM"
-    wake_resumes = True  # a full /wake_up resumes vLLM's scheduler by itself
 
     def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
         super().__init__(url, timeout_s=timeout_s)
@@ -91,6 +90,12 @@ class VllmAdapter(HttpEngineAdapter):
             self._call("POST", "/wake_up", query=[("tags", t) for t in woken])
             self._asleep.difference_update(woken)
         return woken
+
+    def wake_paused(self, tags):
+        # A full /wake_up resumes vLLM's scheduler by itself: nothing is woken, and
+        # Resume wakes the tags first if the engine is ever allowed to run.
+        validate_tags(tags)
+        return []
 
     @property
     def asleep(self) -> list[str]:

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
                 engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port))))
         if args.command == "demo":
-            from weightsync.demo import run_demo
+            from weightsync.apps.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)
         if args.command == "bench":
             return _bench(args)
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(args) -> int:
     from weightsync import transport as transports
-    from weightsync.bench.runner import parse_size, ratios, run_bench, table
+    from weightsync.apps.bench.runner import parse_size, ratios, run_bench, table
 
     chosen = args.transport or ["gloo", "shm"]
     for name in chosen:

@@ -20,9 +20,9 @@ from collections import Counter
 
 import torch
 
+from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import EngineClient, LoopLagProbe, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.local_cluster import LocalCluster
 from weightsync.pki import generate_dev_pki, tls_args
 from weightsync.plan import weights_digest
 from weightsync.security import Security
@@ -61,9 +61,9 @@ def run_demo(*, steps: int = 8, engines: int = 2, transport: str = "gloo") -> in
                               agent_timeout_s=START_TIMEOUT_S,
                               agent_args=("--engine", "reference", "--model", "tiny", "--step-delay", "0.002")
                               ) as cluster:
-                print(f"coordinator {cluster.address}; engines {', '.join(cluster.agents)}; transport {transport}; "
+                print(f"coordinator {cluster.address}; engines {', '.join(cluster.agent_addresses)}; transport {transport}; "
                       "mutual TLS with a certificate per role + token")
-                return asyncio.run(_train(cluster.address, cluster.agents, steps=steps, transport=transport,
+                return asyncio.run(_train(cluster.address, cluster.agent_addresses, steps=steps, transport=transport,
                                           security=security))
         except KeyboardInterrupt:  # the cluster has already stopped every process
             print("\ninterrupted; stopping every process", file=sys.stderr)

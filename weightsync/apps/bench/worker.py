@@ -1,6 +1,6 @@
 """Receiver process for the baselines of ``weightsync bench`` (never used by weightsync itself).
 
-``python -m weightsync.bench.worker --store HOST:PORT --rank R --world W --plan-json PATH``
+``python -m weightsync.apps.bench.worker --store HOST:PORT --rank R --world W --plan-json PATH``
 
 Each baseline is a step driven through the bench's TCPStore: the worker waits for
 ``go/<method>/<step>``, receives the payload its way, then sets

@@ -58,7 +58,7 @@ class Baselines:
         remote = [m for m in self.methods if m != "memcpy"]
         if remote:
             for rank in range(1, self.engines + 1):
-                self.procs.append(spawn([sys.executable, "-m", "weightsync.bench.worker", "--store",
+                self.procs.append(spawn([sys.executable, "-m", "weightsync.apps.bench.worker", "--store",
                                          f"127.0.0.1:{self.store.port}", "--rank", str(rank), "--world",
                                          str(self.engines + 1), "--plan-json", plan_path, "--steps",
                                          str(self.steps), "--methods", ",".join(remote)]))
