@@ -39,6 +39,7 @@ from weightsync.server.serving import (
     write_port_file,
 )
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
+from weightsync.validate import check_engine_id
 
 log = logging.getLogger("weightsync.agent")
 # Bounded by --register-timeout, not by a count.
@@ -124,6 +125,7 @@ async def run_agent(options: AgentOptions) -> int:
 async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     """Engine (launched first if asked), gRPC server, registration, heartbeats; each part
     is kept in ``agent`` as soon as it exists, so the shutdown stops it."""
+    check_engine_id(agent.engine_id)  # before anything starts, not at registration
     options.security.require_server_mode()
     options.security.require_role("agent", agent.engine_id)
     agent.faults = FaultInjector.from_env(enabled=options.enable_fault_injection)

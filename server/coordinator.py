@@ -37,13 +37,13 @@ from weightsync.server.registry import EngineRecord, EngineRegistry, unreachable
 from weightsync.server.round import SyncRound
 from weightsync.statedb import StateDB
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from weightsync.validate import MAX_ENGINE_ID_LEN, check_engine_id
 
 log = logging.getLogger("weightsync.coordinator")
 # The idempotency key of the operation the current task serves: events it emits
 # carry it, so an operator can count executions per key.
 OPERATION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("weightsync_operation_key", default="")
 
-MAX_ENGINE_ID_LEN = 128
 MAX_ADDRESS_LEN = 512
 
 
@@ -204,8 +204,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             if len(engine_id) > MAX_ENGINE_ID_LEN or len(address) > MAX_ADDRESS_LEN or len(request.model) > 4096:
                 raise InvalidArgument(f"engine_id (at most {MAX_ENGINE_ID_LEN}), agent_address (at most "
                                       f"{MAX_ADDRESS_LEN}) or model (at most 4096) is too long")
-            if not engine_id or not all(32 < ord(c) < 127 for c in engine_id):
-                raise InvalidArgument("engine_id must be 1-128 printable ASCII characters without spaces")
+            check_engine_id(engine_id)
             check_agent_address(address)
             await self._refuse_hijack(engine_id, address)
             why = await self.registry.probe(address)

@@ -247,7 +247,7 @@ class SyncRound:
             self.round_engines = [o.engine_id for o in outcomes if o.ok]
             self.phase = "paused" if self.round_engines else "idle"
             await self.save()
-            await self._report("pause", outcomes, ok=bool(self.round_engines))
+            self._report("pause", outcomes, ok=bool(self.round_engines))
             metrics.ROUND_ID.set(self.round_id)
             await self.emit("paused", round_id=self.round_id, engines=",".join(self.round_engines),
                             failed=",".join(o.engine_id for o in outcomes if not o.ok))
@@ -274,7 +274,7 @@ class SyncRound:
             raise EngineUnavailable("no engine is available")
         return members
 
-    async def _report(self, step: str, outcomes: list[common_pb2.EngineOutcome], *, ok: bool) -> None:
+    def _report(self, step: str, outcomes: list[common_pb2.EngineOutcome], *, ok: bool) -> None:
         metrics.ROUNDS.labels(step, "ok" if ok else "failed").inc()
         for o in outcomes:
             if not o.ok:
@@ -470,7 +470,7 @@ class SyncRound:
             self.phase = "failed"
             self.epoch += 1  # never reuse a group that saw a failure
         await self.save()
-        await self._report("broadcast", outcomes, ok=ok)
+        self._report("broadcast", outcomes, ok=ok)
         metrics.SYNC_SECONDS.observe(seconds)
         if ok:
             metrics.SYNC_BYTES.observe(setup.plan.total_bytes)
@@ -502,7 +502,7 @@ class SyncRound:
             self.round_engines = still_paused  # they stay members until a good round
             self.phase = "failed" if still_paused else "idle"
             await self.save()
-            await self._report("resume", outcomes, ok=not still_paused)
+            self._report("resume", outcomes, ok=not still_paused)
             await self.emit("resumed", engines=",".join(o.engine_id for o in outcomes if o.ok),
                             still_paused=",".join(still_paused))
             return coordinator_pb2.ResumeResponse(engines=outcomes)

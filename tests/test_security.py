@@ -157,34 +157,34 @@ def _denied(info) -> str:
     return info.value.details()
 
 
-def _coordinator_state(pki, address: str) -> coordinator_pb2.GetStateResponse:
-    with role(pki, "trainer").sync_channel(address) as channel:
-        return coordinator_pb2_grpc.CoordinatorStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
+async def _coordinator_state(pki, address: str) -> coordinator_pb2.GetStateResponse:
+    async with role(pki, "trainer").channel(address) as channel:
+        return await coordinator_pb2_grpc.CoordinatorStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
 
 
-def test_each_role_may_call_only_its_own_methods(secure_cluster, pki):
+async def test_each_role_may_call_only_its_own_methods(secure_cluster, pki):
     """The agent obeys only the coordinator; the coordinator takes rounds only from a
     trainer and engine-0's registration and heartbeats only from agent:engine-0."""
     address, agent_address, _ = secure_cluster
-    before = next(e for e in _coordinator_state(pki, address).engines if e.engine_id == "engine-0")
+    before = next(e for e in (await _coordinator_state(pki, address)).engines if e.engine_id == "engine-0")
     assert before.available and not before.paused and not before.torn
 
     # a trainer (or another engine's agent) commanding the agent directly
     for caller in (role(pki, "trainer"), role(pki, "agent", "engine-1")):
-        with caller.sync_channel(agent_address) as channel:
+        async with caller.channel(agent_address) as channel:
             agent = agent_pb2_grpc.EngineAgentStub(channel)
             for call, request in ((agent.Pause, agent_pb2.AgentPauseRequest(idempotency_key="p")),
                                   (agent.Sleep, agent_pb2.SleepRequest(idempotency_key="s"))):
                 with pytest.raises(grpc.RpcError) as info:
-                    call(request, timeout=10)
+                    await call(request, timeout=10)
                 assert "may be called by coordinator" in _denied(info)
-            assert agent.GetState(agent_pb2.AgentStateRequest(), timeout=10).engine_id == "engine-0"  # reads: any role
+            assert (await agent.GetState(agent_pb2.AgentStateRequest(), timeout=10)).engine_id == "engine-0"  # reads: any role
 
     # an agent, or the coordinator's own certificate, driving a round
     for caller in (role(pki, "agent", "engine-0"), role(pki, "coordinator")):
-        with caller.sync_channel(address) as channel:
+        async with caller.channel(address) as channel:
             with pytest.raises(grpc.RpcError) as info:
-                coordinator_pb2_grpc.CoordinatorStub(channel).Pause(
+                await coordinator_pb2_grpc.CoordinatorStub(channel).Pause(
                     coordinator_pb2.PauseRequest(idempotency_key="pause-by-wrong-role"), timeout=10)
             assert "may be called by trainer" in _denied(info)
 
@@ -192,28 +192,28 @@ def test_each_role_may_call_only_its_own_methods(secure_cluster, pki):
     # the trainer trying the same
     spoofed = common_pb2.EngineState(engine_id="engine-0", faulted=True, torn=True, weight_version=2**64 - 1)
     for caller in (role(pki, "agent", "engine-1"), role(pki, "trainer")):
-        with caller.sync_channel(address) as channel:
+        async with caller.channel(address) as channel:
             coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
             with pytest.raises(grpc.RpcError) as info:
-                coordinator.Heartbeat(coordinator_pb2.HeartbeatRequest(state=spoofed), timeout=10)
+                await coordinator.Heartbeat(coordinator_pb2.HeartbeatRequest(state=spoofed), timeout=10)
             _denied(info)
             with pytest.raises(grpc.RpcError) as info:
-                coordinator.RegisterEngine(coordinator_pb2.RegisterEngineRequest(
+                await coordinator.RegisterEngine(coordinator_pb2.RegisterEngineRequest(
                     idempotency_key="hijack", engine_id="engine-0", agent_address="127.0.0.1:1"), timeout=10)
             _denied(info)
             with pytest.raises(grpc.RpcError) as info:
-                coordinator.DeregisterEngine(coordinator_pb2.DeregisterEngineRequest(
+                await coordinator.DeregisterEngine(coordinator_pb2.DeregisterEngineRequest(
                     idempotency_key="evict", engine_id="engine-0"), timeout=10)
             _denied(info)
 
-    after = next(e for e in _coordinator_state(pki, address).engines if e.engine_id == "engine-0")
+    after = next(e for e in (await _coordinator_state(pki, address)).engines if e.engine_id == "engine-0")
     assert (after.address, after.available, after.paused, after.torn, after.faulted, after.weight_version) == \
         (before.address, True, False, False, False, before.weight_version)
-    with role(pki, "trainer").sync_channel(agent_address) as channel:
-        assert not agent_pb2_grpc.EngineAgentStub(channel).GetState(agent_pb2.AgentStateRequest(), timeout=10).paused
+    async with role(pki, "trainer").channel(agent_address) as channel:
+        assert not (await agent_pb2_grpc.EngineAgentStub(channel).GetState(agent_pb2.AgentStateRequest(), timeout=10)).paused
 
 
-def test_a_certificate_without_a_role_is_refused(secure_cluster, pki, tmp_path):
+async def test_a_certificate_without_a_role_is_refused(secure_cluster, pki, tmp_path):
     """Signed by the right CA, but naming no weightsync role (an old shared node
     certificate): authenticated, yet allowed nothing of weightsync's."""
     from cryptography import x509
@@ -236,9 +236,9 @@ def test_a_certificate_without_a_role_is_refused(secure_cluster, pki, tmp_path):
         f.write(plain.public_bytes(serialization.Encoding.PEM))
     security = Security.from_files(cert=issued.cert, key=issued.key, ca=pki["ca"], token_file=pki["token"])
     address, _, _ = secure_cluster
-    with security.sync_channel(address) as channel:
+    async with security.channel(address) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            coordinator_pb2_grpc.CoordinatorStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
+            await coordinator_pb2_grpc.CoordinatorStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
         assert "names no weightsync role" in _denied(info)
 
 
@@ -313,3 +313,11 @@ def test_registrations_cannot_hijack_a_live_engine_or_add_phantoms(cluster):
     assert all(e.available for e in state.engines)
     # the same id from its own address (a restarted agent on the same port) is still welcome
     _register(cluster.address, "engine-0", live, key="same-address")
+
+
+def test_an_agent_with_a_malformed_engine_id_refuses_to_start(tmp_path):
+    """The id is checked where it is given, not first at registration (a coordinator is
+    not even needed to see the error)."""
+    proc = subprocess.run([sys.executable, "-m", "weightsync", "agent", "--insecure", "--coordinator",
+                           "127.0.0.1:1", "--engine-id", "two words"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "engine_id must be" in proc.stderr, proc.stderr

@@ -142,6 +142,8 @@ class BucketPlan:
         self._offsets = ends - aligned
         self.total_bytes = int(ends[-1]) if len(ends) else 0
         self._wire = wire
+        self._embedded: dict[int, bytes] = {}  # field number -> the plan encoded as that field
+        self._embedded_lock = threading.Lock()  # made once, not per racing thread
         if not plan_id:
             wire.total_bytes = self.total_bytes
             plan_id = _fingerprint(wire)
@@ -337,14 +339,6 @@ class BucketPlan:
                 encoded = self._embedded[field_number] = (_varint(field_number << 3 | 2) + _varint(len(body))
                                                           + body)
             return encoded
-
-    @cached_property
-    def _embedded(self) -> dict[int, bytes]:
-        return {}
-
-    @cached_property
-    def _embedded_lock(self) -> threading.Lock:
-        return threading.Lock()
 
     # -- per-tensor views, made on first use -------------------------------------------------
 

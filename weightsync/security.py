@@ -124,14 +124,6 @@ class Security:
             return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
-    def sync_channel(self, address: str) -> grpc.Channel:
-        """A blocking channel (tests, scripts)."""
-        channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(self.ca, self.key, self.cert))
-                   if self.tls else grpc.insecure_channel(address))
-        if self.token:
-            channel = grpc.intercept_channel(channel, _SyncToken(self.token))
-        return channel
-
 
 INSECURE = Security(insecure=True)
 
@@ -198,28 +190,6 @@ class _TokenStream(grpc.aio.UnaryStreamClientInterceptor):
 
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(_with_token(details, self.token), request)
-
-
-class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def _details(self, details):
-        metadata = list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]
-        return _SyncDetails(details.method, details.timeout, metadata, details.credentials)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-
-class _SyncDetails(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials):
-        self.method, self.timeout, self.metadata, self.credentials = method, timeout, metadata, credentials
-        self.wait_for_ready = None
-        self.compression = None
 
 
 __all__ = ["Security", "INSECURE", "TokenAuthInterceptor", "TOKEN_ENV"]

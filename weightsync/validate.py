@@ -7,6 +7,7 @@ from weightsync.errors import InvalidArgument
 from weightsync.v1 import common_pb2
 
 MAX_TIMEOUT_S = 24 * 3600.0
+MAX_ENGINE_ID_LEN = 128
 PAUSE_MODES = (common_pb2.PAUSE_MODE_KEEP, common_pb2.PAUSE_MODE_ABORT, common_pb2.PAUSE_MODE_WAIT)
 
 
@@ -32,4 +33,14 @@ def check_port(port: int, what: str) -> int:
     return port
 
 
-__all__ = ["MAX_TIMEOUT_S", "PAUSE_MODES", "check_timeout", "check_pause_mode", "check_port"]
+def check_engine_id(engine_id: str) -> str:
+    """An engine id: 1-128 printable ASCII characters without spaces (it names the
+    engine in keys, logs, metrics labels and certificates)."""
+    if not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN or not all(32 < ord(c) < 127 for c in engine_id):
+        raise InvalidArgument(f"engine_id must be 1-{MAX_ENGINE_ID_LEN} printable ASCII characters without spaces",
+                              metadata={"field": "engine_id"})
+    return engine_id
+
+
+__all__ = ["MAX_TIMEOUT_S", "MAX_ENGINE_ID_LEN", "PAUSE_MODES", "check_timeout", "check_pause_mode", "check_port",
+           "check_engine_id"]

@@ -14,6 +14,7 @@ from weightsync.errors import WeightSyncError
 from weightsync.logs import configure_logging
 from weightsync.options import AGENT_DEFAULTS, COORDINATOR_DEFAULTS
 from weightsync.security import TOKEN_ENV, Security
+from weightsync.validate import check_engine_id
 
 
 def _add_security(p, *, server: bool) -> None:
@@ -34,6 +35,7 @@ def _security(args) -> Security:
     if args.command == "coordinator":  # under mutual TLS, the certificate must carry our role
         security.require_role("coordinator")
     elif args.command == "agent" and args.engine_id:
+        check_engine_id(args.engine_id)
         security.require_role("agent", args.engine_id)
     return security
 
