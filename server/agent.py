@@ -53,6 +53,7 @@ from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore
 from weightsync.plan import BucketPlan, dtype_name, is_reference
 from weightsync.server.engine_watch import EngineWatch
+from weightsync.server.fence import VersionFence
 from weightsync.server.launcher import EngineLauncher
 from weightsync.threads import run_in
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -144,6 +145,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._progress = (0, 0)  # (buckets done, buckets total) of the running or last receive
         self.events = EventLog(log, engine_id=engine_id)
         self.accepting = True
+        self.fence = VersionFence(self)
 
     # ----- helpers --------------------------------------------------------------------
 
@@ -151,9 +153,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         """Appends to the agent's event log (GetEvents): what happened, in order."""
         self.events.append(kind, key=OPERATION_KEY.get(), **fields)
 
-    async def _engine(self, fn: Callable[..., T], *args, **kwargs) -> T:
+    async def run_on_engine(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Runs ``fn`` on the engine's control thread (one call at a time)."""
         return await run_in(self._control, fn, *args, **kwargs)
+
+    def receiving(self) -> bool:
+        """A receive is running (its settlement included)."""
+        return self._receive_task is not None and not self._receive_task.done()
 
     def fault(self) -> str:
         """Why this engine cannot serve: the engine's own fault or its launched process's.
@@ -192,8 +198,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         engine = self.watch.current()
         fault = self.fault()
         return common_pb2.EngineState(
-            engine_id=self.engine_id, address=self.address, available=not fault, paused=self.paused,
-            receiving=self._receive_task is not None and not self._receive_task.done(),
+            engine_id=self.engine_id, address=self.address, available=not fault,
+            paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
+            receiving=self.receiving(),
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
             weight_version_unknown=not engine.version_known, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
@@ -211,11 +218,12 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._check_alive()
         check_pause_mode(request.mode)
         timeout_s = check_timeout(request.timeout_s) or DEFAULT_TIMEOUT_S
-        await self._engine(self.adapter.pause, request.mode, timeout_s=timeout_s)
-        self.paused = True
+        async with self.fence.lock:  # a fence being lifted never resumes the engine under this Pause
+            await self.run_on_engine(self.adapter.pause, request.mode, timeout_s=timeout_s)
+            self.paused = True
         self.record("paused", mode=common_pb2.PauseMode.Name(request.mode))
         if request.offload_kv:
-            slept = await self._engine(self.adapter.sleep, ["kv_cache"])
+            slept = await self.run_on_engine(self.adapter.sleep, ["kv_cache"])
             if slept:
                 self._kv_offloaded_for_sync = True
                 self.record("kv_asleep")
@@ -230,7 +238,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         tags = validate_tags(request.tags)
         if not self.paused:
             raise FailedPrecondition("sleep needs a paused engine: call Pause first")
-        slept = await self._engine(self.adapter.sleep, tags)
+        slept = await self.run_on_engine(self.adapter.sleep, tags)
         for tag in slept:
             self.record(f"{tag}_asleep".replace("kv_cache", "kv"))
         return self._outcome()
@@ -246,7 +254,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return self._outcome()
 
     async def _wake_tags(self, tags: list[str], *, keep_paused: bool = False) -> None:
-        woken = await self._engine(self.adapter.wake_paused if keep_paused else self.adapter.wake, tags)
+        woken = await self.run_on_engine(self.adapter.wake_paused if keep_paused else self.adapter.wake, tags)
         if "weights" in woken:
             # Woken weights are empty storage: nothing trustworthy until a good receive.
             self.torn, self.torn_version = True, self.torn_version or 0
@@ -276,12 +284,19 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 f"engine {self.engine_id} holds torn weights (failed move to version {self.torn_version}); "
                 "it stays paused until a good broadcast or a resume with allow_torn",
                 metadata={"engine_id": self.engine_id, "torn_version": str(self.torn_version)})
-        if "kv_cache" in self._asleep_tags():
-            await self._wake_tags(["kv_cache"])  # Invariant 1: KV awake before any step
-        await self._engine(self.adapter.resume)
-        self.paused = False
+        async with self.fence.lock:
+            # Never release an engine older than the fleet: it stays paused and fenced.
+            self.fence.check_resume(self.watch.current().weight_version)
+            await self.release_engine()
+            self.paused = False
         self.record("resumed", allow_torn=request.allow_torn, torn=self.torn)
         return self._outcome()
+
+    async def release_engine(self) -> None:
+        """Lets the engine run: its KV cache awake first (Invariant 1), then resumed."""
+        if "kv_cache" in self._asleep_tags():
+            await self._wake_tags(["kv_cache"])
+        await self.run_on_engine(self.adapter.resume)
 
     # ----- RPCs: weights --------------------------------------------------------------
 
@@ -289,8 +304,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if request.validate_only:
             try:
                 # Off the loop: the plan may hold 20k tensors, and an HTTP engine answers slowly.
-                await self._engine(self._check_alive)
-                await self._engine(self.validate_receive, request)
+                await self.run_on_engine(self._check_alive)
+                await self.run_on_engine(self.validate_receive, request)
             except WeightSyncError as exc:
                 await abort_with(context, exc)
             return self._outcome()
@@ -386,8 +401,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     async def _start_receive(self, request) -> _ReceiveJob:
         """Checks everything, then claims the engine for one receive (nothing has
         changed if this raises)."""
-        await self._engine(self._check_alive)
-        plan, receiver, probe = await self._engine(self.validate_receive, request)
+        await self.run_on_engine(self._check_alive)
+        plan, receiver, probe = await self.run_on_engine(self.validate_receive, request)
         if not self.paused:
             raise FailedPrecondition("receive needs a paused engine: call Pause first")
         if self._receive_task is not None and not self._receive_task.done():
@@ -411,7 +426,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if job.error is None and restore_stale is not None:
             restore_stale()
         if job.error is None and request.weights_digest:
-            digest = await job.wait(asyncio.ensure_future(self._engine(self.adapter.weights_digest)))
+            digest = await job.wait(asyncio.ensure_future(self.run_on_engine(self.adapter.weights_digest)))
             if job.error is None and digest != request.weights_digest:
                 job.error = TransferError("received weights do not match the trainer's digest")
         if job.error is None and job.probe is not None:
@@ -423,7 +438,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if job.error is None:
             # Off the loop (an HTTP call for vLLM and SGLang): an engine that cannot record
             # the version fails the receive like any other step.
-            await job.wait(asyncio.ensure_future(self._engine(self.adapter.commit, request.version)))
+            await job.wait(asyncio.ensure_future(self.run_on_engine(self.adapter.commit, request.version)))
             if job.error is None:
                 self.watch.committed(request.version)
 
@@ -510,13 +525,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     async def GetState(self, request, context):
         if request.include_digest:
-            return await self._engine(lambda: self.state(include_digest=True))
+            return await self.run_on_engine(lambda: self.state(include_digest=True))
         return self.state()
 
     async def Generate(self, request, context):
         async def submit() -> agent_pb2.GenerateResponse:
             self._check_alive()
-            rid = await self._engine(self.adapter.submit, list(request.prompt), request.max_tokens)
+            rid = await self.run_on_engine(self.adapter.submit, list(request.prompt), request.max_tokens)
             return agent_pb2.GenerateResponse(request_id=rid)
         return await self._handle(context, request.idempotency_key, "generate", request, submit,
                                   agent_pb2.GenerateResponse)

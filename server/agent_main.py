@@ -31,6 +31,7 @@ from weightsync.retry import RetryPolicy, retry
 from weightsync.security import Security
 from weightsync.server.agent import AgentCore
 from weightsync.server.launcher import EngineLauncher
+from weightsync.server.readiness import publish_readiness, serve_ready_http
 from weightsync.server.serving import (
     Shutdown,
     set_not_serving,
@@ -48,7 +49,8 @@ SERVICE = agent_pb2.DESCRIPTOR.services_by_name["EngineAgent"].full_name
 
 
 async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
-    """Registers (one key for all attempts); returns the heartbeat interval."""
+    """Registers (one key for all attempts) and applies the fleet's version it is told
+    (the engine stays fenced if it is behind); returns the heartbeat interval."""
     request = coordinator_pb2.RegisterEngineRequest(
         idempotency_key=f"register-{core.engine_id}-{uuid.uuid4().hex}", engine_id=core.engine_id,
         agent_address=core.address, model=options.model)
@@ -63,6 +65,7 @@ async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
 
     response = await retry(lambda: stub.RegisterEngine(request, timeout=max(0.1, deadline - loop.time())),
                            policy=REGISTER_RETRY, retryable=retryable, time_left=lambda: deadline - loop.time())
+    await core.fence.learn(response.weight_version)
     return response.heartbeat_interval_s or 0.5
 
 
@@ -74,6 +77,8 @@ async def _heartbeats(stub, core: AgentCore, options: AgentOptions, interval_s: 
                                             timeout=max(interval_s * 4, 1.0))
             if not response.registered:
                 interval_s = await _register(stub, core, options)
+            else:
+                core.fence.heard(response.weight_version)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code().name)
         await asyncio.sleep(interval_s)
@@ -100,6 +105,7 @@ class _RunningAgent:
     server: grpc.aio.Server | None = None
     health: object | None = None
     channel: grpc.aio.Channel | None = None
+    ready_http: asyncio.Server | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -149,6 +155,12 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     agent.server, agent.health, core.address = await start_server(
         security=options.security, faults=agent.faults, service=SERVICE, listen=options.listen,
         add_servicer=lambda s: agent_pb2_grpc.add_EngineAgentServicer_to_server(core, s))
+    agent.tasks.append(asyncio.create_task(publish_readiness(core, agent.health)))
+    if options.ready_port:
+        agent.ready_http = await serve_ready_http(core, options.listen.rpartition(":")[0] or "127.0.0.1",
+                                                  options.ready_port)
+    # Until the coordinator says the fleet's version, the engine may hold older weights.
+    await core.fence.raise_until_known()
     agent.channel = options.security.channel(options.coordinator, options=CHANNEL_OPTIONS)
     stub = coordinator_pb2_grpc.CoordinatorStub(agent.channel)
     interval = await _register(stub, core, options)
@@ -166,7 +178,10 @@ async def _shutdown(agent: _RunningAgent, shutdown: Shutdown, grace: float) -> N
     core = agent.core
     if agent.health is not None:
         await set_not_serving(agent.health)
+    if agent.ready_http is not None:
+        agent.ready_http.close()  # a probe now finds the port closed: not ready
     if core is not None:
+        await core.fence.stop()
         await shutdown.step("drain", lambda: core.drain(grace), timeout_s=bound)
     for task in reversed(agent.tasks):  # heartbeats first: no heartbeat after deregistering
         task.cancel()

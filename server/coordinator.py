@@ -268,10 +268,17 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         self._export_engine(record)
         if not was_available and self.registry.is_available(record):
             await self.emit("engine_available", record.engine_id)
-        return coordinator_pb2.HeartbeatResponse(registered=True)
+        return coordinator_pb2.HeartbeatResponse(registered=True, weight_version=self.round.weight_version)
+
+    def _versions_behind(self, state: common_pb2.EngineState) -> int:
+        """How many versions the engine's weights are older than the fleet's."""
+        return max(0, self.round.weight_version - state.weight_version)
 
     def _export_engine(self, record: EngineRecord) -> None:
         engine = record.engine_id
+        available = self.registry.is_available(record)
+        metrics.ENGINE_READY.labels(engine).set(1 if available and record.state.ready else 0)
+        metrics.ENGINE_VERSIONS_BEHIND.labels(engine).set(self._versions_behind(record.state))
         metrics.ENGINE_VERSION.labels(engine).set(record.state.weight_version)
         metrics.ENGINE_AVAILABLE.labels(engine).set(1 if self.registry.is_available(record) else 0)
         metrics.ENGINE_PAUSED.labels(engine).set(1 if record.state.paused else 0)
@@ -320,6 +327,9 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             view.available, view.heartbeat_age_s = available, age
 
         await asyncio.gather(*(refresh(r, v) for r, v in zip(records, engines, strict=True)))
+        for view in engines:
+            view.versions_behind = self._versions_behind(view)
+            view.ready = view.ready and view.available
         return coordinator_pb2.GetStateResponse(
             weight_version=self.round.weight_version, engines=engines, round=self.round.view())
 

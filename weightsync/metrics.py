@@ -25,6 +25,10 @@ ENGINE_VERSION = Gauge("weightsync_engine_weight_version", "Weight version each 
 ENGINE_AVAILABLE = Gauge("weightsync_engine_available", "1 while the engine heartbeats and is healthy", ["engine"])
 ENGINE_PAUSED = Gauge("weightsync_engine_paused", "1 while the engine is paused", ["engine"])
 ENGINE_TORN = Gauge("weightsync_engine_torn", "1 while the engine holds torn weights", ["engine"])
+ENGINE_READY = Gauge("weightsync_engine_ready", "1 while the engine serves the fleet's version (what routers follow)",
+                     ["engine"])
+ENGINE_VERSIONS_BEHIND = Gauge("weightsync_engine_versions_behind",
+                               "the fleet's version minus the engine's (0: current)", ["engine"])
 CLIENT_SYNC_SECONDS = Histogram("weightsync_client_sync_seconds", "update_weights duration seen by the trainer",
                                 buckets=_SECONDS)
 LOOP_LAG_MS = Gauge("weightsync_loop_lag_ms", "Largest event-loop lag of this server process (window: all = since "
@@ -39,5 +43,6 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
 
 
 __all__ = ["serve", "SYNC_SECONDS", "SYNC_BYTES", "ROUNDS", "ROUND_ID", "BROADCAST_IN_PROGRESS", "FAILURES", "REPLAYS", "WEIGHT_VERSION",
-           "ENGINE_VERSION", "ENGINE_AVAILABLE", "ENGINE_PAUSED", "ENGINE_TORN", "CLIENT_SYNC_SECONDS",
+           "ENGINE_VERSION", "ENGINE_AVAILABLE", "ENGINE_PAUSED", "ENGINE_TORN", "ENGINE_READY",
+           "ENGINE_VERSIONS_BEHIND", "CLIENT_SYNC_SECONDS",
            "CLIENT_LOOP_LAG_MS"]

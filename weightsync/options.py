@@ -48,6 +48,7 @@ class AgentOptions:
     checkpoint_dir: str = ""
     security: Security = field(default_factory=Security)
     metrics_port: int = 0
+    ready_port: int = 0
 
 
 COORDINATOR_DEFAULTS = CoordinatorOptions()

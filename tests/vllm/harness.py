@@ -80,10 +80,11 @@ class Stack:
     model: str
 
 
-@contextlib.contextmanager
-def agent_stack(model: str, tmp: str, *, engine_id: str = "vllm-0", faults: str = "") -> Iterator[Stack]:
-    """Starts the coordinator and the agent (which launches vLLM); always stops both.
-    ``faults``: a WEIGHTSYNC_FAULTS rule list; the agent then runs with fault injection on."""
+def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vllm-0",
+                     faults: str = "") -> tuple[subprocess.Popen, str]:
+    """An agent that launches vLLM (with weightsync's worker extension) and registers
+    with the coordinator at ``address``; returns (agent process, vLLM url). The caller
+    stops the agent (which stops vLLM)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **VLLM_ENV}
@@ -91,21 +92,34 @@ def agent_stack(model: str, tmp: str, *, engine_id: str = "vllm-0", faults: str 
     if faults:
         env["WEIGHTSYNC_FAULTS"] = faults
         fault_args = ["--enable-fault-injection"]
-    coordinator, address, _ = start_coordinator(tmp)
-    agent = None
+    port_file = os.path.join(tmp, f"{engine_id}.addr")
+    with open(os.path.join(tmp, f"{engine_id}.log"), "w") as log:
+        agent = spawn(weightsync_command(
+            "agent", "--insecure", "--coordinator", address, "--engine", "vllm", "--engine-url", url,
+            "--engine-id", engine_id, "--port-file", port_file,
+            "--health-url", f"{url}/health", "--launch-timeout", "300", "--shutdown-grace", "10", *fault_args,
+            "--launch", "--", *vllm_server(model, port, *EXTENSION)), env=env, stdout=log, stderr=log)
     try:
-        with open(os.path.join(tmp, "agent.log"), "w") as log:
-            agent = spawn(weightsync_command(
-                "agent", "--insecure", "--coordinator", address, "--engine", "vllm", "--engine-url", url,
-                "--engine-id", engine_id, "--port-file", os.path.join(tmp, "agent.addr"),
-                "--health-url", f"{url}/health", "--launch-timeout", "300", "--shutdown-grace", "10", *fault_args,
-                "--launch", "--", *vllm_server(model, port, *EXTENSION)), env=env, stdout=log, stderr=log)
-        wait_for_file(os.path.join(tmp, "agent.addr"), timeout_s=360, proc=agent)
+        wait_for_file(port_file, timeout_s=360, proc=agent)
         wait_available(address, [engine_id], timeout_s=60)
-        yield Stack(address, url, agent, tmp, model)
-    finally:
-        if agent is not None:
+    except BaseException:
+        stop_process(agent, grace_s=20)
+        raise
+    return agent, url
+
+
+@contextlib.contextmanager
+def agent_stack(model: str, tmp: str, *, engine_id: str = "vllm-0", faults: str = "") -> Iterator[Stack]:
+    """Starts the coordinator and the agent (which launches vLLM); always stops both.
+    ``faults``: a WEIGHTSYNC_FAULTS rule list; the agent then runs with fault injection on."""
+    coordinator, address, _ = start_coordinator(tmp)
+    try:
+        agent, url = start_vllm_agent(address, model, tmp, engine_id=engine_id, faults=faults)
+        try:
+            yield Stack(address, url, agent, tmp, model)
+        finally:
             stop_process(agent, grace_s=20)
+    finally:
         stop_process(coordinator, grace_s=10)
 
 

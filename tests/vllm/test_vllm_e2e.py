@@ -35,11 +35,13 @@ from tests.vllm.harness import (
     make_model,
     ready_for_a_test,
     round_weights,
+    start_vllm_agent,
     trainer_greedy,
     trainer_logits_fn,
     trainer_model,
 )
 from weightsync.client import Probe, TrainerClient
+from weightsync.lifecycle import stop_process
 from weightsync.plan import weights_digest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -183,6 +185,45 @@ async def test_offload_kv_sync_wakes_before_resume(vllm_stack, tiny_model):
     assert not engine.asleep_tags and not engine.paused
     assert get(url, "/is_paused")["is_paused"] is False
     assert complete(url, tiny_model)  # serving
+
+
+async def test_a_vllm_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(vllm_stack, tiny_model, tmp_path):
+    """A second vLLM booted with the base checkpoint joins a fleet that has moved on: its
+    agent keeps it paused (a completion sent to it does not run) and not ready until
+    the next Broadcast brings it to the fleet's version; then its greedy completions
+    equal the first vLLM's and the trainer's own model."""
+    address, url, _, _ = vllm_stack
+    original = checkpoint(tiny_model)
+    async with TrainerClient(address) as client:
+        version = (await client.get_state()).weight_version + 1
+        assert (await client.update_weights(round_weights(original, 300), version=version, timeout_s=120)).ok
+        joiner, joiner_url = await asyncio.to_thread(start_vllm_agent, address, tiny_model, str(tmp_path),
+                                                     engine_id="vllm-1")
+        try:
+            late = next(e for e in (await client.get_state()).engines if e.engine_id == "vllm-1")
+            assert late.fenced and not late.ready and late.versions_behind == version, late
+            assert get(joiner_url, "/is_paused")["is_paused"] is True
+            answers: list = []
+            pending = threading.Thread(target=lambda: answers.append(completions(joiner_url, tiny_model)),
+                                       daemon=True)
+            pending.start()
+            pending.join(timeout=3.0)
+            assert pending.is_alive() and not answers, "a fenced vLLM ran a completion"
+
+            weights = round_weights(original, 301)
+            result = await client.update_weights(weights, version=version + 1, timeout_s=180)
+            assert result.ok and {e.engine_id for e in result.engines} == {"vllm-0", "vllm-1"}, result
+            pending.join(timeout=60)
+            assert answers, "the held completion did not finish after the broadcast"
+            state = {e.engine_id: e for e in (await client.get_state()).engines}
+            assert state["vllm-1"].ready and state["vllm-1"].weight_version == version + 1, state["vllm-1"]
+            model = trainer_model(tiny_model, weights)
+            joined = greedy_all(joiner_url)
+            assert_same_outputs(joined, greedy_all(url), "the joiner against the first vLLM")
+            assert_same_outputs(joined, [trainer_greedy(model, p) for p in PROMPTS], "the joiner against the trainer")
+            assert answers[0] == completions(url, tiny_model)  # the held request ran with the new weights
+        finally:
+            await asyncio.to_thread(stop_process, joiner, grace_s=20)
 
 
 def test_agent_sigterm_reaps_vllm(vllm_stack):

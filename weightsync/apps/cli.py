@@ -79,6 +79,8 @@ def _add_agent(sub) -> None:
     p.add_argument("--health-url", default="", help="launched engine's health URL (e.g. http://127.0.0.1:8000/health)")
     p.add_argument("--launch-timeout", type=float, default=A.launch_timeout_s, help="seconds the launched engine gets to be healthy")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
+    p.add_argument("--ready-port", type=int, default=0,
+                   help="serve HTTP GET /ready on this port: 200 while the engine serves the fleet's weights, else 503 (0 = off)")
     # Tests only: honour WEIGHTSYNC_FAULTS. Hidden so nobody turns it on from --help.
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     _add_security(p, server=True)
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 enable_fault_injection=args.enable_fault_injection,
                 launch=tuple(launch),
                 health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
-                engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port))))
+                engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port,
+                ready_port=args.ready_port))))
         if args.command == "demo":
             from weightsync.apps.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)
@@ -279,6 +282,8 @@ def engine_status(e) -> str:
         return "receiving"
     if e.torn:
         return "torn"
+    if e.fenced:
+        return "fenced"
     return "paused" if e.paused else "serving"
 
 
@@ -295,12 +300,13 @@ async def _status(coordinator: str, *, as_json: bool, watch: bool, security: Sec
         else:
             print(f"weight version {state.weight_version}; round {state.round.round_id} ({state.round.phase}"
                   f"{', target v' + str(state.round.target_version) if state.round.target_version else ''})")
-            print(f"{'engine':<16} {'address':<22} {'state':<12} {'version':>8} {'torn':<12} {'heartbeat':<10}")
+            print(f"{'engine':<16} {'address':<22} {'state':<12} {'ready':<6} {'version':>8} {'behind':>7} "
+                  f"{'torn':<12} {'heartbeat':<10}")
             for e in state.engines:
                 age = f"{e.heartbeat_age_s:.1f}s ago" if e.heartbeat_age_s >= 0 else "never"
                 torn = f"yes (v{e.torn_version})" if e.torn else "no"
-                print(f"{e.engine_id:<16} {e.address:<22} {engine_status(e):<12} {e.weight_version:>8} "
-                      f"{torn:<12} {age:<10}", flush=True)
+                print(f"{e.engine_id:<16} {e.address:<22} {engine_status(e):<12} {'yes' if e.ready else 'no':<6} "
+                      f"{e.weight_version:>8} {e.versions_behind:>7} {torn:<12} {age:<10}", flush=True)
         if watch:
             call = client._ready().WatchEvents(coordinator_pb2.WatchEventsRequest())
             async for event in call:

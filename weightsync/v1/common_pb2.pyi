@@ -316,6 +316,9 @@ class EngineState(_message.Message):
     BUCKETS_DONE_FIELD_NUMBER: _builtins.int
     BUCKETS_TOTAL_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_UNKNOWN_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    FENCED_FIELD_NUMBER: _builtins.int
+    VERSIONS_BEHIND_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     available: _builtins.bool
@@ -341,6 +344,19 @@ class EngineState(_message.Message):
     """The engine's version could not be read (engine slow or unreachable):
     weight_version is then the last one known, not a fresh reading.
     """
+    ready: _builtins.bool
+    """Serving the fleet's weights: the agent knows the fleet's version (from the
+    coordinator), its engine holds it (or newer), and is neither paused, fenced, torn
+    nor faulted. What a router or readiness probe should follow.
+    """
+    fenced: _builtins.bool
+    """The agent keeps its engine paused because it holds weights older than the fleet's
+    (or does not know the fleet's version yet): no request makes progress.
+    """
+    versions_behind: _builtins.int
+    """The fleet's version minus the engine's (0 when it is current or newer); set by
+    the coordinator, which holds the fleet's version.
+    """
     @_builtins.property
     def asleep_tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -365,10 +381,13 @@ class EngineState(_message.Message):
         buckets_done: _builtins.int = ...,
         buckets_total: _builtins.int = ...,
         weight_version_unknown: _builtins.bool = ...,
+        ready: _builtins.bool = ...,
+        fenced: _builtins.bool = ...,
+        versions_behind: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "engine_id", b"engine_id", "fault", b"fault", "faulted", b"faulted", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "engine_id", b"engine_id", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

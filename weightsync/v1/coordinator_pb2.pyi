@@ -291,6 +291,7 @@ class RegisterEngineResponse(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     heartbeat_interval_s: _builtins.float
     weight_version: _builtins.int
+    """the fleet's version: an engine below it is fenced"""
     def __init__(
         self,
         *,
@@ -367,16 +368,20 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REGISTERED_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     registered: _builtins.bool
     """false: the agent must register again"""
+    weight_version: _builtins.int
+    """the fleet's version: an engine below it is fenced"""
     def __init__(
         self,
         *,
         registered: _builtins.bool = ...,
+        weight_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["registered", b"registered"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["registered", b"registered", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

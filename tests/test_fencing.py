@@ -1,0 +1,172 @@
+"""Version fencing and readiness (real coordinator and agent processes).
+
+An engine never serves weights older than the fleet's: one that joins after rounds
+ran, or that missed a round while it could not be reached, is kept paused (fenced)
+and reported not ready -- in GetState, the coordinator's metrics, the agent's gRPC
+health service ``weightsync.ready`` and its HTTP ``/ready`` -- until a broadcast brings
+it to the fleet's version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import wait_available
+from tests.test_attestation import perturbed
+from tests.test_observability import free_port, scrape
+from tests.test_rounds_end import agent_events
+from weightsync.client import EngineClient, TrainerClient
+from weightsync.plan import weights_digest
+
+PROMPT = [1, 2, 3, 4]
+
+
+def http_ready(port: int, path: str = "/ready") -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def grpc_ready(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="weightsync.ready"), timeout=5)
+        return response.status
+
+
+async def serving(address: str) -> bool:
+    return await grpc_ready(address) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def until(condition, *, timeout_s: float = 15.0, what: str = "condition"):
+    """Polls an async ``condition`` until it returns a truthy value (bounded)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        value = await condition()
+        if value:
+            return value
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def engines_by_id(state) -> dict:
+    return {e.engine_id: e for e in state.engines}
+
+
+async def test_an_engine_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(cluster_factory):
+    metrics_port, ready_port = free_port(), free_port()
+    cluster = cluster_factory(1, coordinator_args=("--metrics-port", str(metrics_port)))
+    async with TrainerClient(cluster.address) as client:
+        for version in (1, 2):
+            assert (await client.update_weights(perturbed(version).named_parameters(), version=version,
+                                                timeout_s=60)).ok
+        joiner = await asyncio.to_thread(cluster.start_agent, "engine-1", "--ready-port", str(ready_port))
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
+
+        state = engines_by_id(await client.get_state())
+        late, current = state["engine-1"], state["engine-0"]
+        assert (late.weight_version, late.versions_behind, late.fenced, late.paused, late.ready) == \
+            (0, 2, True, True, False), late
+        assert (current.versions_behind, current.fenced, current.ready) == (0, False, True), current
+        assert await grpc_ready(joiner.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await grpc_ready(current.address) == health_pb2.HealthCheckResponse.SERVING
+        status, body = http_ready(ready_port)
+        assert status == 503 and not body["ready"] and body["fleet_version"] == 2, body
+        assert "holds version 0" in body["why"], body
+        assert http_ready(ready_port, "/other")[0] == 404
+        metrics = scrape(metrics_port)
+        assert metrics['weightsync_engine_ready{engine="engine-1"}'] == 0
+        assert metrics['weightsync_engine_versions_behind{engine="engine-1"}'] == 2
+        assert metrics['weightsync_engine_ready{engine="engine-0"}'] == 1
+
+        # A request to the fenced engine makes no progress: no token from boot weights.
+        async with EngineClient(joiner.address) as engine:
+            request_id = await engine.generate(PROMPT, 6)
+            waiting = await engine.get(request_id, wait_s=1.0)
+            assert waiting.status in ("queued", "running") and not waiting.tokens, waiting
+
+            model = perturbed(3)
+            result = await client.update_weights(model.named_parameters(), version=3, timeout_s=60)
+            assert result.ok and {e.engine_id for e in result.engines} == {"engine-0", "engine-1"}, result
+
+            finished = await engine.get(request_id, wait_s=10.0)
+            assert finished.status == "finished", finished
+            # Every token it ever made came from the fleet's version.
+            assert finished.versions and set(finished.versions) == {3}, list(finished.versions)
+
+        state = await client.get_state(include_digests=True)
+        assert all(e.ready and not e.fenced and e.versions_behind == 0 for e in state.engines), state.engines
+        assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+        await until(lambda: serving(joiner.address), what="weightsync.ready SERVING")
+        status, body = http_ready(ready_port)
+        assert status == 200 and body["ready"] and body["weight_version"] == 3, body
+    kinds = [e.kind for e in await agent_events(joiner.address)]
+    assert kinds.index("fenced") < kinds.index("transfer_done") < kinds.index("resumed"), kinds
+
+
+async def test_a_resume_never_releases_an_engine_behind_the_fleet(cluster_factory):
+    cluster = cluster_factory(1)
+    async with TrainerClient(cluster.address) as client:
+        assert (await client.update_weights(perturbed(1).named_parameters(), version=1, timeout_s=60)).ok
+        await asyncio.to_thread(cluster.start_agent, "engine-1")
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
+
+        paused = await client.pause()  # a round that takes the fenced engine in ...
+        assert {o.engine_id for o in paused.engines if o.ok} == {"engine-0", "engine-1"}
+        resumed = {o.engine_id: o for o in (await client.resume()).engines}  # ... and ends without a broadcast
+        assert resumed["engine-0"].ok
+        assert not resumed["engine-1"].ok and resumed["engine-1"].error_reason == "ENGINE_BEHIND", resumed
+        state = engines_by_id(await client.get_state())
+        assert state["engine-1"].paused and state["engine-1"].fenced and not state["engine-1"].ready
+        assert state["engine-0"].ready
+
+        model = perturbed(2)
+        assert (await client.update_weights(model.named_parameters(), version=2, timeout_s=60)).ok
+        state = await client.get_state(include_digests=True)
+        assert all(e.ready and e.weight_version == 2 for e in state.engines), state.engines
+        assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+
+
+async def test_an_engine_that_missed_a_round_is_fenced_when_it_comes_back(cluster_factory):
+    cluster = cluster_factory(2)
+    stopped = cluster.agent("engine-1")
+    async with TrainerClient(cluster.address) as client:
+        stopped.proc.send_signal(signal.SIGSTOP)  # unreachable: heartbeats stop, its engine too
+        try:
+            await until(lambda: _unavailable(client, "engine-1"), what="engine-1 unavailable")
+            result = await client.update_weights(perturbed(1).named_parameters(), version=1, timeout_s=60)
+            assert result.ok and {e.engine_id for e in result.engines} == {"engine-0"}, result
+        finally:
+            stopped.proc.send_signal(signal.SIGCONT)
+        # Back: its first heartbeat answer names version 1, and it holds 0.
+        await until(lambda: _fenced(client, "engine-1"), what="engine-1 fenced")
+        state = engines_by_id(await client.get_state())
+        assert (state["engine-1"].versions_behind, state["engine-1"].ready) == (1, False)
+        assert await grpc_ready(stopped.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        model = perturbed(2)
+        assert (await client.update_weights(model.named_parameters(), version=2, timeout_s=60)).ok
+        state = await client.get_state(include_digests=True)
+        assert all(e.ready and e.weight_version == 2 for e in state.engines), state.engines
+        assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+    kinds = [e.kind for e in await agent_events(stopped.address)]
+    assert kinds.count("fenced") == 2 and kinds.count("unfenced") == 2, kinds  # start-up, then the missed round
+
+
+async def _unavailable(client: TrainerClient, engine_id: str) -> bool:
+    return not engines_by_id(await client.get_state())[engine_id].available
+
+
+async def _fenced(client: TrainerClient, engine_id: str) -> bool:
+    engine = engines_by_id(await client.get_state())[engine_id]
+    return engine.available and engine.fenced
