@@ -200,7 +200,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return common_pb2.EngineState(
             engine_id=self.engine_id, address=self.address, available=not fault,
             paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
-            receiving=self.receiving(),
+            receiving=self.receiving(), engine_restarts=self.launcher.restarts if self.launcher else 0,
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
             weight_version_unknown=not engine.version_known, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
@@ -291,6 +291,17 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self.paused = False
         self.record("resumed", allow_torn=request.allow_torn, torn=self.torn)
         return self._outcome()
+
+    async def engine_relaunched(self) -> None:
+        """The launcher started a new engine process (``--restart on-failure``): it holds
+        its boot weights and none of the old process's state. It is fenced before its
+        fault clears; the next heartbeat answer lifts the fence if it is current."""
+        self.adapter.engine_restarted()
+        self.torn, self.torn_version = False, 0  # boot weights: whole, if perhaps old
+        self._kv_offloaded_for_sync = False
+        self.record("engine_relaunched", restarts=self.launcher.restarts if self.launcher else 0)
+        await self.watch.refresh()
+        await self.fence.raise_now(why="engine relaunched")
 
     async def release_engine(self) -> None:
         """Lets the engine run: its KV cache awake first (Invariant 1), then resumed."""

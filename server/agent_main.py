@@ -137,7 +137,8 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     agent.faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
     if options.launch:
         agent.launcher = EngineLauncher(options.launch, health_url=options.health_url,
-                                        ready_timeout_s=options.launch_timeout_s, grace_s=options.shutdown_grace_s)
+                                        ready_timeout_s=options.launch_timeout_s, grace_s=options.shutdown_grace_s,
+                                        restart=options.restart, max_restarts=options.max_restarts)
         agent.launcher.start()
         await agent.launcher.wait_ready()
         agent.tasks.append(asyncio.create_task(agent.launcher.monitor()))
@@ -145,6 +146,8 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
                            model=options.model, step_delay_s=options.step_delay_s)
     core = agent.core = AgentCore(engine_id=agent.engine_id, adapter=adapter, faults=agent.faults,
                                   launcher=agent.launcher)
+    if agent.launcher is not None:
+        agent.launcher.on_relaunch = core.engine_relaunched
     agent.tasks.append(asyncio.create_task(LoopLagMonitor("agent").run()))
     if options.metrics_port:
         metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
@@ -160,7 +163,7 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
         agent.ready_http = await serve_ready_http(core, options.listen.rpartition(":")[0] or "127.0.0.1",
                                                   options.ready_port)
     # Until the coordinator says the fleet's version, the engine may hold older weights.
-    await core.fence.raise_until_known()
+    await core.fence.raise_now(why="fleet version not known yet")
     agent.channel = options.security.channel(options.coordinator, options=CHANNEL_OPTIONS)
     stub = coordinator_pb2_grpc.CoordinatorStub(agent.channel)
     interval = await _register(stub, core, options)

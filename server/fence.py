@@ -88,17 +88,19 @@ class VersionFence:
 
     # ----- raising and lifting --------------------------------------------------------
 
-    async def raise_until_known(self) -> None:
-        """At start-up, before registering: the fleet's version is not known yet, so the
-        engine may not serve. KEEP: a request already in flight (an agent restarted
-        beside a running engine) waits instead of being dropped."""
-        try:
-            await self.core.run_on_engine(self.core.adapter.pause, common_pb2.PAUSE_MODE_KEEP,
-                                          timeout_s=FENCE_PAUSE_TIMEOUT_S)
-        except Exception as exc:  # a faulted engine is reported as such; it cannot serve anyway
-            log.warning("could not pause engine %s before registering: %r", self.core.engine_id, exc)
-        self.fenced = True
-        self.core.record("fenced", why="fleet version not known yet")
+    async def raise_now(self, *, why: str) -> None:
+        """Fences the engine without asking its version: at start-up, before registering
+        (the fleet's version is not known yet), and after a relaunch (boot weights).
+        KEEP: a request already in flight (an agent restarted beside a running engine)
+        waits instead of being dropped. A heartbeat answer lifts it if it is current."""
+        async with self.lock:
+            try:
+                await self.core.run_on_engine(self.core.adapter.pause, common_pb2.PAUSE_MODE_KEEP,
+                                              timeout_s=FENCE_PAUSE_TIMEOUT_S)
+            except Exception as exc:  # a faulted engine is reported as such; it cannot serve anyway
+                log.warning("could not pause engine %s to fence it: %r", self.core.engine_id, exc)
+            self.fenced = True
+            self.core.record("fenced", why=why)
 
     async def learn(self, fleet_version: int) -> None:
         """The coordinator said the fleet's version (registration): apply it now."""

@@ -6,6 +6,12 @@ takes the engine's entire tree down. Readiness and liveness come from the engine
 HTTP health URL when one is given (vLLM: ``/health``), else from the process being
 alive. A fault (exit, or health failing for ``unhealthy_after_s``) is reported in
 the agent's heartbeats, so the coordinator marks the engine unavailable.
+
+With ``restart="on-failure"`` a faulted engine is relaunched, up to ``max_restarts``
+times, with a back-off that doubles from ``backoff_s`` (capped at ``MAX_BACKOFF_S``):
+its old tree is reaped first, the fault is reported until the new engine is healthy,
+and ``on_relaunch`` then lets the agent fence it (a relaunched engine holds its boot
+weights, older than the fleet's) before the fault clears.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from weightsync.errors import EngineUnavailable, StepTimeoutError
 from weightsync.lifecycle import spawn, terminate_tree
 
 log = logging.getLogger("weightsync.launcher")
+RESTART_POLICIES = ("no", "on-failure")
+MAX_BACKOFF_S = 30.0
 
 
 class EngineLauncher:
@@ -32,9 +40,20 @@ class EngineLauncher:
 
     def __init__(self, command: Sequence[str], *, health_url: str = "", ready_timeout_s: float = 120.0,
                  grace_s: float = 10.0, check_interval_s: float = 1.0, unhealthy_after_s: float = 5.0,
-                 log_path: str = "") -> None:
+                 log_path: str = "", restart: str = "no", max_restarts: int = 0, backoff_s: float = 1.0,
+                 on_relaunch: Callable[[], Awaitable[None]] | None = None) -> None:
         if not command:
             raise ValueError("--launch needs a command")
+        if restart not in RESTART_POLICIES:
+            raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
+        if max_restarts < 0 or backoff_s < 0:
+            raise ValueError("--max-restarts and the back-off must not be negative")
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.on_relaunch = on_relaunch
+        self.restarts = 0
+        self._relaunching = ""
         self.command = list(command)
         self.health_url = health_url
         self.ready_timeout_s = ready_timeout_s
@@ -87,7 +106,8 @@ class EngineLauncher:
         self._last_healthy = time.monotonic()
 
     async def monitor(self) -> None:
-        """Runs until cancelled, keeping ``fault()`` current."""
+        """Runs until cancelled, keeping ``fault()`` current and relaunching a faulted
+        engine where the restart policy allows."""
         while True:
             code = self.proc.poll() if self.proc else None
             if code is not None:
@@ -97,10 +117,39 @@ class EngineLauncher:
                     self._last_healthy = time.monotonic()
                 elif time.monotonic() - self._last_healthy > self.unhealthy_after_s:
                     self._fault = f"engine stopped answering {self.health_url}"
+            if self._fault and self.restart == "on-failure" and self.restarts < self.max_restarts:
+                await self._relaunch(self._fault)
             await asyncio.sleep(self.check_interval_s)
+
+    async def _relaunch(self, why: str) -> None:
+        """Reaps the faulted engine's tree, waits out the back-off, starts it again and
+        waits until it is healthy; then ``on_relaunch`` (the agent fences it) and only
+        then is the fault cleared. A relaunch that fails leaves the fault for the next
+        attempt (or for good, once the restarts are spent)."""
+        self.restarts += 1
+        backoff = min(self.backoff_s * 2 ** (self.restarts - 1), MAX_BACKOFF_S)
+        self._relaunching = (f"relaunching the engine ({self.restarts} of {self.max_restarts}) after: {why}")
+        log.warning("%s; back-off %.1fs", self._relaunching, backoff)
+        try:
+            await asyncio.to_thread(self.stop)
+            await asyncio.sleep(backoff)
+            self.start()
+            await self.wait_ready()
+            if self.on_relaunch is not None:
+                await self.on_relaunch()
+        except Exception as exc:  # not healthy in time, exited again, or could not be fenced
+            self._fault = f"relaunch {self.restarts} of {self.max_restarts} failed: {exc}"
+            log.error("%s", self._fault)
+            return
+        finally:
+            self._relaunching = ""
+        self._fault = None
+        log.info("engine relaunched (%d of %d)", self.restarts, self.max_restarts)
 
     def fault(self) -> str | None:
         """Why the launched engine is unusable, or None."""
+        if self._relaunching:
+            return self._relaunching
         if self.proc is not None and self.proc.poll() is not None:
             return f"engine process exited with code {self.proc.returncode}"
         return self._fault
@@ -123,6 +172,26 @@ class EngineLauncher:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+        # A reaper that was itself killed (SIGKILL) left its engine tree running,
+        # re-parented away from it; they are still in its process group.
+        _stop_process_group(proc.pid, grace_s=min(self.grace_s, 5.0))
+
+
+def _stop_process_group(pgid: int, *, grace_s: float) -> None:
+    """SIGTERM every process left in group ``pgid``, SIGKILL what is left after
+    ``grace_s``. Bounded; a group that is already empty costs one failed signal."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 __all__ = ["EngineLauncher"]

@@ -355,11 +355,12 @@ class SyncRound:
         Members keep their group between rounds while the id stays (plan once, replay).
         So an id must never name two different groups: whenever anything that defines
         the group differs from the last round's (transport, backend, the trainer's
-        store, the members, their ranks, a member's registration), the epoch moves on
-        and the id is new -- also when an earlier membership recurs, whose store keys
-        and half-dropped groups still exist. A failed round moves it on as well.
+        store, the members, their ranks, a member's registration or engine process),
+        the epoch moves on and the id is new -- also when an earlier membership recurs,
+        whose store keys and half-dropped groups still exist. A failed round moves it
+        on as well.
         """
-        membership = "|".join(f"{r.engine_id}={ranks[r.engine_id]}@{r.incarnation}"
+        membership = "|".join(f"{r.engine_id}={ranks[r.engine_id]}@{r.incarnation}.{r.state.engine_restarts}"
                               for r in sorted(members, key=lambda r: r.engine_id))
         group_key = hashlib.blake2b(
             f"{request.transport}|{request.group_backend}|{request.store_host}:{request.store_port}|{membership}"

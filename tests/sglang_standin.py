@@ -20,7 +20,7 @@ Every POST is appended to CALL_LOG (one JSON object per line). ``/start_requests
 endpoints; ``--slow-state S`` makes ``/health`` and ``/model_info`` take S seconds.
 
     python sglang_standin.py PORT_FILE CALL_LOG --model-dir DIR [--tp-size N] [--drop-param NAME]
-                             [--die-during-update]
+                             [--die-during-update] [--port P]
 """
 
 from __future__ import annotations
@@ -203,11 +203,12 @@ def main() -> None:
                         help="seconds /health and /model_info take to answer (a busy engine)")
     parser.add_argument("--fail-version-update", action="store_true",
                         help="answer /update_weight_version with HTTP 500 (the weights themselves load)")
+    parser.add_argument("--port", type=int, default=0, help="listen here (0: an ephemeral port)")
     parser.parse_args(namespace=ARGS)
     for path in sorted(glob.glob(os.path.join(ARGS.model_dir, "*.safetensors"))):
         params.update(load_file(path))
     params.pop(ARGS.drop_param, None)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler)
     with open(ARGS.port_file + ".tmp", "w") as f:
         f.write(str(server.server_address[1]))
     os.replace(ARGS.port_file + ".tmp", ARGS.port_file)

@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import sys
 import time
 import urllib.error
 import urllib.request
 
 import grpc
+import psutil
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors.torch import save_file
 
-from tests.conftest import wait_available
+from tests.conftest import start_coordinator, wait_available
 from tests.test_attestation import perturbed
 from tests.test_observability import free_port, scrape
 from tests.test_rounds_end import agent_events
+from tests.test_sglang import STANDIN, get, tiny_weights
 from weightsync.client import EngineClient, TrainerClient
+from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
 from weightsync.plan import weights_digest
 
 PROMPT = [1, 2, 3, 4]
@@ -170,3 +177,74 @@ async def _unavailable(client: TrainerClient, engine_id: str) -> bool:
 async def _fenced(client: TrainerClient, engine_id: str) -> bool:
     engine = engines_by_id(await client.get_state())[engine_id]
     return engine.available and engine.fenced
+
+
+@pytest.mark.parametrize("killed", ["engine", "reaper"])
+async def test_a_relaunched_engine_is_fenced_until_it_holds_the_fleets_weights(tmp_path, killed):
+    """``--restart on-failure``: the engine the agent launched is SIGKILLed (or the
+    reaper above it, which leaves the engine running on its port: the relaunch must stop
+    that tree first); the agent relaunches it (boot weights), fences it, and /ready
+    answers 503 from the crash until the next Broadcast brings it to the fleet's
+    version, then 200. The engine is the SGLang stand-in (SGLang needs a GPU; see
+    tests/sglang_standin.py): the relaunch, the fence and the readiness are
+    weightsync's and run for real."""
+    tmp = str(tmp_path)
+    model_dir = os.path.join(tmp, "model")
+    os.makedirs(model_dir)
+    save_file(dict(tiny_weights()), os.path.join(model_dir, "model.safetensors"))
+    engine_port, ready_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{engine_port}"
+    coordinator, address, _ = start_coordinator(tmp)
+    agent = None
+    try:
+        with open(os.path.join(tmp, "agent.log"), "w") as log:
+            agent = spawn(weightsync_command(
+                "agent", "--insecure", "--coordinator", address, "--engine-id", "sglang-0", "--engine", "sglang",
+                "--engine-url", url, "--health-url", f"{url}/health", "--launch-timeout", "60",
+                "--restart", "on-failure", "--max-restarts", "2", "--ready-port", str(ready_port),
+                "--port-file", os.path.join(tmp, "agent.addr"), "--launch", "--", sys.executable, STANDIN,
+                os.path.join(tmp, "sglang.port"), os.path.join(tmp, "calls.jsonl"), "--model-dir", model_dir,
+                "--port", str(engine_port)), stdout=log, stderr=log)
+        agent_address = wait_for_file(os.path.join(tmp, "agent.addr"), timeout_s=60, proc=agent)
+        await asyncio.to_thread(wait_available, address, ["sglang-0"])
+        async with TrainerClient(address, transport="group") as client:
+            assert (await client.update_weights(tiny_weights(seed=1), version=1, timeout_s=60)).ok
+            assert http_ready(ready_port)[0] == 200
+
+            engine = _standin(agent.pid)
+            (engine if killed == "engine" else engine.parent()).kill()
+            # Not ready from the crash on: faulted, then relaunching, then fenced.
+            await until(lambda: _http_status(ready_port, 503), what="/ready 503 after the crash")
+            await until(lambda: _fenced(client, "sglang-0"), timeout_s=60, what="the relaunched engine fenced")
+            relaunched = _standin(agent.pid)
+            assert relaunched.pid != engine.pid and not engine.is_running()
+            assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(tiny_weights()))  # boot weights
+            late = engines_by_id(await client.get_state())["sglang-0"]
+            assert (late.weight_version, late.versions_behind, late.ready) == (0, 1, False), late
+            status, body = http_ready(ready_port)
+            assert status == 503 and "holds version 0" in body["why"], body
+
+            assert (await client.update_weights(tiny_weights(seed=2), version=2, timeout_s=60)).ok
+            await until(lambda: _http_status(ready_port, 200), what="/ready 200 after the broadcast")
+            assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(tiny_weights(seed=2)))
+            assert engines_by_id(await client.get_state())["sglang-0"].ready
+        kinds = [e.kind for e in await agent_events(agent_address)]
+        assert kinds.index("engine_relaunched") < len(kinds) - 1 - kinds[::-1].index("fenced"), kinds
+    finally:
+        if agent is not None:
+            stop_process(agent, grace_s=10)
+        stop_process(coordinator, grace_s=10)
+
+
+def _standin(agent_pid: int) -> psutil.Process:
+    """The stand-in process under the agent's reaper (not the reaper, whose command line
+    names it too)."""
+    return next(p for p in psutil.Process(agent_pid).children(recursive=True)
+                if p.cmdline()[1:2] == [STANDIN])
+
+
+async def _http_status(port: int, status: int) -> bool:
+    try:
+        return (await asyncio.to_thread(http_ready, port))[0] == status
+    except OSError:  # the agent is relaunching: treat a refused connection as not yet
+        return False

@@ -73,6 +73,11 @@ def sglang(tmp_path, request):
                             *(a.replace("{model_dir}", os.path.join(tmp, "model")) for a in agent_args))
         procs.append(agent.proc)
         wait_available(address, ["sglang-0"])
+        # The calls the agent made at start-up (its version fence, see
+        # test_the_agent_holds_sglang_until_it_knows_the_fleets_version) are set aside:
+        # each test sees the calls its own steps made.
+        if os.path.exists(calls):
+            os.replace(calls, calls + ".startup")
         yield address, agent.address, url, calls, standin
     finally:
         for proc in reversed(procs):
@@ -93,6 +98,16 @@ def post(url: str, path: str, body: dict) -> dict:
     request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
+
+
+async def test_the_agent_holds_sglang_until_it_knows_the_fleets_version(sglang):
+    """Before registering, the agent pauses SGLang in place (it may hold weights older
+    than the fleet's); the coordinator answers version 0, which it holds, so the agent
+    lets it continue -- before its address is even published."""
+    _, _, _, calls, standin = sglang
+    assert calls_of(calls + ".startup") == [("/pause_generation", {"mode": "in_place"}),
+                                            ("/continue_generation", {})]
+    assert standin.poll() is None
 
 
 async def test_offload_kv_round_releases_and_resumes_exactly_the_released_tags(sglang):

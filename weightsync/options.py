@@ -49,6 +49,8 @@ class AgentOptions:
     security: Security = field(default_factory=Security)
     metrics_port: int = 0
     ready_port: int = 0
+    restart: str = "no"          # a launched engine that fails: "no" or "on-failure" (relaunched)
+    max_restarts: int = 3
 
 
 COORDINATOR_DEFAULTS = CoordinatorOptions()

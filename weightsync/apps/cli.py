@@ -78,6 +78,11 @@ def _add_agent(sub) -> None:
     p.add_argument("--step-delay", type=float, default=A.step_delay_s, help="reference engine: sleep between steps (s)")
     p.add_argument("--health-url", default="", help="launched engine's health URL (e.g. http://127.0.0.1:8000/health)")
     p.add_argument("--launch-timeout", type=float, default=A.launch_timeout_s, help="seconds the launched engine gets to be healthy")
+    p.add_argument("--restart", choices=("no", "on-failure"), default=A.restart,
+                   help="relaunch a launched engine that exits or stops answering its health URL (it is fenced "
+                        "until it holds the fleet's weights)")
+    p.add_argument("--max-restarts", type=int, default=A.max_restarts,
+                   help="relaunches allowed with --restart on-failure (back-off 1 s, doubling, at most 30 s)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     p.add_argument("--ready-port", type=int, default=0,
                    help="serve HTTP GET /ready on this port: 200 while the engine serves the fleet's weights, else 503 (0 = off)")
@@ -215,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 launch=tuple(launch),
                 health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
                 engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port,
-                ready_port=args.ready_port))))
+                ready_port=args.ready_port, restart=args.restart, max_restarts=args.max_restarts))))
         if args.command == "demo":
             from weightsync.apps.demo import run_demo
             return run_demo(steps=args.steps, engines=args.engines, transport=args.transport)

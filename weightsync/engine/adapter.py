@@ -98,6 +98,12 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     def wake(self, tags: Sequence[str]) -> list[str]: ...
 
+    def engine_restarted(self) -> None:
+        """The engine's process was relaunched: forget what this adapter remembered of
+        the old one (sleep ledger, joined groups, plans its workers held). By default
+        there is nothing to forget."""
+        return None
+
     def wake_paused(self, tags: Sequence[str]) -> list[str]:
         """Wakes ``tags`` only where the engine stays paused (after a failed receive it
         must not run); returns the tags woken. Waking memory does not resume an engine,

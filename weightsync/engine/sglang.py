@@ -66,6 +66,10 @@ class SglangAdapter(HttpEngineAdapter):
 
     # ----- control ------------------------------------------------------------------
 
+    def engine_restarted(self):
+        self._pause_mode = ""
+        self._group = ""
+
     def pause(self, mode, *, timeout_s):
         if mode not in MODES:
             raise Unsupported("SGLang has no WAIT pause; use keep or abort", reason="PAUSE_MODE_UNSUPPORTED")

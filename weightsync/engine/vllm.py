@@ -91,6 +91,11 @@ class VllmAdapter(HttpEngineAdapter):
             self._asleep.difference_update(woken)
         return woken
 
+    def engine_restarted(self):
+        self._asleep.clear()
+        self._worker_plans.clear()
+        self.last_received_digest = ""
+
     def wake_paused(self, tags):
         # A full /wake_up resumes vLLM's scheduler by itself: nothing is woken, and
         # Resume wakes the tags first if the engine is ever allowed to run.
