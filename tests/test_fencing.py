@@ -170,6 +170,29 @@ async def test_an_engine_that_missed_a_round_is_fenced_when_it_comes_back(cluste
     assert kinds.count("fenced") == 2 and kinds.count("unfenced") == 2, kinds  # start-up, then the missed round
 
 
+async def test_an_agent_killed_and_started_again_is_fenced_until_it_is_brought_up(cluster_factory):
+    """The reference engine lives in its agent's process: a SIGKILLed agent started
+    again serves its boot weights. It re-registers (once the old registration's
+    heartbeats lapse), is fenced, and the next Broadcast brings it to the fleet's
+    version."""
+    cluster = cluster_factory(2)
+    async with TrainerClient(cluster.address) as client:
+        assert (await client.update_weights(perturbed(1).named_parameters(), version=1, timeout_s=60)).ok
+        cluster.agent("engine-1").proc.kill()
+        await asyncio.to_thread(cluster.agent("engine-1").proc.wait, 10)
+        restarted = await asyncio.to_thread(cluster.start_agent, "engine-1")
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
+        late = engines_by_id(await client.get_state())["engine-1"]
+        assert (late.weight_version, late.versions_behind, late.fenced, late.ready) == (0, 1, True, False), late
+        assert not await serving(restarted.address)
+
+        model = perturbed(2)
+        assert (await client.update_weights(model.named_parameters(), version=2, timeout_s=60)).ok
+        state = await client.get_state(include_digests=True)
+        assert all(e.ready and e.weight_version == 2 for e in state.engines), state.engines
+        assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+
+
 async def _unavailable(client: TrainerClient, engine_id: str) -> bool:
     return not engines_by_id(await client.get_state())[engine_id].available
 
