@@ -55,6 +55,7 @@ from weightsync.plan import BucketPlan, dtype_name, is_reference
 from weightsync.server.engine_watch import EngineWatch
 from weightsync.server.fence import VersionFence
 from weightsync.server.launcher import EngineLauncher
+from weightsync.server.weight_export import WeightExporter
 from weightsync.threads import run_in
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from weightsync.validate import check_pause_mode, check_port, check_timeout
@@ -146,6 +147,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.events = EventLog(log, engine_id=engine_id)
         self.accepting = True
         self.fence = VersionFence(self)
+        self.exporter = WeightExporter(self)
 
     # ----- helpers --------------------------------------------------------------------
 
@@ -201,6 +203,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             engine_id=self.engine_id, address=self.address, available=not fault,
             paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
             receiving=self.receiving(), engine_restarts=self.launcher.restarts if self.launcher else 0,
+            can_export=self.adapter.can_export_weights,
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
             weight_version_unknown=not engine.version_known, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
@@ -311,6 +314,19 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     # ----- RPCs: weights --------------------------------------------------------------
 
+    async def Export(self, request, context):
+        """Catch-up source: see ``server/weight_export.py``. Not through the idempotency
+        store: it changes nothing here, and the coordinator never retries it (a new
+        attempt has a new key)."""
+        if not self.accepting:
+            await abort_with(context, FailedPrecondition("agent is shutting down", reason="SHUTTING_DOWN"))
+        OPERATION_KEY.set(request.idempotency_key)
+        try:
+            async for event in self.exporter.export(request):
+                yield event
+        except WeightSyncError as exc:
+            await abort_with(context, exc)
+
     async def Receive(self, request, context):
         if request.validate_only:
             try:
@@ -414,10 +430,12 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         changed if this raises)."""
         await self.run_on_engine(self._check_alive)
         plan, receiver, probe = await self.run_on_engine(self.validate_receive, request)
-        if not self.paused:
+        if not (self.paused or self.fence.fenced):  # a fenced engine is paused: a catch-up receives into it
             raise FailedPrecondition("receive needs a paused engine: call Pause first")
         if self._receive_task is not None and not self._receive_task.done():
             raise FailedPrecondition("a receive is already running on this engine")
+        if self.exporter.running:  # its weights are being sent to a peer: they must not change
+            raise FailedPrecondition("this engine is exporting its weights to a peer; try again when it is done")
         if "weights" in self._asleep_tags():
             await self._wake_tags(["weights"])
         self._receive_task = asyncio.get_running_loop().create_future()
@@ -589,6 +607,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             except Exception as exc:
                 errors.append(exc)
         self._receivers.clear()
+        errors += self.exporter.close()
         try:
             self.adapter.close()
         except Exception as exc:

@@ -18,6 +18,7 @@ from weightsync import metrics
 from weightsync.faults import FaultInjector
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.options import CoordinatorOptions
+from weightsync.server.catch_up import CatchUp
 from weightsync.server.coordinator import CoordinatorCore
 from weightsync.server.serving import (
     Shutdown,
@@ -44,6 +45,7 @@ class _RunningCoordinator:
     health: object | None = None
     liveness: asyncio.Task | None = None
     lag: asyncio.Task | None = None
+    catch_up: asyncio.Task | None = None
 
 
 async def run_coordinator(options: CoordinatorOptions) -> int:
@@ -87,6 +89,9 @@ async def _start(coordinator: _RunningCoordinator, options: CoordinatorOptions, 
              core.round.weight_version)
     coordinator.liveness = asyncio.create_task(core.watch_liveness(stop))
     coordinator.lag = asyncio.create_task(LoopLagMonitor("coordinator").run())
+    if options.catch_up:
+        coordinator.catch_up = asyncio.create_task(CatchUp(
+            core.round, core.registry, emit=core.emit, bucket_bytes=options.catch_up_bucket_bytes).run(stop))
 
 
 async def _shutdown(coordinator: _RunningCoordinator, shutdown: Shutdown, grace: float) -> None:
@@ -98,6 +103,10 @@ async def _shutdown(coordinator: _RunningCoordinator, shutdown: Shutdown, grace:
         coordinator.core.accepting = False
     if coordinator.lag is not None:
         coordinator.lag.cancel()
+    if coordinator.catch_up is not None:  # an attempt in flight ends with its calls cancelled
+        coordinator.catch_up.cancel()
+        await shutdown.step("catch-up", lambda: asyncio.wait({coordinator.catch_up}, timeout=grace),
+                            timeout_s=grace + 1)
     if coordinator.liveness is not None:  # it ends by itself once ``stop`` is set
         await shutdown.step("liveness", lambda: asyncio.wait({coordinator.liveness}, timeout=grace),
                             timeout_s=grace + 1)

@@ -3,8 +3,8 @@
 An engine never serves weights older than the fleet's: one that joins after rounds
 ran, or that missed a round while it could not be reached, is kept paused (fenced)
 and reported not ready -- in GetState, the coordinator's metrics, the agent's gRPC
-health service ``weightsync.ready`` and its HTTP ``/ready`` -- until a broadcast brings
-it to the fleet's version.
+health service ``weightsync.ready`` and its HTTP ``/ready`` -- until a broadcast (or a
+catch-up from a peer, see test_catch_up.py) brings it to the fleet's version.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_
 from weightsync.plan import weights_digest
 
 PROMPT = [1, 2, 3, 4]
+# These tests watch the fence itself: a peer catching the engine up first
+# (test_catch_up.py) would end it before they look.
+NO_CATCH_UP = ("--no-catch-up",)
 
 
 def http_ready(port: int, path: str = "/ready") -> tuple[int, dict]:
@@ -55,6 +58,10 @@ async def serving(address: str) -> bool:
     return await grpc_ready(address) == health_pb2.HealthCheckResponse.SERVING
 
 
+async def _not_serving(address: str) -> bool:
+    return await grpc_ready(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 async def until(condition, *, timeout_s: float = 15.0, what: str = "condition"):
     """Polls an async ``condition`` until it returns a truthy value (bounded)."""
     end = time.monotonic() + timeout_s
@@ -72,7 +79,7 @@ def engines_by_id(state) -> dict:
 
 async def test_an_engine_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(cluster_factory):
     metrics_port, ready_port = free_port(), free_port()
-    cluster = cluster_factory(1, coordinator_args=("--metrics-port", str(metrics_port)))
+    cluster = cluster_factory(1, coordinator_args=("--metrics-port", str(metrics_port), *NO_CATCH_UP))
     async with TrainerClient(cluster.address) as client:
         for version in (1, 2):
             assert (await client.update_weights(perturbed(version).named_parameters(), version=version,
@@ -122,7 +129,7 @@ async def test_an_engine_that_joins_late_is_fenced_until_a_broadcast_brings_it_u
 
 
 async def test_a_resume_never_releases_an_engine_behind_the_fleet(cluster_factory):
-    cluster = cluster_factory(1)
+    cluster = cluster_factory(1, coordinator_args=NO_CATCH_UP)
     async with TrainerClient(cluster.address) as client:
         assert (await client.update_weights(perturbed(1).named_parameters(), version=1, timeout_s=60)).ok
         await asyncio.to_thread(cluster.start_agent, "engine-1")
@@ -145,7 +152,7 @@ async def test_a_resume_never_releases_an_engine_behind_the_fleet(cluster_factor
 
 
 async def test_an_engine_that_missed_a_round_is_fenced_when_it_comes_back(cluster_factory):
-    cluster = cluster_factory(2)
+    cluster = cluster_factory(2, coordinator_args=NO_CATCH_UP)
     stopped = cluster.agent("engine-1")
     async with TrainerClient(cluster.address) as client:
         stopped.proc.send_signal(signal.SIGSTOP)  # unreachable: heartbeats stop, its engine too
@@ -159,7 +166,7 @@ async def test_an_engine_that_missed_a_round_is_fenced_when_it_comes_back(cluste
         await until(lambda: _fenced(client, "engine-1"), what="engine-1 fenced")
         state = engines_by_id(await client.get_state())
         assert (state["engine-1"].versions_behind, state["engine-1"].ready) == (1, False)
-        assert await grpc_ready(stopped.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        await until(lambda: _not_serving(stopped.address), what="weightsync.ready NOT_SERVING")
 
         model = perturbed(2)
         assert (await client.update_weights(model.named_parameters(), version=2, timeout_s=60)).ok
@@ -175,7 +182,7 @@ async def test_an_agent_killed_and_started_again_is_fenced_until_it_is_brought_u
     again serves its boot weights. It re-registers (once the old registration's
     heartbeats lapse), is fenced, and the next Broadcast brings it to the fleet's
     version."""
-    cluster = cluster_factory(2)
+    cluster = cluster_factory(2, coordinator_args=NO_CATCH_UP)
     async with TrainerClient(cluster.address) as client:
         assert (await client.update_weights(perturbed(1).named_parameters(), version=1, timeout_s=60)).ok
         cluster.agent("engine-1").proc.kill()

@@ -25,6 +25,8 @@ class CoordinatorOptions:
     enable_fault_injection: bool = False
     security: Security = field(default_factory=Security)
     metrics_port: int = 0
+    catch_up: bool = True                    # bring fenced engines up from a ready peer
+    catch_up_bucket_bytes: int = 32 << 20
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ and the policy both servers enforce under mutual TLS.
 | Coordinator | Pause, Broadcast, Resume | ``trainer`` |
 | Coordinator | RegisterEngine, Heartbeat, DeregisterEngine for engine X | ``agent:X`` only |
 | Coordinator | GetState, WatchEvents | any role |
-| EngineAgent | Pause, Receive, Resume, Sleep, Wake | ``coordinator`` |
+| EngineAgent | Pause, Receive, Resume, Sleep, Wake, Export | ``coordinator`` |
 | EngineAgent | GetState, GetEvents, Generate, GetGeneration | any role |
 
 A peer's role is its certificate's ``spiffe://weightsync/...`` URI SAN (see
@@ -116,6 +116,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/weightsync.v1.EngineAgent/Resume": _COORDINATOR,
     "/weightsync.v1.EngineAgent/Sleep": _COORDINATOR,
     "/weightsync.v1.EngineAgent/Wake": _COORDINATOR,
+    "/weightsync.v1.EngineAgent/Export": _COORDINATOR,
     "/weightsync.v1.EngineAgent/GetState": ANY_ROLE,
     "/weightsync.v1.EngineAgent/GetEvents": ANY_ROLE,
     "/weightsync.v1.EngineAgent/Generate": ANY_ROLE,

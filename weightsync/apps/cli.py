@@ -55,6 +55,10 @@ def _add_coordinator(sub) -> None:
     p.add_argument("--idempotency-max-records", type=int, default=C.idempotency_max_records,
                    help="most idempotency records kept")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
+    p.add_argument("--no-catch-up", dest="catch_up", action="store_false",
+                   help="leave fenced engines for the next Broadcast instead of catching them up from a ready peer")
+    p.add_argument("--catch-up-bucket-bytes", type=int, default=C.catch_up_bucket_bytes,
+                   help="bucket size of a catch-up from a peer")
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     _add_security(p, server=True)
 
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutdown_grace_s=args.shutdown_grace, idempotency_retention_s=args.idempotency_retention,
                 idempotency_max_records=args.idempotency_max_records,
                 enable_fault_injection=args.enable_fault_injection, security=_security(args),
-                metrics_port=args.metrics_port)))
+                metrics_port=args.metrics_port, catch_up=args.catch_up,
+                catch_up_bucket_bytes=args.catch_up_bucket_bytes)))
         if args.command == "agent":
             from weightsync.options import AgentOptions
             from weightsync.server.agent_main import run_agent

@@ -98,6 +98,15 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     def wake(self, tags: Sequence[str]) -> list[str]: ...
 
+    # Whether ``export_weights`` works: such an engine can be a catch-up source.
+    can_export_weights = False
+
+    def export_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The engine's live weight tensors, by name, in the names ``tensor_specs`` uses
+        (read-only: a catch-up sends them to a lagging peer). Blocking: the agent's
+        control thread."""
+        raise Unsupported(f"{self.name} engines cannot export their weights", reason="EXPORT_UNSUPPORTED")
+
     def engine_restarted(self) -> None:
         """The engine's process was relaunched: forget what this adapter remembered of
         the old one (sleep ledger, joined groups, plans its workers held). By default

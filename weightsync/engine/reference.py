@@ -364,6 +364,11 @@ class ReferenceAdapter(EngineAdapter):
     def score(self, sequences):
         return self.engine.score(sequences)
 
+    can_export_weights = True
+
+    def export_weights(self):
+        return self.engine.named_tensors()
+
     def load_targets(self, plan):
         # The Parameters themselves (not ``.data``, a new tensor each time): one dict
         # lookup per tensor, and the list is reused while the plan stays the same.

@@ -336,3 +336,93 @@ class GetEventsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetEventsResponse: _TypeAlias = GetEventsResponse  # noqa: Y015
+
+@_typing.final
+class ExportRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    BUCKET_BYTES_FIELD_NUMBER: _builtins.int
+    idempotency_key: _builtins.str
+    version: _builtins.int
+    """the fleet's version, which this engine must hold"""
+    timeout_s: _builtins.float
+    bucket_bytes: _builtins.int
+    """0: the default"""
+    @_builtins.property
+    def rendezvous(self) -> _common_pb2.Rendezvous:
+        """group_id, session_id, transport (gloo or shm); the source adds its store's host,
+        port and a fresh secret, and sets world_size 2.
+        """
+
+    def __init__(
+        self,
+        *,
+        idempotency_key: _builtins.str = ...,
+        version: _builtins.int = ...,
+        rendezvous: _common_pb2.Rendezvous | None = ...,
+        timeout_s: _builtins.float = ...,
+        bucket_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rendezvous", b"rendezvous"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "idempotency_key", b"idempotency_key", "rendezvous", b"rendezvous", "timeout_s", b"timeout_s", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportRequest: _TypeAlias = ExportRequest  # noqa: Y015
+
+@_typing.final
+class ExportReady(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def plan(self) -> _common_pb2.WeightPlan: ...
+    @_builtins.property
+    def rendezvous(self) -> _common_pb2.Rendezvous:
+        """what the joiner's Receive takes"""
+
+    def __init__(
+        self,
+        *,
+        plan: _common_pb2.WeightPlan | None = ...,
+        rendezvous: _common_pb2.Rendezvous | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "rendezvous", b"rendezvous"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "rendezvous", b"rendezvous"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportReady: _TypeAlias = ExportReady  # noqa: Y015
+
+@_typing.final
+class ExportEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READY_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ready(self) -> Global___ExportReady: ...
+    @_builtins.property
+    def result(self) -> _common_pb2.EngineOutcome: ...
+    def __init__(
+        self,
+        *,
+        ready: Global___ExportReady | None = ...,
+        result: _common_pb2.EngineOutcome | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "ready", b"ready", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "ready", b"ready", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["ready", "result"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___ExportEvent: _TypeAlias = ExportEvent  # noqa: Y015

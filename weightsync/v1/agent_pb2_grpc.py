@@ -80,6 +80,11 @@ class EngineAgentStub:
                 request_serializer=weightsync_dot_v1_dot_agent__pb2.GetEventsRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_agent__pb2.GetEventsResponse.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_stream(
+                '/weightsync.v1.EngineAgent/Export',
+                request_serializer=weightsync_dot_v1_dot_agent__pb2.ExportRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.ExportEvent.FromString,
+                _registered_method=True)
 
 
 class EngineAgentServicer:
@@ -139,6 +144,14 @@ class EngineAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """Catch-up: send this engine's weights (the fleet's version) to a lagging peer, which
+        the coordinator tells to Receive them. Streams ExportReady, then the outcome.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +199,11 @@ def add_EngineAgentServicer_to_server(servicer, server):
                     servicer.GetEvents,
                     request_deserializer=weightsync_dot_v1_dot_agent__pb2.GetEventsRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_agent__pb2.GetEventsResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_stream_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=weightsync_dot_v1_dot_agent__pb2.ExportRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.ExportEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +449,33 @@ class EngineAgent:
             '/weightsync.v1.EngineAgent/GetEvents',
             weightsync_dot_v1_dot_agent__pb2.GetEventsRequest.SerializeToString,
             weightsync_dot_v1_dot_agent__pb2.GetEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightsync.v1.EngineAgent/Export',
+            weightsync_dot_v1_dot_agent__pb2.ExportRequest.SerializeToString,
+            weightsync_dot_v1_dot_agent__pb2.ExportEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -320,6 +320,7 @@ class EngineState(_message.Message):
     FENCED_FIELD_NUMBER: _builtins.int
     VERSIONS_BEHIND_FIELD_NUMBER: _builtins.int
     ENGINE_RESTARTS_FIELD_NUMBER: _builtins.int
+    CAN_EXPORT_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     available: _builtins.bool
@@ -362,6 +363,8 @@ class EngineState(_message.Message):
     """How many times the agent relaunched its engine (--restart on-failure): a new
     engine process joins a new data-plane group.
     """
+    can_export: _builtins.bool
+    """The engine can export its weights: it can be a catch-up source."""
     @_builtins.property
     def asleep_tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -390,10 +393,11 @@ class EngineState(_message.Message):
         fenced: _builtins.bool = ...,
         versions_behind: _builtins.int = ...,
         engine_restarts: _builtins.int = ...,
+        can_export: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "engine_id", b"engine_id", "engine_restarts", b"engine_restarts", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "can_export", b"can_export", "engine_id", b"engine_id", "engine_restarts", b"engine_restarts", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
