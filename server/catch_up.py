@@ -48,13 +48,16 @@ class CatchUp:
 
     def __init__(self, round_: SyncRound, registry: EngineRegistry, *, emit: Emit,
                  interval_s: float = DEFAULT_INTERVAL_S, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 bucket_bytes: int = 0) -> None:
+                 bucket_bytes: int = 0, transport: str = "auto") -> None:
+        if transport not in ("auto", "shm", "gloo"):
+            raise ValueError(f"catch-up transport must be auto, shm or gloo, got {transport!r}")
         self.round = round_
         self.registry = registry
         self.emit = emit
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
+        self.transport = transport
         self._tried: dict[tuple[str, int], set[str]] = {}   # (joiner, version) -> sources that failed it
         self._done: set[tuple[str, int]] = set()            # (joiner, version) caught up, until it reports so
 
@@ -107,8 +110,9 @@ class CatchUp:
     async def _catch_up(self, joiner: EngineRecord, source: EngineRecord, fleet: int) -> bool:
         """One attempt; True if the joiner now holds the fleet's version."""
         key = derive_key(f"catchup-{joiner.engine_id}-v{fleet}", uuid.uuid4().hex[:12])
-        kind = (common_pb2.TRANSPORT_KIND_SHM if _host(joiner.address) == _host(source.address)
-                else common_pb2.TRANSPORT_KIND_GLOO)
+        same_host = _host(joiner.address) == _host(source.address)
+        use_shm = self.transport == "shm" or (self.transport == "auto" and same_host)
+        kind = common_pb2.TRANSPORT_KIND_SHM if use_shm else common_pb2.TRANSPORT_KIND_GLOO
         token = OPERATION_KEY.set(key)  # the attempt's events carry its key
         try:
             return await self._attempt(joiner, source, fleet, key, kind)

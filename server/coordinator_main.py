@@ -91,7 +91,8 @@ async def _start(coordinator: _RunningCoordinator, options: CoordinatorOptions, 
     coordinator.lag = asyncio.create_task(LoopLagMonitor("coordinator").run())
     if options.catch_up:
         coordinator.catch_up = asyncio.create_task(CatchUp(
-            core.round, core.registry, emit=core.emit, bucket_bytes=options.catch_up_bucket_bytes).run(stop))
+            core.round, core.registry, emit=core.emit, bucket_bytes=options.catch_up_bucket_bytes,
+            transport=options.catch_up_transport).run(stop))
 
 
 async def _shutdown(coordinator: _RunningCoordinator, shutdown: Shutdown, grace: float) -> None:

@@ -13,6 +13,8 @@ import json
 import os
 import signal
 
+import pytest
+
 from tests.conftest import wait_available
 from tests.test_attestation import perturbed
 from tests.test_fencing import engines_by_id, serving, until
@@ -29,8 +31,9 @@ async def _ready(client: TrainerClient, engine_id: str) -> bool:
     return engine is not None and engine.ready
 
 
-async def test_a_joiner_is_caught_up_from_a_peer_without_the_trainer(cluster_factory):
-    cluster = cluster_factory(1)
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+async def test_a_joiner_is_caught_up_from_a_peer_without_the_trainer(cluster_factory, transport):
+    cluster = cluster_factory(1, coordinator_args=("--catch-up-transport", transport))
     model = perturbed(2)
     async with TrainerClient(cluster.address) as client:
         assert (await client.update_weights(perturbed(1).named_parameters(), version=1, timeout_s=60)).ok
@@ -48,7 +51,8 @@ async def test_a_joiner_is_caught_up_from_a_peer_without_the_trainer(cluster_fac
     events = [e for e in await coordinator_events(cluster.address) if e.kind.startswith("catch_up")]
     assert [(e.kind, e.engine_id, e.fields["source"], e.fields["version"]) for e in events] == [
         ("catch_up_started", "engine-1", "engine-0", "2"), ("catch_up_done", "engine-1", "engine-0", "2")], events
-    assert events[0].fields["transport"] == "shm"  # both agents on this host
+    # auto: both agents are on this host, so shm
+    assert events[0].fields["transport"] == ("shm" if transport == "auto" else "gloo")
 
 
 async def test_a_source_killed_mid_transfer_leaves_the_joiner_fenced_and_another_source_finishes(
@@ -102,6 +106,34 @@ async def test_with_every_peer_torn_the_joiner_stays_fenced_until_the_next_broad
         state = await client.get_state(include_digests=True)
         assert all(e.ready and e.weight_version == 3 for e in state.engines), state.engines
         assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+
+
+async def test_a_coordinator_killed_during_a_catch_up_starts_a_new_one_and_the_ledger_stays(cluster_factory):
+    """The interrupted attempt ends at the agents (the source's export is cancelled with
+    the coordinator's connection, so the joiner's receive fails: torn and still
+    fenced); the restarted coordinator starts a new attempt under a new key. The
+    fleet's version never goes back."""
+    cluster = cluster_factory(1, agent_args=("--model", "small"),
+                              coordinator_args=("--catch-up-bucket-bytes", str(1 << 20)))
+    model = perturbed_small(1)
+    async with TrainerClient(cluster.address) as client:
+        assert (await client.update_weights(model.named_parameters(), version=1, timeout_s=60)).ok
+    joiner = await asyncio.to_thread(cluster.start_agent, "engine-1", "--model", "small", "--enable-fault-injection",
+                                     env={"WEIGHTSYNC_FAULTS": json.dumps([slow(1, 0.3)])})
+    await until(lambda: _event(cluster.address, "catch_up_started"), timeout_s=30, what="a catch-up started")
+    await asyncio.sleep(1.0)
+    cluster.coordinator.proc.kill()
+    await asyncio.to_thread(cluster.coordinator.proc.wait, 10)
+    await asyncio.to_thread(cluster.restart_coordinator, name="coordinator2")
+    async with TrainerClient(cluster.address) as client:
+        assert (await client.get_state()).weight_version == 1
+        await until(lambda: _ready(client, "engine-1"), timeout_s=90, what="engine-1 caught up after the restart")
+        state = await client.get_state(include_digests=True)
+    assert state.weight_version == 1
+    assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
+    async with EngineClient(joiner.address) as engine:
+        kinds = [e.kind for e in await engine.events()]
+    assert "transfer_failed" in kinds and kinds.index("transfer_failed") < kinds.index("transfer_done"), kinds
 
 
 def perturbed_small(seed: int):

@@ -27,6 +27,7 @@ class CoordinatorOptions:
     metrics_port: int = 0
     catch_up: bool = True                    # bring fenced engines up from a ready peer
     catch_up_bucket_bytes: int = 32 << 20
+    catch_up_transport: str = "auto"         # auto: shm between agents on one host, else gloo
 
 
 @dataclass(frozen=True)

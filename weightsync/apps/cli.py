@@ -59,6 +59,9 @@ def _add_coordinator(sub) -> None:
                    help="leave fenced engines for the next Broadcast instead of catching them up from a ready peer")
     p.add_argument("--catch-up-bucket-bytes", type=int, default=C.catch_up_bucket_bytes,
                    help="bucket size of a catch-up from a peer")
+    p.add_argument("--catch-up-transport", choices=("auto", "shm", "gloo"), default=C.catch_up_transport,
+                   help="auto: shm between agents on one host address, gloo otherwise (gloo where agents share "
+                        "an address but not /dev/shm, as containers may)")
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     _add_security(p, server=True)
 
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 idempotency_max_records=args.idempotency_max_records,
                 enable_fault_injection=args.enable_fault_injection, security=_security(args),
                 metrics_port=args.metrics_port, catch_up=args.catch_up,
-                catch_up_bucket_bytes=args.catch_up_bucket_bytes)))
+                catch_up_bucket_bytes=args.catch_up_bucket_bytes, catch_up_transport=args.catch_up_transport)))
         if args.command == "agent":
             from weightsync.options import AgentOptions
             from weightsync.server.agent_main import run_agent
