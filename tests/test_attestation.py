@@ -27,8 +27,9 @@ from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 SEQUENCES = [[1, 2, 3, 4, 5, 6, 7, 8], [200, 17, 42, 9], [65, 66]]
 
 
-def perturbed(seed: int) -> ReferenceLM:
-    model = ReferenceLM(PRESETS["tiny"])
+def perturbed(seed: int, preset: str = "tiny") -> ReferenceLM:
+    """A reference model of ``preset`` moved by seeded noise (every seed different)."""
+    model = ReferenceLM(PRESETS[preset])
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

@@ -59,7 +59,7 @@ async def test_a_source_killed_mid_transfer_leaves_the_joiner_fenced_and_another
         cluster_factory):
     cluster = cluster_factory(2, agent_args=("--model", "small"),
                               coordinator_args=("--catch-up-bucket-bytes", str(1 << 20)))
-    model = perturbed_small(1)
+    model = perturbed(1, "small")
     async with TrainerClient(cluster.address) as client:
         assert (await client.update_weights(model.named_parameters(), version=1, timeout_s=60)).ok
         # The joiner takes 0.3 s per bucket (13 buckets): the first source dies mid-way.
@@ -115,7 +115,7 @@ async def test_a_coordinator_killed_during_a_catch_up_starts_a_new_one_and_the_l
     fleet's version never goes back."""
     cluster = cluster_factory(1, agent_args=("--model", "small"),
                               coordinator_args=("--catch-up-bucket-bytes", str(1 << 20)))
-    model = perturbed_small(1)
+    model = perturbed(1, "small")
     async with TrainerClient(cluster.address) as client:
         assert (await client.update_weights(model.named_parameters(), version=1, timeout_s=60)).ok
     joiner = await asyncio.to_thread(cluster.start_agent, "engine-1", "--model", "small", "--enable-fault-injection",
@@ -134,18 +134,6 @@ async def test_a_coordinator_killed_during_a_catch_up_starts_a_new_one_and_the_l
     async with EngineClient(joiner.address) as engine:
         kinds = [e.kind for e in await engine.events()]
     assert "transfer_failed" in kinds and kinds.index("transfer_failed") < kinds.index("transfer_done"), kinds
-
-
-def perturbed_small(seed: int):
-    import torch
-
-    from weightsync.engine.model import PRESETS, ReferenceLM
-    model = ReferenceLM(PRESETS["small"])
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    return model
 
 
 async def _event(address: str, kind: str):
