@@ -131,8 +131,8 @@ class VersionFence:
                                              timeout_s=FENCE_PAUSE_TIMEOUT_S)
                     self.fenced = True
                     core.record("fenced", version=served, fleet_version=self.fleet_version)
-                elif not self.behind(served) and self.fenced:
-                    await self._lift(served)
+                elif not self.behind(served) and self.fenced and not core.torn:
+                    await self._lift(served)  # a torn engine stays held until a good receive
             except Exception as exc:
                 log.warning("version fence check of engine %s failed: %r", core.engine_id, exc)
 
@@ -140,8 +140,8 @@ class VersionFence:
         core = self.core
         self.fenced = False
         core.record("unfenced", version=served, fleet_version=self.fleet_version)
-        if core.paused or core.torn:
-            return  # a round's Pause or torn weights hold the engine; Resume releases it
+        if core.paused:
+            return  # a round's Pause holds the engine too; its Resume releases it
         await core.release_engine()
 
 
