@@ -34,6 +34,7 @@ from weightsync.server.launcher import EngineLauncher
 from weightsync.server.readiness import publish_readiness, serve_ready_http
 from weightsync.server.serving import (
     Shutdown,
+    advertised_address,
     set_not_serving,
     start_server,
     stop_on_signals,
@@ -155,9 +156,12 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     # first answer is in before the coordinator hears of us.
     await core.watch.refresh()
     agent.tasks.append(asyncio.create_task(core.watch.run()))
-    agent.server, agent.health, core.address = await start_server(
+    agent.server, agent.health, bound = await start_server(
         security=options.security, faults=agent.faults, service=SERVICE, listen=options.listen,
         add_servicer=lambda s: agent_pb2_grpc.add_EngineAgentServicer_to_server(core, s))
+    # What the coordinator (and a catch-up peer) can reach: never a wildcard address.
+    core.address = await asyncio.to_thread(advertised_address, bound, advertise=options.advertise,
+                                           toward=options.coordinator)
     agent.tasks.append(asyncio.create_task(publish_readiness(core, agent.health)))
     if options.ready_port:
         agent.ready_http = await serve_ready_http(core, options.listen.rpartition(":")[0] or "127.0.0.1",

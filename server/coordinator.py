@@ -35,6 +35,7 @@ from weightsync.security import INSECURE, Security
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry, unreachable_reason
 from weightsync.server.round import SyncRound
+from weightsync.server.serving import WILDCARD_HOSTS
 from weightsync.statedb import StateDB
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from weightsync.validate import MAX_ENGINE_ID_LEN, check_engine_id
@@ -55,6 +56,9 @@ def check_agent_address(address: str) -> None:
         raise InvalidArgument(f"agent_address must be HOST:PORT, got {address[:100]!r}")
     if not all(32 < ord(c) < 127 for c in host):
         raise InvalidArgument(f"agent_address has a character that cannot be in a host name: {address[:100]!r}")
+    if host in WILDCARD_HOSTS:
+        raise InvalidArgument(f"agent_address {address!r} is a wildcard: no other host can reach it; start the agent "
+                              "with --advertise HOST")
 
 
 class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):

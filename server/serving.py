@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import tempfile
 from collections.abc import Awaitable, Callable
 
@@ -18,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from weightsync.errors import InvalidArgument
 from weightsync.faults import FaultInjector
 from weightsync.grpc_options import SERVER_OPTIONS
 from weightsync.security import Security
@@ -56,6 +58,39 @@ def bind(server: grpc.aio.Server, listen: str, security: Security) -> str:
     if bound == 0:
         raise OSError(f"cannot bind {listen}")
     return f"{host}:{bound}"
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+def check_advertise(host: str) -> str:
+    """A host to advertise: a name or address peers can reach (not a wildcard, no
+    port: the port is the bound one); InvalidArgument otherwise."""
+    if not host or not all(32 < ord(c) < 127 for c in host) or host in WILDCARD_HOSTS or \
+            (host.count(":") == 1 and host.rpartition(":")[2].isdigit()):
+        raise InvalidArgument(f"--advertise takes a host name or address that peers can reach, without a port "
+                              f"(the port is the bound one), got {host[:100]!r}")
+    return host
+
+
+def advertised_address(bound: str, *, advertise: str = "", toward: str = "") -> str:
+    """The address peers use to reach a server bound at ``bound`` (``HOST:PORT``):
+    ``advertise:PORT`` when a host to advertise is given; for a wildcard bind
+    (``0.0.0.0``, ``::``), the local address of this host's route toward ``toward`` (a
+    peer's ``HOST:PORT``; no packet is sent); otherwise ``bound`` itself. Blocking (it
+    may resolve a name): call it off the event loop."""
+    host, _, port = bound.rpartition(":")
+    if advertise:
+        return f"{check_advertise(advertise)}:{port}"
+    if host not in WILDCARD_HOSTS or not toward:
+        return bound
+    peer_host, _, peer_port = toward.rpartition(":")
+    family, _, _, _, sockaddr = socket.getaddrinfo(peer_host.strip("[]"), int(peer_port or 1),
+                                                   type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)  # a UDP "connect" picks the route and sends nothing
+        local = probe.getsockname()[0]
+    return f"[{local}]:{port}" if ":" in local else f"{local}:{port}"
 
 
 def write_port_file(path: str, address: str) -> None:
@@ -133,4 +168,5 @@ class Shutdown:
 
 
 __all__ = ["start_server", "add_health_and_reflection", "set_not_serving", "bind", "write_port_file",
+           "advertised_address", "check_advertise", "WILDCARD_HOSTS",
            "stop_on_signals", "Shutdown"]

@@ -52,6 +52,8 @@ class AgentOptions:
     security: Security = field(default_factory=Security)
     metrics_port: int = 0
     ready_port: int = 0
+    advertise: str = ""          # the host peers reach this agent at (default: the bound one, or for a
+                                 # wildcard bind, this host's address toward the coordinator)
     restart: str = "no"          # a launched engine that fails: "no" or "on-failure" (relaunched)
     max_restarts: int = 3
 

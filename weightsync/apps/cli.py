@@ -34,9 +34,13 @@ def _security(args) -> Security:
         security.require_server_mode()
     if args.command == "coordinator":  # under mutual TLS, the certificate must carry our role
         security.require_role("coordinator")
-    elif args.command == "agent" and args.engine_id:
-        check_engine_id(args.engine_id)
-        security.require_role("agent", args.engine_id)
+    elif args.command == "agent":
+        if args.advertise:
+            from weightsync.server.serving import check_advertise
+            check_advertise(args.advertise)
+        if args.engine_id:
+            check_engine_id(args.engine_id)
+            security.require_role("agent", args.engine_id)
     return security
 
 
@@ -77,6 +81,9 @@ def _add_agent(sub) -> None:
                         "not one (plans are checked against it)")
     p.add_argument("--model", default=A.model, help="reference model preset (tiny|small|medium) or JSON config")
     p.add_argument("--listen", default=A.listen, help="HOST:PORT to serve on (port 0 = ephemeral)")
+    p.add_argument("--advertise", default=A.advertise,
+                   help="host the coordinator and peers reach this agent at (default: the --listen host; for "
+                        "0.0.0.0 or ::, this host's address on the route to the coordinator)")
     p.add_argument("--engine-id", default="", help="engine id (default: random)")
     p.add_argument("--port-file", default="", help="write the bound HOST:PORT here once registered")
     p.add_argument("--register-timeout", type=float, default=A.register_timeout_s, help="seconds to keep trying to register")
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             from weightsync.server.agent_main import run_agent
             return _exit_now(asyncio.run(run_agent(AgentOptions(
                 coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
+                advertise=args.advertise,
                 engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout,
                 shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay,
                 enable_fault_injection=args.enable_fault_injection,
