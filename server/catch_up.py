@@ -81,6 +81,9 @@ class CatchUp:
         fleet = self.round.weight_version
         if fleet == 0 or not self._between_rounds():
             return []
+        # What was tried or done for older versions no longer matters: drop it.
+        self._tried = {k: v for k, v in self._tried.items() if k[1] == fleet}
+        self._done = {k for k in self._done if k[1] == fleet}
         available = self.registry.available()
         sources = [r for r in available if r.state.ready and r.state.can_export and r.state.weight_version == fleet]
         pairs = []

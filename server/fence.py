@@ -117,15 +117,18 @@ class VersionFence:
     async def check(self) -> None:
         """Fences an engine found behind (ABORT: its running requests were computed with
         stale weights), or lifts a fence once the engine is current. A receive in
-        flight settles the question itself, so nothing is done during one."""
+        flight settles the question itself, so nothing is done during one. The engine's
+        version is the watched one (polled on the watch's thread, updated at every
+        commit): this runs at every heartbeat and must not ask the engine each time."""
         core = self.core
         async with self.lock:
             if self.fleet_version is None or core.receiving() or core.fault():
                 return
+            engine = core.watch.current()
+            if not engine.version_known:
+                return  # cannot tell now; the next heartbeat looks again
+            served = engine.weight_version
             try:
-                served = await core.run_on_engine(lambda: core.adapter.weight_version)
-                if served is None:
-                    return  # cannot tell now; the next heartbeat asks again
                 if self.behind(served) and not self.fenced:
                     await core.run_on_engine(core.adapter.pause, common_pb2.PAUSE_MODE_ABORT,
                                              timeout_s=FENCE_PAUSE_TIMEOUT_S)
