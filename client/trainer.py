@@ -450,7 +450,7 @@ class TrainerClient:
             sender = self._senders.get(kind)
             if sender is None:
                 store = self._plain_store if kind == common_pb2.TRANSPORT_KIND_GROUP else self._store_host.client()
-                sender = self._senders[kind] = transports.make_sender(kind, store)
+                sender = self._senders[kind] = transports.make_sender(kind, store, data_host=self.host)
             with torch.no_grad():  # sources are the caller's tensors, not detached copies
                 return sender.send(rendezvous, prepared.plan, prepared.sources, deadline_at=deadline_at,
                                    abort=self._abort)

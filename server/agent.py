@@ -124,6 +124,12 @@ class _ReceiveJob:
 class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     """The agent's state machine and RPC handlers (see the module docstring)."""
 
+    @property
+    def data_host(self) -> str:
+        """Where this agent's network receivers (and catch-up senders) listen: the host
+        it registered, the one the coordinator and trainers reach it at."""
+        return self.address.rpartition(":")[0].strip("[]") or "127.0.0.1"
+
     def __init__(self, *, engine_id: str, adapter: EngineAdapter, faults: FaultInjector | None = None,
                  launcher: EngineLauncher | None = None) -> None:
         self.engine_id = engine_id
@@ -131,7 +137,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.faults = faults
         self.launcher = launcher
         self.watch = EngineWatch(adapter, launcher=launcher)
-        self.address = ""
+        self.address = ""  # HOST:PORT registered with the coordinator (set at start)
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
         self._receivers: dict[int, transports.Receiver] = {}
@@ -369,7 +375,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                                      f"{served}", reason="VERSION_NOT_NEWER")
         receiver = self._receivers.get(rdzv.transport)
         if receiver is None:
-            receiver = transports.make_receiver(rdzv.transport)
+            receiver = transports.make_receiver(rdzv.transport, data_host=self.data_host)
             self._receivers[rdzv.transport] = receiver
         return plan, receiver, probe
 
@@ -487,7 +493,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
         return run_in(self._transfer, self.adapter.receive, Delivery(
             request.rendezvous, request.rank, job.plan, job.receiver, job.deadline_at, self._abort, on_bucket,
-            skip_post_load))
+            skip_post_load, self.data_host))
 
     async def _settle_receive(self, job: _ReceiveJob) -> None:
         """Always runs, once per receive: the engine's weights are trusted, or torn, or

@@ -123,7 +123,7 @@ class WeightExporter:
         """Exporter thread: the coordinator's rendezvous with this agent's store (hosted
         on first use, on the host the agent serves on) and a fresh secret."""
         if self._store is None:
-            host = self.core.address.rpartition(":")[0] or "127.0.0.1"
+            host = self.core.data_host
             self._store = StoreHost(host, timeout_s=DEFAULT_EXPORT_TIMEOUT_S)
         rendezvous = common_pb2.Rendezvous()
         rendezvous.CopyFrom(asked)
@@ -135,8 +135,8 @@ class WeightExporter:
     def _send(self, rendezvous, plan: BucketPlan, sources, deadline_at: float) -> transports.TransferStats:
         sender = self._senders.get(rendezvous.transport)
         if sender is None:
-            sender = self._senders[rendezvous.transport] = transports.make_sender(rendezvous.transport,
-                                                                                  self._store.client())
+            sender = self._senders[rendezvous.transport] = transports.make_sender(
+                rendezvous.transport, self._store.client(), data_host=self.core.data_host)
         with torch.no_grad():
             return sender.send(rendezvous, plan, sources, deadline_at=deadline_at, abort=self._abort)
 

@@ -47,12 +47,14 @@ class StartingService:
 
 
 def spawn_service(tmp: str, name: str, command: str, *args: str, log_level: str | None = None,
-                  env: dict[str, str] | None = None) -> StartingService:
+                  env: dict[str, str] | None = None,
+                  wrap: Callable[[list[str]], list[str]] | None = None) -> StartingService:
     """Spawns ``weightsync COMMAND ARGS --port-file tmp/<name>.addr`` logging to
     ``tmp/<name>.log`` (appended, so a restart keeps the earlier lines).
 
     The port file of an earlier process of the same name is removed first, so a restart
-    never reads the previous address. ``env`` is added to this process's environment.
+    never reads the previous address. ``env`` is added to this process's environment;
+    ``wrap`` turns the command line into the one to run (e.g. on a simulated host).
     """
     port_file = os.path.join(tmp, f"{name}.addr")
     if os.path.exists(port_file):
@@ -60,15 +62,17 @@ def spawn_service(tmp: str, name: str, command: str, *args: str, log_level: str 
     log_path = os.path.join(tmp, f"{name}.log")
     global_args = ["--log-level", log_level] if log_level else []
     with open(log_path, "a") as log:
-        proc = spawn(weightsync_command(*global_args, command, *args, "--port-file", port_file),
+        argv = weightsync_command(*global_args, command, *args, "--port-file", port_file)
+        proc = spawn(wrap(argv) if wrap else argv,
                      stdout=log, stderr=log, env={**os.environ, **(env or {})})
     return StartingService(name, port_file, proc, log_path)
 
 
 def start_service(tmp: str, name: str, command: str, *args: str, log_level: str | None = None,
-                  env: dict[str, str] | None = None, timeout_s: float = 60.0) -> ServiceProcess:
+                  env: dict[str, str] | None = None, timeout_s: float = 60.0,
+                  wrap: Callable[[list[str]], list[str]] | None = None) -> ServiceProcess:
     """``spawn_service`` and wait until it serves; a process that does not is stopped."""
-    starting = spawn_service(tmp, name, command, *args, log_level=log_level, env=env)
+    starting = spawn_service(tmp, name, command, *args, log_level=log_level, env=env, wrap=wrap)
     try:
         return starting.wait(timeout_s)
     except BaseException:

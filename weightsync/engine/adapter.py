@@ -76,6 +76,7 @@ class Delivery:
     abort: threading.Event
     on_bucket: Callable[[int], None] | None = None
     skip_post_load: bool = False        # fault injection (vLLM): tied layers keep their old kernels
+    data_host: str = "127.0.0.1"        # the agent's address: where network receivers listen
 
 
 class EngineAdapter(abc.ABC):

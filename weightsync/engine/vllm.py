@@ -135,7 +135,7 @@ class VllmAdapter(HttpEngineAdapter):
             wire = plan.to_proto() if whole else plan.reference_proto()
             results = self.collective_rpc(
                 "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
-                json_format.MessageToJson(wire), str(left), "1" if skip_post_load else "",
+                json_format.MessageToJson(wire), str(left), "1" if skip_post_load else "", delivery.data_host,
                 timeout_s=left)
             result = results[0] if results else None
             if not whole and isinstance(result, dict) and str(result.get("error", "")).startswith("PlanUnknown"):

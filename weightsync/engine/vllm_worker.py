@@ -7,11 +7,12 @@ with string arguments (JSON), never pickle:
   tensor, read from the safetensors headers of the served model. This is what a
   plan is checked against: on CPU, vLLM repacks Linear weights, so its own
   parameters do not show checkpoint shapes.
-- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load])``: joins
+- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host])``: joins
   the weightsync transport (shm, gloo or group), receives into checkpoint-shaped
   tensors (host memory; the worker's GPU when the group backend is nccl), and reloads
   them in place, tied layers included (``vllm_reload.py``). Returns the digest of
-  what it loaded. ``skip_post_load="1"`` is fault injection only (the agent sends it
+  what it loaded; network transports listen on ``data_host`` (the agent's
+  address). ``skip_post_load="1"`` is fault injection only (the agent sends it
   only when started with ``--enable-fault-injection`` and a matching rule).
 - ``weightsync_probe_limits()``: vocabulary size and context length, to refuse a
   probe that cannot fit before anything changes.
@@ -43,14 +44,15 @@ class WeightsyncWorkerExtension:
         return checkpoint_specs(self.model_config.model)
 
     def weightsync_receive(self, rendezvous_json: str, rank: str, plan_json: str, timeout_s: str,
-                           skip_post_load: str = "") -> dict:
+                           skip_post_load: str = "", data_host: str = "127.0.0.1") -> dict:
         try:
             rendezvous = json_format.Parse(rendezvous_json, common_pb2.Rendezvous())
             plan = BucketPlan.from_proto(json_format.Parse(plan_json, common_pb2.WeightPlan()))
             receivers = self.__dict__.setdefault("_weightsync_receivers", {})
             receiver = receivers.get(rendezvous.transport)
             if receiver is None:
-                receiver = receivers[rendezvous.transport] = transports.make_receiver(rendezvous.transport)
+                receiver = receivers[rendezvous.transport] = transports.make_receiver(rendezvous.transport,
+                                                                                      data_host=data_host)
             # nccl lands the bytes in the worker's GPU; gloo and shm in host memory.
             device = self.device if rendezvous.group_backend == "nccl" else torch.device("cpu")
             targets = [torch.empty(shape, dtype=dtype, device=device)

@@ -70,12 +70,15 @@ def _require(kind) -> None:
                                  reason="TRANSPORT_UNAVAILABLE")
 
 
-def make_sender(kind: common_pb2.TransportKind.ValueType, store: dist.Store) -> Sender:
-    """A sender for ``kind`` on the trainer's store."""
+def make_sender(kind: common_pb2.TransportKind.ValueType, store: dist.Store, *,
+                data_host: str = "127.0.0.1") -> Sender:
+    """A sender for ``kind`` on the trainer's store. ``data_host``: the address its
+    receivers reach this side at; network transports listen there (explicitly: never
+    wherever this machine's hostname happens to resolve)."""
     _require(kind)
     if kind == common_pb2.TRANSPORT_KIND_GLOO:
         from weightsync.transport.gloo import GlooSender
-        return GlooSender(store)
+        return GlooSender(store, data_host)
     if kind == common_pb2.TRANSPORT_KIND_GROUP:
         from weightsync.transport.group import GroupSender
         return GroupSender(store)
@@ -83,12 +86,13 @@ def make_sender(kind: common_pb2.TransportKind.ValueType, store: dist.Store) -> 
     return ShmSender(store)
 
 
-def make_receiver(kind: common_pb2.TransportKind.ValueType) -> Receiver:
-    """A receiver for ``kind``."""
+def make_receiver(kind: common_pb2.TransportKind.ValueType, *, data_host: str = "127.0.0.1") -> Receiver:
+    """A receiver for ``kind``; network transports listen on ``data_host`` (the address
+    the sender reaches this side at)."""
     _require(kind)
     if kind == common_pb2.TRANSPORT_KIND_GLOO:
         from weightsync.transport.gloo import GlooReceiver
-        return GlooReceiver()
+        return GlooReceiver(data_host)
     if kind == common_pb2.TRANSPORT_KIND_GROUP:
         from weightsync.transport.group import GroupReceiver
         return GroupReceiver()

@@ -13,6 +13,7 @@ group on a side thread while the caller polls the same way.
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,10 +46,22 @@ def retire(group: object) -> None:
     _RETIRED.put(group)
 
 
+_UNREACHABLE = ("connection refused", "no route to host", "network is unreachable", "host is unreachable")
+
+
 def as_transfer_error(exc: Exception, operation: str) -> Exception:
-    """A torch error as ours: StepTimeoutError when it says it timed out, else TransferError."""
+    """A torch error as ours: TransferError naming the peer when a peer could not be
+    reached (gloo says "timed out connecting" after a refused connection: that is an
+    unreachable address, not a deadline); StepTimeoutError when it timed out; else
+    TransferError."""
     text = str(exc)
-    if "timeout" in text.lower() or "timed out" in text.lower():
+    lowered = text.lower()
+    if any(why in lowered for why in _UNREACHABLE):
+        peer = re.search(r"remote=\[([^\]]*)\]:?(\d*)", text)
+        where = f" at {peer.group(1)}:{peer.group(2)}" if peer else ""
+        return TransferError(f"{operation} failed: a peer{where} cannot be reached (its data-plane address "
+                             f"is wrong or blocked): {text}", metadata={"address": where.removeprefix(" at ")})
+    if "timeout" in lowered or "timed out" in lowered:
         return StepTimeoutError(f"deadline exceeded during {operation}: {text}", operation=operation)
     return TransferError(f"{operation} failed: {text}")
 

@@ -41,14 +41,16 @@ from weightsync.v1 import common_pb2
 class _Group:
     """A gloo group plus its two bucket buffers, reused while the group id stays."""
 
-    def __init__(self, rendezvous: common_pb2.Rendezvous, rank: int, bucket_bytes: int, *, deadline_at: float,
-                 abort: threading.Event, watch: dist.Store, stop_keys: Sequence[str]) -> None:
+    def __init__(self, rendezvous: common_pb2.Rendezvous, rank: int, bucket_bytes: int, *, bind_host: str,
+                 deadline_at: float, abort: threading.Event, watch: dist.Store, stop_keys: Sequence[str]) -> None:
         self.group_id = rendezvous.group_id
         self.bucket_bytes = bucket_bytes
-        timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
+        options._devices = [data_device(bind_host)]
         self.pg = join_in_background(
             lambda store: dist.ProcessGroupGloo(prefixed(store, f"ws/{rendezvous.group_id}/gloo"), rank,
-                                                rendezvous.world_size, timeout),
+                                                rendezvous.world_size, options),
             rendezvous, operation="gloo group setup", deadline_at=deadline_at, abort=abort, watch=watch,
             stop_keys=stop_keys)
         self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
@@ -58,6 +60,20 @@ class _Group:
         if bucket_bytes != self.bucket_bytes:
             self.bucket_bytes = bucket_bytes
             self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+
+
+def data_device(bind_host: str):
+    """gloo's endpoint on ``bind_host``: the address this side's peers reach it at.
+
+    Never gloo's default, which binds to whatever this machine's hostname resolves to
+    (often 127.0.1.1 or 127.0.0.1: peers on other hosts are then refused). A host that
+    is not an address of this machine fails here, at once, saying which.
+    """
+    try:
+        return dist.ProcessGroupGloo.create_device(hostname=bind_host)
+    except RuntimeError as exc:
+        raise TransferError(f"gloo cannot listen on {bind_host!r} (the data-plane address of this side): {exc}",
+                            metadata={"address": bind_host}) from exc
 
 
 def _retire(group: _Group | None) -> None:
@@ -82,12 +98,14 @@ def _direct(plan: BucketPlan, bucket: int, tensors: Sequence[torch.Tensor]) -> t
 
 
 class GlooSender(Sender):
-    """Rank 0 of a gloo group on the trainer's store."""
+    """Rank 0 of a gloo group on the trainer's store; gloo listens on ``bind_host``
+    (the address the engines reach this trainer at)."""
 
     kind = common_pb2.TRANSPORT_KIND_GLOO
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: dist.Store, bind_host: str) -> None:
         self._store = store
+        self._bind_host = bind_host
         self._group: _Group | None = None
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
@@ -125,8 +143,8 @@ class GlooSender(Sender):
         g = self._group
         if g is None or g.group_id != rendezvous.group_id:
             self.close()
-            self._group = _Group(rendezvous, 0, plan.bucket_bytes, deadline_at=deadline_at, abort=abort,
-                                 watch=self._store, stop_keys=stop)
+            self._group = _Group(rendezvous, 0, plan.bucket_bytes, bind_host=self._bind_host,
+                                 deadline_at=deadline_at, abort=abort, watch=self._store, stop_keys=stop)
         self._group.fit(plan.bucket_bytes)
         return self._group
 
@@ -135,11 +153,13 @@ class GlooSender(Sender):
 
 
 class GlooReceiver(Receiver):
-    """Rank >= 1 of a gloo group; connects to the trainer's store."""
+    """Rank >= 1 of a gloo group; connects to the trainer's store; gloo listens on
+    ``bind_host`` (the address this engine's agent advertises)."""
 
     kind = common_pb2.TRANSPORT_KIND_GLOO
 
-    def __init__(self) -> None:
+    def __init__(self, bind_host: str) -> None:
+        self._bind_host = bind_host
         self._store: tuple[tuple[str, int], dist.Store] | None = None
         self._group: _Group | None = None
 
@@ -193,8 +213,8 @@ class GlooReceiver(Receiver):
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
             self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
-        self._group = _Group(rendezvous, rank, plan.bucket_bytes, deadline_at=deadline_at, abort=abort,
-                             watch=self._store[1], stop_keys=stop)
+        self._group = _Group(rendezvous, rank, plan.bucket_bytes, bind_host=self._bind_host,
+                             deadline_at=deadline_at, abort=abort, watch=self._store[1], stop_keys=stop)
         return self._group
 
     def close(self) -> None:
@@ -202,4 +222,4 @@ class GlooReceiver(Receiver):
         self._store = None
 
 
-__all__ = ["GlooSender", "GlooReceiver"]
+__all__ = ["GlooSender", "GlooReceiver", "data_device"]
