@@ -1,9 +1,14 @@
 """TrainerClient: the asyncio client a trainer uses to push weights to every engine.
 
 The event loop only awaits. Everything that blocks (materialising tensors, planning,
-packing, the collective, waiting for peers, hosting the rendezvous store) runs on one
-dedicated worker thread, with the caller's context copied so the deadline ContextVar
-goes along. Control calls are grpc.aio.
+hosting the rendezvous store) runs on one dedicated worker thread, and each lane's
+send (packing, the collective, waiting for peers) on a thread of the send pool, with
+the caller's context copied so the deadline ContextVar goes along. Control calls are
+grpc.aio.
+
+A round may have several lanes: with ``transport="auto"`` the coordinator gives the
+engines on this trainer's host shm and every other host a gloo group of its own; the
+trainer sends to all lanes at once, and an engine's failure stops only its lane.
 
 ``update_weights`` is ``pause`` -> ``broadcast`` -> ``resume``:
 - a cancellation that lands while bytes move waits for the transfer to end, then
@@ -44,6 +49,7 @@ from weightsync.errors import (
     outcome_error,
 )
 from weightsync.grpc_options import CHANNEL_OPTIONS
+from weightsync.host_identity import host_id
 from weightsync.idempotency import derive_key, validate_key
 from weightsync.plan import (
     DEFAULT_BUCKET_BYTES,
@@ -77,11 +83,12 @@ class EngineResult:
     error_reason: str = ""
     error_message: str = ""
     attest_max_diff: float | None = None  # largest |log-prob difference| on the probe, when attested
+    transport: str = ""  # what it received over (with "auto": shm or gloo); "" if it never got to it
 
     @classmethod
     def from_proto(cls, o: common_pb2.EngineOutcome) -> EngineResult:
         return cls(o.engine_id, o.ok, o.weight_version, o.torn, o.seconds, o.error_reason, o.error_message,
-                   o.attest_max_diff if o.attested else None)
+                   o.attest_max_diff if o.attested else None, transports.KIND_NAMES.get(o.transport, ""))
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,8 @@ class SyncFailed(TransferError):
 
 AttestArg = Probe | Callable[[], Probe] | None
 
+MAX_CONCURRENT_LANES = 64  # lanes of one round sent at once (a lane per remote host)
+
 
 @dataclass
 class _Prepared:
@@ -131,19 +140,52 @@ class _Prepared:
 
 
 @dataclass
+class _Lane:
+    """One lane's send: its future and the flag that stops it."""
+
+    rendezvous: common_pb2.Rendezvous
+    transfer: asyncio.Future
+    abort: threading.Event
+
+
 class _Send:
-    """The send a Broadcast started (at its rendezvous), shared by the call's attempts."""
+    """The sends a Broadcast started, one per lane (a rendezvous: its own group and
+    transport), shared by the call's attempts. An engine's failure stops its own lane;
+    the others go on, so one host's failure never tears another host's engines."""
 
-    transfer: asyncio.Future | None = None
+    def __init__(self) -> None:
+        self.lanes: dict[str, _Lane] = {}  # by session id: a retry replays the same rendezvous
+
+    def stop(self, engine_id: str | None = None) -> None:
+        """Stops the lane sending to ``engine_id``, or every lane."""
+        for lane in self.lanes.values():
+            if engine_id is None or engine_id in lane.rendezvous.engine_ids:
+                lane.abort.set()
+
+    async def finish(self) -> None:
+        """Waits for every lane's send to end (each is bounded by the round's deadline)."""
+        for lane in list(self.lanes.values()):
+            await wait_through_cancellation(lane.transfer)
+
+    def error(self) -> BaseException | None:
+        """The first lane's failure, or None. Retrieves every lane's, so an aborted lane's
+        error is not logged as unhandled when its future is collected."""
+        errors = [lane.transfer.exception() for lane in self.lanes.values()
+                  if lane.transfer.done() and not lane.transfer.cancelled()]
+        return next((e for e in errors if e is not None), None)
+
+    def seconds(self) -> float:
+        """Trainer-side transfer time: the slowest lane."""
+        return max((lane.transfer.result().seconds for lane in self.lanes.values()), default=0.0)
 
 
-def _sync_result(result: coordinator_pb2.BroadcastResult, transfer: asyncio.Future | None) -> SyncResult:
+def _sync_result(result: coordinator_pb2.BroadcastResult, send: _Send) -> SyncResult:
     """The caller's result of a finished round, or its typed error: every engine's
     attestation mismatch or timeout as one error of that kind, otherwise ``SyncFailed``
     (chained to the sender's error, if it failed too); a sender that failed in a round
     the engines report good is a ``TransferError``."""
-    send_error = transfer.exception() if transfer is not None else None
-    send_seconds = transfer.result().seconds if transfer is not None and send_error is None else 0.0
+    send_error = send.error()
+    send_seconds = send.seconds() if send.lanes and send_error is None else 0.0
     sync = SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
                       transfer_seconds=send_seconds or result.seconds,
                       engines=tuple(EngineResult.from_proto(o) for o in result.engines))
@@ -212,6 +254,7 @@ class TrainerClient:
         self.resume_grace_s = resume_grace_s
         self.retry = retry or RetryPolicy()
         self._executor: ThreadPoolExecutor | None = None
+        self._send_pool: ThreadPoolExecutor | None = None  # one thread per lane being sent
         self._channel: grpc.aio.Channel | None = None
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         # Rendezvous stores, hosted on first use: status-only clients never open a port.
@@ -219,7 +262,7 @@ class TrainerClient:
         # transport a torch TCPStore, which SGLang joins with torch's own client.
         self._store_host: StoreHost | None = None
         self._plain_store = None
-        self._senders: dict[int, transports.Sender] = {}
+        self._senders: dict[tuple[int, str], transports.Sender] = {}  # by (transport, lane)
         # (bucket_bytes, wire dtype, names, dtypes, shapes, plan) of the last step: a
         # trainer syncs the same tensors every step
         self._plan_cache: tuple | None = None
@@ -227,7 +270,6 @@ class TrainerClient:
         # them by id (a megabyte less per step at 20k tensors). A coordinator that no
         # longer holds one answers PLAN_UNKNOWN and gets the whole plan again.
         self._plans_sent: set[str] = set()
-        self._abort = threading.Event()
         self._closed = False
 
     # ----- lifecycle --------------------------------------------------------------------
@@ -238,6 +280,8 @@ class TrainerClient:
             raise RuntimeError("TrainerClient is closed")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-transfer")
+            # Lanes beyond this many wait for a thread: their engines' deadlines still hold.
+            self._send_pool = ThreadPoolExecutor(MAX_CONCURRENT_LANES, thread_name_prefix="weightsync-send")
             self._channel = self.security.channel(self.coordinator, options=CHANNEL_OPTIONS)
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         return self
@@ -263,6 +307,9 @@ class TrainerClient:
             except Exception as exc:
                 errors.append(exc)
             executor.shutdown(wait=False, cancel_futures=True)
+        if self._send_pool is not None:
+            self._send_pool.shutdown(wait=False, cancel_futures=True)
+            self._send_pool = None
         if self._channel is not None:
             try:
                 await self._channel.close(grace=None)
@@ -354,6 +401,7 @@ class TrainerClient:
         key = key or new_key("broadcast")
         with deadline.scope(timeout_s, operation="broadcast"), deadline.operation("broadcast"):
             store_port, secret = await self._in_thread(self._store_for, kind)
+            trainer_host = host_id() if kind == common_pb2.TRANSPORT_KIND_AUTO else ""
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest)
             # Built on the worker thread too: a request with the whole plan lists every tensor.
             by_reference = prepared.plan.plan_id in self._plans_sent
@@ -361,59 +409,51 @@ class TrainerClient:
                 idempotency_key=key, version=version, transport=kind,
                 plan=prepared.plan.reference_proto() if by_reference else prepared.plan.to_proto(),
                 store_host=self.host, store_port=store_port, store_secret=secret, weights_digest=prepared.digest,
-                group_backend=prepared.group_backend(kind),
+                group_backend=prepared.group_backend(kind), trainer_host_id=trainer_host,
                 probe=prepared.probe.to_proto() if prepared.probe is not None else None))
             # Once the Broadcast is sent, engines may already be waiting for bytes: a
             # cancellation from here on waits for the round (bounded by the deadline),
             # then propagates chained to its error, so nothing is resumed mid-transfer
             # and no engine is left waiting for a sender that never came.
-            round_task = asyncio.ensure_future(self._broadcast(stub, request, prepared, kind))
+            round_task = asyncio.ensure_future(self._broadcast(stub, request, prepared))
             if await wait_through_cancellation(round_task):
                 cause = None if round_task.cancelled() else round_task.exception()
                 raise asyncio.CancelledError("broadcast cancelled") from cause
             return round_task.result()
 
-    async def _broadcast(self, stub, request, prepared: _Prepared, kind) -> SyncResult:
+    async def _broadcast(self, stub, request, prepared: _Prepared) -> SyncResult:
         """The Broadcast call, retried with the same key (a retry attaches to the running
         round, never re-runs it), and the send it starts; the send always ends before
         this returns or raises."""
-        self._abort.clear()
         send = _Send()
         try:
             try:
-                result = await retry(lambda: self._attempt_broadcast(stub, request, prepared, kind, send),
+                result = await retry(lambda: self._attempt_broadcast(stub, request, prepared, send),
                                      policy=self.retry, retryable=is_transient, time_left=deadline.remaining)
             except grpc.aio.AioRpcError as exc:
                 raise from_rpc_error(exc, operation="broadcast") from exc
         except BaseException:
-            if send.transfer is not None:
-                self._abort.set()
-                await wait_through_cancellation(send.transfer)
-                if not send.transfer.cancelled():
-                    # Retrieved, so its "aborted" is not logged as an unhandled error when the
-                    # future is collected: the round's own error is the one that matters.
-                    send.transfer.exception()
+            send.stop()
+            await send.finish()
+            send.error()  # retrieved: the round's own error is the one that matters
             raise
-        if send.transfer is not None:
-            await wait_through_cancellation(send.transfer)
-        return _sync_result(result, send.transfer)
+        await send.finish()
+        return _sync_result(result, send)
 
-    async def _attempt_broadcast(self, stub, request, prepared: _Prepared, kind,
-                                 send: _Send) -> coordinator_pb2.BroadcastResult:
+    async def _attempt_broadcast(self, stub, request, prepared: _Prepared, send: _Send) -> coordinator_pb2.BroadcastResult:
         """One attempt. A coordinator that answers PLAN_UNKNOWN to a plan named by id
         (it restarted, or forgot the plan) ran nothing: the same key with the whole plan
         is the same request, sent at once, not a retry."""
         while True:
             try:
-                return await self._follow_round(stub, request, prepared, kind, send)
+                return await self._follow_round(stub, request, prepared, send)
             except grpc.aio.AioRpcError as exc:
                 if not (isinstance(from_rpc_error(exc), PlanUnknown) and is_reference(request.plan)):
                     raise
             self._plans_sent.discard(prepared.plan.plan_id)
             await self._in_thread(request.plan.CopyFrom, prepared.plan.to_proto())
 
-    async def _follow_round(self, stub, request, prepared: _Prepared, kind,
-                            send: _Send) -> coordinator_pb2.BroadcastResult:
+    async def _follow_round(self, stub, request, prepared: _Prepared, send: _Send) -> coordinator_pb2.BroadcastResult:
         """One Broadcast call, followed to its result: the rendezvous starts the send, an
         engine's failure stops it."""
         left = deadline.remaining()
@@ -422,10 +462,11 @@ class TrainerClient:
         async for event in stub.Broadcast(request, timeout=left):  # read to the end: the status too
             self._plans_sent.add(prepared.plan.plan_id)  # validated: the coordinator holds it
             which = event.WhichOneof("event")
-            if which == "rendezvous" and send.transfer is None:
-                send.transfer = self._start_send(event.rendezvous, prepared, kind)
+            if which == "rendezvous" and event.rendezvous.session_id not in send.lanes:
+                send.lanes[event.rendezvous.session_id] = self._start_send(event.rendezvous, prepared)
             elif which == "engine_failed":
-                self._abort.set()  # stop sending to a round that cannot complete
+                # Stop sending to that engine's lane, which cannot complete; other lanes go on.
+                send.stop(event.engine_failed.engine_id or None)
             elif which == "result":
                 result = event.result
         if result is None:
@@ -443,19 +484,23 @@ class TrainerClient:
             self._store_host = StoreHost(self.host, timeout_s=self.default_timeout_s)
         return self._store_host.port, self._store_host.new_secret()
 
-    def _start_send(self, rendezvous, prepared: _Prepared, kind) -> asyncio.Future:
+    def _start_send(self, rendezvous, prepared: _Prepared) -> _Lane:
+        """Starts one lane's send on the send pool (lanes run concurrently). Each lane has
+        its own sender (its own group, buffers and store connection), kept for the next
+        round while the lane's name stays."""
         deadline_at = time.monotonic() + (deadline.remaining(self.default_timeout_s) or 0.0)
+        kind, abort = rendezvous.transport, threading.Event()
 
         def send():
-            sender = self._senders.get(kind)
+            sender = self._senders.get((kind, rendezvous.lane))
             if sender is None:
                 store = self._plain_store if kind == common_pb2.TRANSPORT_KIND_GROUP else self._store_host.client()
-                sender = self._senders[kind] = transports.make_sender(kind, store, data_host=self.host)
+                sender = self._senders[(kind, rendezvous.lane)] = transports.make_sender(kind, store,
+                                                                                        data_host=self.host)
             with torch.no_grad():  # sources are the caller's tensors, not detached copies
-                return sender.send(rendezvous, prepared.plan, prepared.sources, deadline_at=deadline_at,
-                                   abort=self._abort)
+                return sender.send(rendezvous, prepared.plan, prepared.sources, deadline_at=deadline_at, abort=abort)
 
-        return run_in(self._executor, send)
+        return _Lane(rendezvous, run_in(self._send_pool, send), abort)
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], with_digest: bool,
                  attest: AttestArg = None) -> _Prepared:

@@ -50,6 +50,7 @@ from weightsync.errors import (
 )
 from weightsync.event_log import EventLog
 from weightsync.faults import FaultInjector
+from weightsync.host_identity import host_id
 from weightsync.idempotency import IdempotencyStore
 from weightsync.plan import BucketPlan, dtype_name, is_reference
 from weightsync.server.engine_watch import EngineWatch
@@ -209,7 +210,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             engine_id=self.engine_id, address=self.address, available=not fault,
             paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
             receiving=self.receiving(), engine_restarts=self.launcher.restarts if self.launcher else 0,
-            can_export=self.adapter.can_export_weights,
+            can_export=self.adapter.can_export_weights, host_id=host_id(),
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
             weight_version_unknown=not engine.version_known, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,

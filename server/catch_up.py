@@ -39,8 +39,10 @@ DEFAULT_TIMEOUT_S = 300.0
 Emit = Callable[..., Awaitable[None]]
 
 
-def _host(address: str) -> str:
-    return address.rpartition(":")[0]
+def same_host(a: EngineRecord, b: EngineRecord) -> bool:
+    """Whether shm works between two engines: the host ids they report are equal (an
+    address's host part is not enough: containers and namespaces share 127.0.0.1)."""
+    return bool(a.state.host_id) and a.state.host_id == b.state.host_id
 
 
 class CatchUp:
@@ -113,8 +115,7 @@ class CatchUp:
     async def _catch_up(self, joiner: EngineRecord, source: EngineRecord, fleet: int) -> bool:
         """One attempt; True if the joiner now holds the fleet's version."""
         key = derive_key(f"catchup-{joiner.engine_id}-v{fleet}", uuid.uuid4().hex[:12])
-        same_host = _host(joiner.address) == _host(source.address)
-        use_shm = self.transport == "shm" or (self.transport == "auto" and same_host)
+        use_shm = self.transport == "shm" or (self.transport == "auto" and same_host(joiner, source))
         kind = common_pb2.TRANSPORT_KIND_SHM if use_shm else common_pb2.TRANSPORT_KIND_GLOO
         token = OPERATION_KEY.set(key)  # the attempt's events carry its key
         try:

@@ -131,15 +131,39 @@ async def call_with_retry(record: EngineRecord, call: Callable[[EngineRecord], A
 
 @dataclass
 class BroadcastSetup:
-    """What a Broadcast settles before anything changes: the plan, who takes part and
-    at which rank, where they meet, and by when."""
+    """What a Broadcast settles before anything changes: the plan, who takes part, in
+    which lane (a data-plane group with its own transport and rendezvous) at which
+    rank, and by when."""
 
     plan: BucketPlan
     members: list[EngineRecord]
     gone: list[str]                 # round members no longer available: reported as failed
-    ranks: dict[str, int]
-    rendezvous: common_pb2.Rendezvous
+    lanes: list[common_pb2.Rendezvous]
     timeout_s: float
+
+    def __post_init__(self) -> None:
+        self.lane_of = {e: lane for lane in self.lanes for e in lane.engine_ids}
+        self.ranks = {e: i + 1 for lane in self.lanes for i, e in enumerate(lane.engine_ids)}
+
+
+def plan_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str) -> list[tuple[str, int, list[str]]]:
+    """The round's lanes as (name, transport, engine ids): one lane of ``transport``
+    for every member, or for ``auto`` shm for the engines on the trainer's host and a
+    gloo lane per other host, so no host's engines relay another host's bytes (and a
+    host that fails takes only its own lane down). Engines that report no host id
+    (older agents) get one gloo lane."""
+    if transport != common_pb2.TRANSPORT_KIND_AUTO:
+        return [(transports.KIND_NAMES[transport], transport, [r.engine_id for r in members])]
+    by_host: dict[str, list[str]] = {}
+    for record in sorted(members, key=lambda r: r.engine_id):
+        by_host.setdefault(record.state.host_id, []).append(record.engine_id)
+    lanes = []
+    for host, engines in sorted(by_host.items()):
+        if host and host == trainer_host_id and transports.available(common_pb2.TRANSPORT_KIND_SHM):
+            lanes.append(("shm", common_pb2.TRANSPORT_KIND_SHM, engines))
+        else:
+            lanes.append((f"gloo@{host or 'unknown'}", common_pb2.TRANSPORT_KIND_GLOO, engines))
+    return lanes
 
 
 class SyncRound:
@@ -310,6 +334,10 @@ class SyncRound:
         plan = BucketPlan.from_proto(request.plan)
         if request.transport not in transports.KIND_NAMES:
             raise InvalidArgument(f"unknown transport {request.transport}")
+        if request.transport == common_pb2.TRANSPORT_KIND_AUTO and not request.trainer_host_id:
+            raise InvalidArgument("the auto transport needs trainer_host_id (the trainer's host id)")
+        if len(request.trainer_host_id) > 64:
+            raise InvalidArgument("trainer_host_id is at most 64 characters")
         if request.group_backend not in ("", "gloo", "nccl"):
             raise InvalidArgument(f"group_backend must be gloo or nccl, got {request.group_backend!r}")
         if request.group_backend and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
@@ -341,25 +369,30 @@ class SyncRound:
         if not members:
             raise EngineUnavailable("no engine of the paused round is available")
         taking_part = {r.engine_id for r in members}
-        ranks = {r.engine_id: i + 1 for i, r in enumerate(members)}
-        rendezvous = common_pb2.Rendezvous(
-            group_id=await self._group_id(request, members, ranks), transport=request.transport,
-            store_host=request.store_host, store_port=request.store_port, world_size=len(members) + 1,
-            session_id=uuid.uuid4().hex, group_backend=request.group_backend, store_secret=request.store_secret)
-        return BroadcastSetup(plan, members, [e for e in self.round_engines if e not in taking_part], ranks,
-                              rendezvous, timeout_s)
+        layout = plan_lanes(request.transport, members, request.trainer_host_id)
+        group_id = await self._group_id(request, members, layout)
+        session = uuid.uuid4().hex
+        lanes = [common_pb2.Rendezvous(
+            group_id=group_id if len(layout) == 1 else f"{group_id}-{i}", transport=kind,
+            store_host=request.store_host, store_port=request.store_port, world_size=len(engines) + 1,
+            session_id=session if len(layout) == 1 else f"{session}-{i}", group_backend=request.group_backend,
+            store_secret=request.store_secret, lane=name, engine_ids=engines)
+            for i, (name, kind, engines) in enumerate(layout)]
+        return BroadcastSetup(plan, members, [e for e in self.round_engines if e not in taking_part], lanes,
+                              timeout_s)
 
-    async def _group_id(self, request, members: list[EngineRecord], ranks: dict[str, int]) -> str:
+    async def _group_id(self, request, members: list[EngineRecord], layout: list[tuple[str, int, list[str]]]) -> str:
         """The data-plane group id of this Broadcast: the same id only for the same group.
 
         Members keep their group between rounds while the id stays (plan once, replay).
         So an id must never name two different groups: whenever anything that defines
         the group differs from the last round's (transport, backend, the trainer's
-        store, the members, their ranks, a member's registration or engine process),
+        store, the members, their lanes and ranks, a member's registration or engine process),
         the epoch moves on and the id is new -- also when an earlier membership recurs,
         whose store keys and half-dropped groups still exist. A failed round moves it
         on as well.
         """
+        ranks = {e: f"{name}/{i + 1}" for name, _, engines in layout for i, e in enumerate(engines)}
         membership = "|".join(f"{r.engine_id}={ranks[r.engine_id]}@{r.incarnation}.{r.state.engine_restarts}"
                               for r in sorted(members, key=lambda r: r.engine_id))
         group_key = hashlib.blake2b(
@@ -378,7 +411,7 @@ class SyncRound:
         (protobuf merges concatenated messages): not copied and re-encoded per engine."""
         head = agent_pb2.ReceiveRequest(
             idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
-            plan=setup.plan.reference_proto() if by_reference else None, rendezvous=setup.rendezvous,
+            plan=setup.plan.reference_proto() if by_reference else None, rendezvous=setup.lane_of[record.engine_id],
             rank=setup.ranks[record.engine_id], weights_digest=request.weights_digest, timeout_s=setup.timeout_s,
             validate_only=validate_only, probe=request.probe if request.HasField("probe") else None,
         ).SerializeToString()
@@ -426,8 +459,10 @@ class SyncRound:
         """Phase 2: the rendezvous to the trainer, every member's Receive, the result."""
         await self.emit("broadcast_started", version=request.version, bytes=setup.plan.total_bytes,
                         plan="by_id" if is_reference(request.plan) else "whole", engines=",".join(setup.ranks),
-                        transport=transports.KIND_NAMES[request.transport])
-        progress.publish(coordinator_pb2.BroadcastEvent(rendezvous=setup.rendezvous))
+                        transport=transports.KIND_NAMES[request.transport],
+                        lanes=";".join(f"{lane.lane}:{','.join(lane.engine_ids)}" for lane in setup.lanes))
+        for lane in setup.lanes:  # the trainer starts one send per lane
+            progress.publish(coordinator_pb2.BroadcastEvent(rendezvous=lane))
         started = time.monotonic()
         metrics.BROADCAST_IN_PROGRESS.set(1)
         if self.faults is not None and self.faults.take("round", method="transfer") is not None:
@@ -457,6 +492,7 @@ class SyncRound:
             metrics.BROADCAST_IN_PROGRESS.set(0)
         for o in outcomes:
             o.rank = setup.ranks[o.engine_id]
+            o.transport = setup.lane_of[o.engine_id].transport
         for engine_id in setup.gone:
             outcomes.append(failed_outcome(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
         return await self._record_broadcast(request, setup, outcomes, time.monotonic() - started)
@@ -477,8 +513,10 @@ class SyncRound:
             metrics.SYNC_BYTES.observe(setup.plan.total_bytes)
             metrics.WEIGHT_VERSION.set(self.weight_version)
         for o in outcomes:
-            await self.emit("engine_received" if o.ok else "engine_failed", o.engine_id,
-                            version=request.version, reason=o.error_reason, message=o.error_message)
+            transport = transports.KIND_NAMES.get(o.transport, "")
+            metrics.ENGINE_TRANSFERS.labels(o.engine_id, transport, "ok" if o.ok else "failed").inc()
+            await self.emit("engine_received" if o.ok else "engine_failed", o.engine_id, version=request.version,
+                            transport=transport, reason=o.error_reason, message=o.error_message)
         await self.emit("broadcast_done" if ok else "broadcast_failed", version=request.version,
                         seconds=f"{seconds:.4f}")
         return coordinator_pb2.BroadcastResult(version=request.version, ok=ok, engines=outcomes,

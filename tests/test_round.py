@@ -16,7 +16,7 @@ import pytest
 
 from weightsync.errors import EngineUnavailable, FailedPrecondition
 from weightsync.server.registry import EngineRegistry
-from weightsync.server.round import SyncRound
+from weightsync.server.round import SyncRound, plan_lanes
 from weightsync.statedb import StateDB
 from weightsync.v1 import common_pb2, coordinator_pb2
 
@@ -110,22 +110,28 @@ def test_the_group_id_changes_exactly_when_the_group_does_and_survives_a_restart
         round_ = new_round(db, registry, Events())
         request = coordinator_pb2.BroadcastRequest(transport=common_pb2.TRANSPORT_KIND_GLOO, store_host="h",
                                                    store_port=7)
-        both = await round_._group_id(request, [a, b], {"a": 1, "b": 2})
-        again = await round_._group_id(request, [a, b], {"a": 1, "b": 2})
-        swapped = await round_._group_id(request, [a, b], {"a": 2, "b": 1})
-        alone = await round_._group_id(request, [a], {"a": 1})
-        back = await round_._group_id(request, [a, b], {"a": 1, "b": 2})
+        gloo = common_pb2.TRANSPORT_KIND_GLOO
+
+        def lanes(*engines_per_lane):
+            return [(f"lane{i}", gloo, list(engines)) for i, engines in enumerate(engines_per_lane)]
+
+        both = await round_._group_id(request, [a, b], lanes("ab"))
+        again = await round_._group_id(request, [a, b], lanes("ab"))
+        swapped = await round_._group_id(request, [a, b], lanes("ba"))
+        alone = await round_._group_id(request, [a], lanes("a"))
+        back = await round_._group_id(request, [a, b], lanes("ab"))
+        split = await round_._group_id(request, [a, b], lanes("a", "b"))  # same ranks, two lanes
         registry.upsert("a", "127.0.0.1:1", "tiny", heartbeat=True)  # a re-registration: a new incarnation
-        reregistered = await round_._group_id(request, [a, b], {"a": 1, "b": 2})
+        reregistered = await round_._group_id(request, [a, b], lanes("ab"))
         epoch = round_.epoch
         for record in registry.all():
             await record.channel.close(grace=None)
         db.close()
-        return both, again, swapped, alone, back, reregistered, epoch
+        return both, again, swapped, alone, back, split, reregistered, epoch
 
-    both, again, swapped, alone, back, reregistered, epoch = asyncio.run(ids())
+    both, again, swapped, alone, back, split, reregistered, epoch = asyncio.run(ids())
     assert again == both  # the same group keeps its id: plan once, replay
-    assert len({both, swapped, alone, back, reregistered}) == 5  # every other group is a new id
+    assert len({both, swapped, alone, back, split, reregistered}) == 6  # every other group is a new id
     assert back != both  # an earlier membership that recurs is a new group too (new epoch)
 
     restarted = StateDB(path)
@@ -152,3 +158,26 @@ def test_a_round_that_died_broadcasting_comes_back_failed_with_a_new_epoch(tmp_p
         assert (again.phase, again.epoch) == ("failed", 5)  # persisted: a second restart adds nothing
     finally:
         db.close()
+
+
+def test_auto_gives_the_trainers_host_shm_and_every_other_host_a_gloo_lane_of_its_own(tmp_path):
+    async def layout():
+        registry = EngineRegistry(heartbeat_timeout_s=5.0)
+        hosts = {"a0": "host-a", "b0": "host-b", "b1": "host-b", "c0": "host-c", "old": ""}
+        records = []
+        for engine, host in hosts.items():
+            record, _ = registry.upsert(engine, "127.0.0.1:1", "tiny", heartbeat=True)
+            record.state.host_id = host
+            records.append(record)
+        try:
+            return (plan_lanes(common_pb2.TRANSPORT_KIND_AUTO, records, "host-a"),
+                    plan_lanes(common_pb2.TRANSPORT_KIND_GLOO, records, "host-a"))
+        finally:
+            for record in registry.all():
+                await record.channel.close(grace=None)
+
+    auto, gloo = asyncio.run(layout())
+    shm_kind, gloo_kind = common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_GLOO
+    assert sorted(auto) == sorted([("shm", shm_kind, ["a0"]), ("gloo@host-b", gloo_kind, ["b0", "b1"]),
+                                   ("gloo@host-c", gloo_kind, ["c0"]), ("gloo@unknown", gloo_kind, ["old"])])
+    assert gloo == [("gloo", gloo_kind, ["a0", "b0", "b1", "c0", "old"])]  # a named transport: one lane

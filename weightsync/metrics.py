@@ -17,6 +17,9 @@ SYNC_SECONDS = Histogram("weightsync_broadcast_seconds", "Broadcast duration (co
 SYNC_BYTES = Histogram("weightsync_broadcast_bytes", "Bytes delivered to each engine per broadcast", buckets=_BYTES)
 ROUNDS = Counter("weightsync_rounds_total", "Sync round steps by phase and outcome", ["phase", "outcome"])
 FAILURES = Counter("weightsync_failures_total", "Engine failures in rounds, by reason", ["operation", "reason"])
+ENGINE_TRANSFERS = Counter("weightsync_engine_transfers_total",
+                           "Engine receives in broadcasts, by engine, the transport it received over, and outcome",
+                           ["engine", "transport", "outcome"])
 REPLAYS = Counter("weightsync_idempotent_replays_total", "Calls answered from the idempotency store")
 ROUND_ID = Gauge("weightsync_round_id", "Id of the current (or last) sync round")
 BROADCAST_IN_PROGRESS = Gauge("weightsync_broadcast_in_progress", "1 while a broadcast is moving bytes")
@@ -42,7 +45,7 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
     start_http_server(port, addr=host)
 
 
-__all__ = ["serve", "SYNC_SECONDS", "SYNC_BYTES", "ROUNDS", "ROUND_ID", "BROADCAST_IN_PROGRESS", "FAILURES", "REPLAYS", "WEIGHT_VERSION",
+__all__ = ["serve", "SYNC_SECONDS", "SYNC_BYTES", "ENGINE_TRANSFERS", "ROUNDS", "ROUND_ID", "BROADCAST_IN_PROGRESS", "FAILURES", "REPLAYS", "WEIGHT_VERSION",
            "ENGINE_VERSION", "ENGINE_AVAILABLE", "ENGINE_PAUSED", "ENGINE_TORN", "ENGINE_READY",
            "ENGINE_VERSIONS_BEHIND", "CLIENT_SYNC_SECONDS",
            "CLIENT_LOOP_LAG_MS"]

@@ -58,6 +58,7 @@ async def main() -> int:
                 line["error"] = f"{exc.reason}: {exc.message}"
                 outcomes = getattr(getattr(exc, "result", None), "engines", ())
             line["seconds"] = round(time.monotonic() - started, 3)
+            line["bytes"] = sum(t.numel() * t.element_size() for _, t in named)
             state = await client.get_state(include_digests=True)
             digests = {e.engine_id: e.weights_digest for e in state.engines}
             local = weights_digest(named)

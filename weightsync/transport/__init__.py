@@ -1,5 +1,6 @@
 """Data-plane transports and their availability probes.
 
+``auto`` is not a backend: the coordinator turns it into lanes of shm and gloo.
 ``available(kind)`` says whether a backend can run here; a missing library makes a
 backend unavailable, never an import error. nccl and cuda-ipc need cupy and a GPU.
 ``group`` (SGLang's update-group protocol) needs gloo; its nccl backend needs CUDA,
@@ -23,6 +24,9 @@ NAMES: dict[str, common_pb2.TransportKind.ValueType] = {
     "nccl": common_pb2.TRANSPORT_KIND_NCCL,
     "cuda-ipc": common_pb2.TRANSPORT_KIND_CUDA_IPC,
     "group": common_pb2.TRANSPORT_KIND_GROUP,
+    # Not a transport of its own: per engine, shm on the trainer's host, gloo elsewhere
+    # (the coordinator splits the round into lanes; see server/round.py::plan_lanes).
+    "auto": common_pb2.TRANSPORT_KIND_AUTO,
 }
 KIND_NAMES = {v: k for k, v in NAMES.items()}
 
@@ -53,6 +57,8 @@ def unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
             return f"CUDA unavailable: {exc}"
         return (f"{KIND_NAMES[kind]} transport is not implemented in this release; to move CUDA tensors "
                 "over NCCL use the group transport")
+    if kind == common_pb2.TRANSPORT_KIND_AUTO:
+        return unavailable_reason(common_pb2.TRANSPORT_KIND_GLOO)
     if kind == common_pb2.TRANSPORT_KIND_UNSPECIFIED:
         return "transport not specified"
     return f"unknown transport kind {kind}"
@@ -64,6 +70,9 @@ def available(kind: common_pb2.TransportKind.ValueType) -> bool:
 
 
 def _require(kind) -> None:
+    if kind == common_pb2.TRANSPORT_KIND_AUTO:
+        raise InvalidArgument("auto is a choice per engine, not a data-plane group: a rendezvous names "
+                              "the transport of its lane")
     reason = unavailable_reason(kind)
     if reason is not None:
         raise FailedPrecondition(f"transport {KIND_NAMES.get(kind, kind)} unavailable: {reason}",

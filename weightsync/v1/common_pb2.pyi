@@ -60,6 +60,11 @@ class _TransportKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transpo
     """Tensor by tensor over a torch.distributed group the receivers join by rendezvous:
     the protocol of SGLang's weight update group. Backend in Rendezvous.group_backend.
     """
+    TRANSPORT_KIND_AUTO: _TransportKind.ValueType  # 6
+    """Broadcast only (never in a Rendezvous): each engine gets the fastest path the
+    coordinator knows of: shm for engines on the trainer's host (same host id), gloo
+    for the others, one group per remote host (no host relays another's bytes).
+    """
 
 class TransportKind(_TransportKind, metaclass=_TransportKindEnumTypeWrapper): ...
 
@@ -71,6 +76,11 @@ TRANSPORT_KIND_CUDA_IPC: TransportKind.ValueType  # 4
 TRANSPORT_KIND_GROUP: TransportKind.ValueType  # 5
 """Tensor by tensor over a torch.distributed group the receivers join by rendezvous:
 the protocol of SGLang's weight update group. Backend in Rendezvous.group_backend.
+"""
+TRANSPORT_KIND_AUTO: TransportKind.ValueType  # 6
+"""Broadcast only (never in a Rendezvous): each engine gets the fastest path the
+coordinator knows of: shm for engines on the trainer's host (same host id), gloo
+for the others, one group per remote host (no host relays another's bytes).
 """
 Global___TransportKind: _TypeAlias = TransportKind  # noqa: Y015
 
@@ -141,6 +151,8 @@ class Rendezvous(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     GROUP_BACKEND_FIELD_NUMBER: _builtins.int
     STORE_SECRET_FIELD_NUMBER: _builtins.int
+    LANE_FIELD_NUMBER: _builtins.int
+    ENGINE_IDS_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """same id = reuse the existing group and buffers"""
     transport: Global___TransportKind.ValueType
@@ -156,6 +168,13 @@ class Rendezvous(_message.Message):
     """gloo and shm: the round's secret (hex) that admits a connection to the trainer's
     store. Only the trainer and the round's members learn it, over the control plane.
     """
+    lane: _builtins.str
+    """A round may have several groups ("lanes"), each with its own transport: the
+    lane's name (stable while the fleet's layout stays: the trainer keeps one sender
+    per lane) and the engines in it (rank i+1 is engine_ids[i]).
+    """
+    @_builtins.property
+    def engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -167,10 +186,12 @@ class Rendezvous(_message.Message):
         session_id: _builtins.str = ...,
         group_backend: _builtins.str = ...,
         store_secret: _builtins.str = ...,
+        lane: _builtins.str = ...,
+        engine_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_id", b"group_id", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_ids", b"engine_ids", "group_backend", b"group_backend", "group_id", b"group_id", "lane", b"lane", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -250,6 +271,7 @@ class EngineOutcome(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     ATTESTED_FIELD_NUMBER: _builtins.int
     ATTEST_MAX_DIFF_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     ok: _builtins.bool
     error_reason: _builtins.str
@@ -267,6 +289,8 @@ class EngineOutcome(_message.Message):
     after loading, and this is the largest |log-prob difference| from the trainer's.
     """
     attest_max_diff: _builtins.float
+    transport: Global___TransportKind.ValueType
+    """the transport this engine received over"""
     def __init__(
         self,
         *,
@@ -282,10 +306,11 @@ class EngineOutcome(_message.Message):
         error_code: _builtins.int = ...,
         attested: _builtins.bool = ...,
         attest_max_diff: _builtins.float = ...,
+        transport: Global___TransportKind.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest_max_diff", b"attest_max_diff", "attested", b"attested", "bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "seconds", b"seconds", "torn", b"torn", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest_max_diff", b"attest_max_diff", "attested", b"attested", "bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "seconds", b"seconds", "torn", b"torn", "transport", b"transport", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -321,6 +346,7 @@ class EngineState(_message.Message):
     VERSIONS_BEHIND_FIELD_NUMBER: _builtins.int
     ENGINE_RESTARTS_FIELD_NUMBER: _builtins.int
     CAN_EXPORT_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     available: _builtins.bool
@@ -365,6 +391,10 @@ class EngineState(_message.Message):
     """
     can_export: _builtins.bool
     """The engine can export its weights: it can be a catch-up source."""
+    host_id: _builtins.str
+    """Which host the engine runs on: equal only for processes that share a machine's
+    boot, network namespace and /dev/shm (so shm and loopback work between them).
+    """
     @_builtins.property
     def asleep_tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -394,10 +424,11 @@ class EngineState(_message.Message):
         versions_behind: _builtins.int = ...,
         engine_restarts: _builtins.int = ...,
         can_export: _builtins.bool = ...,
+        host_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "can_export", b"can_export", "engine_id", b"engine_id", "engine_restarts", b"engine_restarts", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "heartbeat_age_s", b"heartbeat_age_s", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "can_export", b"can_export", "engine_id", b"engine_id", "engine_restarts", b"engine_restarts", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "heartbeat_age_s", b"heartbeat_age_s", "host_id", b"host_id", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

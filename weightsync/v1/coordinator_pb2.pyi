@@ -99,6 +99,7 @@ class BroadcastRequest(_message.Message):
     GROUP_BACKEND_FIELD_NUMBER: _builtins.int
     PROBE_FIELD_NUMBER: _builtins.int
     STORE_SECRET_FIELD_NUMBER: _builtins.int
+    TRAINER_HOST_ID_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     transport: _common_pb2.TransportKind.ValueType
@@ -113,6 +114,8 @@ class BroadcastRequest(_message.Message):
     """group transport only: "gloo" (default) or "nccl" """
     store_secret: _builtins.str
     """gloo, shm: the secret that admits a connection to the store (hex)"""
+    trainer_host_id: _builtins.str
+    """auto: the trainer's host id (engines with the same one get shm)"""
     @_builtins.property
     def plan(self) -> _common_pb2.WeightPlan: ...
     @_builtins.property
@@ -133,10 +136,11 @@ class BroadcastRequest(_message.Message):
         group_backend: _builtins.str = ...,
         probe: _common_pb2.AttestationProbe | None = ...,
         store_secret: _builtins.str = ...,
+        trainer_host_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
