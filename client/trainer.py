@@ -84,11 +84,13 @@ class EngineResult:
     error_message: str = ""
     attest_max_diff: float | None = None  # largest |log-prob difference| on the probe, when attested
     transport: str = ""  # what it received over (with "auto": shm or gloo); "" if it never got to it
+    relayed_by: str = ""  # the host relay it got the bytes from (over shm), if any
 
     @classmethod
     def from_proto(cls, o: common_pb2.EngineOutcome) -> EngineResult:
         return cls(o.engine_id, o.ok, o.weight_version, o.torn, o.seconds, o.error_reason, o.error_message,
-                   o.attest_max_diff if o.attested else None, transports.KIND_NAMES.get(o.transport, ""))
+                   o.attest_max_diff if o.attested else None, transports.KIND_NAMES.get(o.transport, ""),
+                   o.relayed_by)
 
 
 @dataclass(frozen=True)

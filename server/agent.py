@@ -58,6 +58,7 @@ from weightsync.server.fence import VersionFence
 from weightsync.server.launcher import EngineLauncher
 from weightsync.server.weight_export import WeightExporter
 from weightsync.threads import run_in
+from weightsync.transport.relay import HostRelay
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from weightsync.validate import check_pause_mode, check_port, check_timeout
 
@@ -142,6 +143,10 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
         self._receivers: dict[int, transports.Receiver] = {}
+        # This agent as its host's relay (made on first use): its own thread, because
+        # it runs alongside the engine's own receive of the bytes it re-shares.
+        self._relay: HostRelay | None = None
+        self._relay_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-relay")
         self._plan_fits = ""  # plan_id of the last plan checked against the engine's tensors
         self._idempotency = IdempotencyStore()
         self._receive_task: asyncio.Future | None = None
@@ -364,6 +369,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         check_port(rdzv.store_port, "rendezvous store_port")
         if rdzv.world_size < 2 or not 1 <= request.rank < rdzv.world_size:
             raise InvalidArgument(f"rank {request.rank} is not a receiver rank of world {rdzv.world_size}")
+        if request.HasField("relay"):
+            self._check_relay(request)
         self.adapter.check_receive(request)
         if probe is not None:
             self.adapter.check_probe(probe)
@@ -379,6 +386,22 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             receiver = transports.make_receiver(rdzv.transport, data_host=self.data_host)
             self._receivers[rdzv.transport] = receiver
         return plan, receiver, probe
+
+    @staticmethod
+    def _check_relay(request) -> None:
+        """A relay receives a two-member gloo lane and sends its host's shm lane."""
+        relay, rdzv = request.relay, request.rendezvous
+        if relay.transport != common_pb2.TRANSPORT_KIND_GLOO or relay.world_size != 2:
+            raise InvalidArgument("a relay's upstream lane is gloo with 2 members")
+        if rdzv.transport != common_pb2.TRANSPORT_KIND_SHM:
+            raise InvalidArgument("a relay re-shares over shm")
+        if not relay.group_id or not relay.session_id or not relay.store_host:
+            raise InvalidArgument("the relay's rendezvous needs group_id, session_id and store_host")
+        check_port(relay.store_port, "relay store_port")
+        for kind in (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM):
+            reason = transports.unavailable_reason(kind)
+            if reason is not None:
+                raise FailedPrecondition(f"this agent cannot relay: {reason}", reason="TRANSPORT_UNAVAILABLE")
 
     def _check_plan_not_larger(self, wire: common_pb2.WeightPlan) -> None:
         """A plan listing more tensors than the engine has (names are unique, so some
@@ -492,9 +515,26 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             if faults is not None:
                 faults.on_bucket("receive", version, bucket, deadline_at=job.deadline_at)
 
-        return run_in(self._transfer, self.adapter.receive, Delivery(
+        own = run_in(self._transfer, self.adapter.receive, Delivery(
             request.rendezvous, request.rank, job.plan, job.receiver, job.deadline_at, self._abort, on_bucket,
             skip_post_load, self.data_host))
+        if not request.HasField("relay"):
+            return own
+        if self._relay is None:
+            self._relay = HostRelay(self.data_host)
+        relay = run_in(self._relay_thread, self._relay.forward, request.relay, request.rendezvous, job.plan,
+                       deadline_at=job.deadline_at, abort=self._abort)
+        return asyncio.ensure_future(self._with_relay(own, relay, version))
+
+    async def _with_relay(self, own: asyncio.Future, relay: asyncio.Future, version: int):
+        """The engine's own receive, once the relay it depends on has ended too (each
+        is bounded by the deadline; a failure of either ends the other)."""
+        results = await asyncio.gather(own, relay, return_exceptions=True)
+        if isinstance(results[1], BaseException):
+            self.record("relay_failed", version=version, error=str(results[1]))
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        return results[0]
 
     async def _settle_receive(self, job: _ReceiveJob) -> None:
         """Always runs, once per receive: the engine's weights are trusted, or torn, or
@@ -614,13 +654,18 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             except Exception as exc:
                 errors.append(exc)
         self._receivers.clear()
+        if self._relay is not None:
+            try:
+                self._relay.close()
+            except Exception as exc:
+                errors.append(exc)
         errors += self.exporter.close()
         try:
             self.adapter.close()
         except Exception as exc:
             errors.append(exc)
         self.watch.close()
-        for executor in (self._control, self._transfer):
+        for executor in (self._control, self._transfer, self._relay_thread):
             executor.shutdown(wait=False, cancel_futures=True)
         return errors
 

@@ -142,27 +142,59 @@ class BroadcastSetup:
     timeout_s: float
 
     def __post_init__(self) -> None:
-        self.lane_of = {e: lane for lane in self.lanes for e in lane.engine_ids}
-        self.ranks = {e: i + 1 for lane in self.lanes for i, e in enumerate(lane.engine_ids)}
+        # Each engine receives in exactly one lane (a relay's upstream lane is not its own).
+        receiving = [lane for lane in self.lanes if not _is_upstream(lane)]
+        self.lane_of = {e: lane for lane in receiving for e in lane.engine_ids}
+        self.ranks = {e: i + 1 for lane in receiving for i, e in enumerate(lane.engine_ids)}
+        self.relay_of = {lane.relayed_by: lane for lane in self.lanes if _is_upstream(lane)}
+
+    @property
+    def trainer_lanes(self) -> list[common_pb2.Rendezvous]:
+        """The lanes the trainer sends (a relayed lane's sender is its relay)."""
+        return [lane for lane in self.lanes if not lane.relayed_by or _is_upstream(lane)]
 
 
-def plan_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str) -> list[tuple[str, int, list[str]]]:
-    """The round's lanes as (name, transport, engine ids): one lane of ``transport``
-    for every member, or for ``auto`` shm for the engines on the trainer's host and a
-    gloo lane per other host, so no host's engines relay another host's bytes (and a
-    host that fails takes only its own lane down). Engines that report no host id
-    (older agents) get one gloo lane."""
+def _is_upstream(lane: common_pb2.Rendezvous) -> bool:
+    return lane.transport == common_pb2.TRANSPORT_KIND_GLOO and bool(lane.relayed_by)
+
+
+@dataclass
+class LanePlan:
+    """One lane of a round: ``receivers`` in rank order (1, 2, ...). A host relay's
+    upstream lane has the relay as its one receiver and ``serves`` its host's engines
+    (the trainer stops it when any of them fails); its host's shm lane is
+    ``relayed_by`` the relay."""
+
+    name: str
+    transport: int
+    receivers: list[str]
+    relayed_by: str = ""
+    serves: list[str] | None = None
+
+
+def plan_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str) -> list[LanePlan]:
+    """The round's lanes. A named transport: one lane for every member. ``auto``: shm
+    for the engines on the trainer's host; for every other host its own gloo lane (no
+    host's engines carry another host's bytes, and a host that fails takes only its
+    own lanes down), and where that host has several engines, the bytes cross the
+    network once, to a relay there that re-shares them over the host's shm. Engines
+    that report no host id (older agents) share one plain gloo lane."""
     if transport != common_pb2.TRANSPORT_KIND_AUTO:
-        return [(transports.KIND_NAMES[transport], transport, [r.engine_id for r in members])]
+        return [LanePlan(transports.KIND_NAMES[transport], transport, [r.engine_id for r in members])]
+    gloo, shm = common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM
     by_host: dict[str, list[str]] = {}
     for record in sorted(members, key=lambda r: r.engine_id):
         by_host.setdefault(record.state.host_id, []).append(record.engine_id)
     lanes = []
     for host, engines in sorted(by_host.items()):
-        if host and host == trainer_host_id and transports.available(common_pb2.TRANSPORT_KIND_SHM):
-            lanes.append(("shm", common_pb2.TRANSPORT_KIND_SHM, engines))
+        if host and host == trainer_host_id and transports.available(shm):
+            lanes.append(LanePlan("shm", shm, engines))
+        elif host and len(engines) > 1:
+            relay = engines[0]
+            lanes.append(LanePlan(f"gloo@{host}", gloo, [relay], relayed_by=relay, serves=engines))
+            lanes.append(LanePlan(f"shm@{host}", shm, engines, relayed_by=relay))
         else:
-            lanes.append((f"gloo@{host or 'unknown'}", common_pb2.TRANSPORT_KIND_GLOO, engines))
+            lanes.append(LanePlan(f"gloo@{host or 'unknown'}", gloo, engines))
     return lanes
 
 
@@ -373,15 +405,16 @@ class SyncRound:
         group_id = await self._group_id(request, members, layout)
         session = uuid.uuid4().hex
         lanes = [common_pb2.Rendezvous(
-            group_id=group_id if len(layout) == 1 else f"{group_id}-{i}", transport=kind,
-            store_host=request.store_host, store_port=request.store_port, world_size=len(engines) + 1,
+            group_id=group_id if len(layout) == 1 else f"{group_id}-{i}", transport=lane.transport,
+            store_host=request.store_host, store_port=request.store_port, world_size=len(lane.receivers) + 1,
             session_id=session if len(layout) == 1 else f"{session}-{i}", group_backend=request.group_backend,
-            store_secret=request.store_secret, lane=name, engine_ids=engines)
-            for i, (name, kind, engines) in enumerate(layout)]
+            store_secret=request.store_secret, lane=lane.name, engine_ids=lane.serves or lane.receivers,
+            relayed_by=lane.relayed_by)
+            for i, lane in enumerate(layout)]
         return BroadcastSetup(plan, members, [e for e in self.round_engines if e not in taking_part], lanes,
                               timeout_s)
 
-    async def _group_id(self, request, members: list[EngineRecord], layout: list[tuple[str, int, list[str]]]) -> str:
+    async def _group_id(self, request, members: list[EngineRecord], layout: list[LanePlan]) -> str:
         """The data-plane group id of this Broadcast: the same id only for the same group.
 
         Members keep their group between rounds while the id stays (plan once, replay).
@@ -392,7 +425,11 @@ class SyncRound:
         whose store keys and half-dropped groups still exist. A failed round moves it
         on as well.
         """
-        ranks = {e: f"{name}/{i + 1}" for name, _, engines in layout for i, e in enumerate(engines)}
+        ranks: dict[str, str] = {}
+        for lane in layout:  # a relay is in two lanes
+            for i, e in enumerate(lane.receivers):
+                ranks[e] = f"{ranks[e]}+" if e in ranks else ""
+                ranks[e] += f"{lane.name}/{i + 1}"
         membership = "|".join(f"{r.engine_id}={ranks[r.engine_id]}@{r.incarnation}.{r.state.engine_restarts}"
                               for r in sorted(members, key=lambda r: r.engine_id))
         group_key = hashlib.blake2b(
@@ -414,6 +451,7 @@ class SyncRound:
             plan=setup.plan.reference_proto() if by_reference else None, rendezvous=setup.lane_of[record.engine_id],
             rank=setup.ranks[record.engine_id], weights_digest=request.weights_digest, timeout_s=setup.timeout_s,
             validate_only=validate_only, probe=request.probe if request.HasField("probe") else None,
+            relay=setup.relay_of.get(record.engine_id),
         ).SerializeToString()
         return head if by_reference else head + setup.plan.embedded(RECEIVE_PLAN_FIELD)
 
@@ -461,7 +499,7 @@ class SyncRound:
                         plan="by_id" if is_reference(request.plan) else "whole", engines=",".join(setup.ranks),
                         transport=transports.KIND_NAMES[request.transport],
                         lanes=";".join(f"{lane.lane}:{','.join(lane.engine_ids)}" for lane in setup.lanes))
-        for lane in setup.lanes:  # the trainer starts one send per lane
+        for lane in setup.trainer_lanes:  # the trainer starts one send per lane
             progress.publish(coordinator_pb2.BroadcastEvent(rendezvous=lane))
         started = time.monotonic()
         metrics.BROADCAST_IN_PROGRESS.set(1)
@@ -492,7 +530,9 @@ class SyncRound:
             metrics.BROADCAST_IN_PROGRESS.set(0)
         for o in outcomes:
             o.rank = setup.ranks[o.engine_id]
-            o.transport = setup.lane_of[o.engine_id].transport
+            lane = setup.lane_of[o.engine_id]
+            o.relayed_by = lane.relayed_by
+            o.transport = common_pb2.TRANSPORT_KIND_GLOO if lane.relayed_by else lane.transport
         for engine_id in setup.gone:
             outcomes.append(failed_outcome(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
         return await self._record_broadcast(request, setup, outcomes, time.monotonic() - started)
@@ -547,5 +587,5 @@ class SyncRound:
             return coordinator_pb2.ResumeResponse(engines=outcomes)
 
 
-__all__ = ["SyncRound", "BroadcastSetup", "fan_out", "call_with_retry", "failed_outcome",
+__all__ = ["SyncRound", "BroadcastSetup", "LanePlan", "plan_lanes", "fan_out", "call_with_retry", "failed_outcome",
            "DEFAULT_PAUSE_TIMEOUT_S", "DEFAULT_TRANSFER_TIMEOUT_S", "RPC_MARGIN_S"]

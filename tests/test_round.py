@@ -16,7 +16,7 @@ import pytest
 
 from weightsync.errors import EngineUnavailable, FailedPrecondition
 from weightsync.server.registry import EngineRegistry
-from weightsync.server.round import SyncRound, plan_lanes
+from weightsync.server.round import LanePlan, SyncRound, plan_lanes
 from weightsync.statedb import StateDB
 from weightsync.v1 import common_pb2, coordinator_pb2
 
@@ -113,7 +113,7 @@ def test_the_group_id_changes_exactly_when_the_group_does_and_survives_a_restart
         gloo = common_pb2.TRANSPORT_KIND_GLOO
 
         def lanes(*engines_per_lane):
-            return [(f"lane{i}", gloo, list(engines)) for i, engines in enumerate(engines_per_lane)]
+            return [LanePlan(f"lane{i}", gloo, list(engines)) for i, engines in enumerate(engines_per_lane)]
 
         both = await round_._group_id(request, [a, b], lanes("ab"))
         again = await round_._group_id(request, [a, b], lanes("ab"))
@@ -160,7 +160,7 @@ def test_a_round_that_died_broadcasting_comes_back_failed_with_a_new_epoch(tmp_p
         db.close()
 
 
-def test_auto_gives_the_trainers_host_shm_and_every_other_host_a_gloo_lane_of_its_own(tmp_path):
+def test_auto_gives_the_trainers_host_shm_and_every_other_host_a_network_lane_of_its_own(tmp_path):
     async def layout():
         registry = EngineRegistry(heartbeat_timeout_s=5.0)
         hosts = {"a0": "host-a", "b0": "host-b", "b1": "host-b", "c0": "host-c", "old": ""}
@@ -178,6 +178,12 @@ def test_auto_gives_the_trainers_host_shm_and_every_other_host_a_gloo_lane_of_it
 
     auto, gloo = asyncio.run(layout())
     shm_kind, gloo_kind = common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_GLOO
-    assert sorted(auto) == sorted([("shm", shm_kind, ["a0"]), ("gloo@host-b", gloo_kind, ["b0", "b1"]),
-                                   ("gloo@host-c", gloo_kind, ["c0"]), ("gloo@unknown", gloo_kind, ["old"])])
-    assert gloo == [("gloo", gloo_kind, ["a0", "b0", "b1", "c0", "old"])]  # a named transport: one lane
+    assert auto == [
+        LanePlan("gloo@unknown", gloo_kind, ["old"]),
+        LanePlan("shm", shm_kind, ["a0"]),
+        # two engines on host b: the network once, to b0, which re-shares over b's shm
+        LanePlan("gloo@host-b", gloo_kind, ["b0"], relayed_by="b0", serves=["b0", "b1"]),
+        LanePlan("shm@host-b", shm_kind, ["b0", "b1"], relayed_by="b0"),
+        LanePlan("gloo@host-c", gloo_kind, ["c0"]),
+    ]
+    assert gloo == [LanePlan("gloo", gloo_kind, ["a0", "b0", "b1", "c0", "old"])]  # a named transport: one lane

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,13 @@ class ShmSender(Sender):
         self._store = store
         self._segment: _Segment | None = None
 
-    def send(self, rendezvous, plan, sources, *, deadline_at, abort):
+    def send(self, rendezvous, plan, sources, *, deadline_at, abort,
+             fill: Callable[[int, torch.Tensor], None] | None = None):
+        """Sends ``sources``; or, with ``fill``, whatever ``fill(bucket, slot)`` writes into
+        the bucket's slot (a host relay receiving it from the network), same pipeline."""
+        if fill is None:
+            def fill(bucket: int, slot: torch.Tensor) -> None:
+                pack_bucket(plan, bucket, sources, slot)
         start = time.monotonic()
         store = self._store
         ranks = range(1, rendezvous.world_size)
@@ -124,7 +131,7 @@ class ShmSender(Sender):
                     if bucket >= 2:
                         wait_for_keys(store, [session_key(rendezvous, "ack", bucket - 2, r) for r in ranks],
                                       deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
-                    pack_bucket(plan, bucket, sources, seg.slots[bucket % 2])
+                    fill(bucket, seg.slots[bucket % 2])
                     store.set(session_key(rendezvous, "ready", bucket), b"1")
             finally:
                 seg.release()

@@ -62,6 +62,7 @@ class ReceiveRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
     PROBE_FIELD_NUMBER: _builtins.int
+    RELAY_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     rank: _builtins.int
@@ -79,6 +80,13 @@ class ReceiveRequest(_message.Message):
     def probe(self) -> _common_pb2.AttestationProbe:
         """optional: run after loading, before the receive reports ok"""
 
+    @_builtins.property
+    def relay(self) -> _common_pb2.Rendezvous:
+        """This agent is its host's relay: it receives ``relay`` (a gloo lane from the trainer,
+        at rank 1) and re-shares it, bucket by bucket, as rank 0 of ``rendezvous`` (its
+        host's shm lane, which its own engine receives like the others).
+        """
+
     def __init__(
         self,
         *,
@@ -91,10 +99,11 @@ class ReceiveRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         validate_only: _builtins.bool = ...,
         probe: _common_pb2.AttestationProbe | None = ...,
+        relay: _common_pb2.Rendezvous | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "probe", b"probe", "rendezvous", b"rendezvous"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "probe", b"probe", "relay", b"relay", "rendezvous", b"rendezvous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "rank", b"rank", "rendezvous", b"rendezvous", "timeout_s", b"timeout_s", "validate_only", b"validate_only", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "rank", b"rank", "relay", b"relay", "rendezvous", b"rendezvous", "timeout_s", b"timeout_s", "validate_only", b"validate_only", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -153,6 +153,7 @@ class Rendezvous(_message.Message):
     STORE_SECRET_FIELD_NUMBER: _builtins.int
     LANE_FIELD_NUMBER: _builtins.int
     ENGINE_IDS_FIELD_NUMBER: _builtins.int
+    RELAYED_BY_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """same id = reuse the existing group and buffers"""
     transport: Global___TransportKind.ValueType
@@ -173,6 +174,11 @@ class Rendezvous(_message.Message):
     lane's name (stable while the fleet's layout stays: the trainer keeps one sender
     per lane) and the engines in it (rank i+1 is engine_ids[i]).
     """
+    relayed_by: _builtins.str
+    """Set on a host's shm lane fed by a relay: the engine whose agent sends it (rank 0).
+    The trainer sends only lanes without it. On a relay's upstream lane, engine_ids
+    are the engines it serves (the relay alone is rank 1).
+    """
     @_builtins.property
     def engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -188,10 +194,11 @@ class Rendezvous(_message.Message):
         store_secret: _builtins.str = ...,
         lane: _builtins.str = ...,
         engine_ids: _abc.Iterable[_builtins.str] | None = ...,
+        relayed_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_ids", b"engine_ids", "group_backend", b"group_backend", "group_id", b"group_id", "lane", b"lane", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_ids", b"engine_ids", "group_backend", b"group_backend", "group_id", b"group_id", "lane", b"lane", "relayed_by", b"relayed_by", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -272,6 +279,7 @@ class EngineOutcome(_message.Message):
     ATTESTED_FIELD_NUMBER: _builtins.int
     ATTEST_MAX_DIFF_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
+    RELAYED_BY_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     ok: _builtins.bool
     error_reason: _builtins.str
@@ -290,7 +298,10 @@ class EngineOutcome(_message.Message):
     """
     attest_max_diff: _builtins.float
     transport: Global___TransportKind.ValueType
-    """the transport this engine received over"""
+    """The transport this engine's bytes came over; for an engine behind a host relay,
+    the network lane to its host (relayed_by names the relay; the last hop was shm).
+    """
+    relayed_by: _builtins.str
     def __init__(
         self,
         *,
@@ -307,10 +318,11 @@ class EngineOutcome(_message.Message):
         attested: _builtins.bool = ...,
         attest_max_diff: _builtins.float = ...,
         transport: Global___TransportKind.ValueType = ...,
+        relayed_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest_max_diff", b"attest_max_diff", "attested", b"attested", "bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "seconds", b"seconds", "torn", b"torn", "transport", b"transport", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest_max_diff", b"attest_max_diff", "attested", b"attested", "bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "relayed_by", b"relayed_by", "seconds", b"seconds", "torn", b"torn", "transport", b"transport", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
