@@ -50,6 +50,7 @@ from weightsync.errors import (
 )
 from weightsync.event_log import EventLog
 from weightsync.faults import FaultInjector
+from weightsync.grpc_options import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from weightsync.host_identity import host_id
 from weightsync.idempotency import IdempotencyStore
 from weightsync.plan import BucketPlan, dtype_name, is_reference
@@ -69,6 +70,9 @@ T = TypeVar("T")
 OPERATION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("weightsync_agent_operation_key", default="")
 
 DEFAULT_TIMEOUT_S = 60.0
+# A receive with no contact with the coordinator for this long is abandoned: longer than
+# the coordinator's keepalive takes to fail its call to this agent (ping, then timeout).
+COORDINATOR_SILENCE_S = KEEPALIVE_S + KEEPALIVE_TIMEOUT_S + 1.0
 
 
 def _never_started(error: BaseException) -> WeightSyncError:
@@ -147,6 +151,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         # it runs alongside the engine's own receive of the bytes it re-shares.
         self._relay: HostRelay | None = None
         self._relay_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-relay")
+        self._coordinator_heard_at = time.monotonic()  # the last heartbeat that got through
         self._plan_fits = ""  # plan_id of the last plan checked against the engine's tensors
         self._idempotency = IdempotencyStore()
         self._receive_task: asyncio.Future | None = None
@@ -628,6 +633,25 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return agent_pb2.GetEventsResponse(events=self.events.after(request.after_seq))
 
     # ----- lifecycle ------------------------------------------------------------------
+
+    def coordinator_heard(self) -> None:
+        """A heartbeat got through."""
+        self._coordinator_heard_at = time.monotonic()
+
+    def coordinator_silent(self) -> None:
+        """A heartbeat failed. A receive that has gone without any contact with the
+        coordinator for longer than its keepalives allow is abandoned: by then the
+        coordinator's own call to this agent has failed (its keepalive closed the
+        connection), so the round has recorded this engine as failed, and the receive
+        would otherwise hold the engine until its deadline (a cut link tells no one; a
+        sender behind it never reports). The engine stays paused and torn, as after any
+        failed receive, and the next round can take it at once."""
+        silent_s = time.monotonic() - self._coordinator_heard_at
+        task = self._receive_task
+        if silent_s > COORDINATOR_SILENCE_S and task is not None and not task.done() and not self._abort.is_set():
+            log.warning("no contact with the coordinator for %.1f s during a receive: abandoning it", silent_s)
+            self.record("receive_abandoned", silent_s=f"{silent_s:.1f}")
+            self._abort.set()
 
     async def drain(self, grace_s: float) -> None:
         """Stops new work; lets a running receive finish within ``grace_s``, else abandons it

@@ -76,12 +76,14 @@ async def _heartbeats(stub, core: AgentCore, options: AgentOptions, interval_s: 
         try:
             response = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(state=core.state()),
                                             timeout=max(interval_s * 4, 1.0))
+            core.coordinator_heard()
             if not response.registered:
                 interval_s = await _register(stub, core, options)
             else:
                 core.fence.heard(response.weight_version)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code().name)
+            core.coordinator_silent()
         await asyncio.sleep(interval_s)
 
 

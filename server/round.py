@@ -59,6 +59,7 @@ RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinat
 RECEIVE_PLAN_FIELD = agent_pb2.ReceiveRequest.DESCRIPTOR.fields_by_name["plan"].number
 AGENT_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0, jitter=0.0)  # -> agents
 VALIDATE_TIMEOUT_S = 30.0   # an engine's check of a Broadcast (phase 1)
+LAPSE_CHECK_S = 0.1         # how often a running Receive checks that its engine still heartbeats
 _PERSISTED = (("weight_version", "0"), ("epoch", "0"), ("round_id", "0"), ("phase", "idle"),
               ("round_engines", "[]"), ("target_version", "0"), ("group_key", ""))
 
@@ -508,8 +509,11 @@ class SyncRound:
 
         async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
             try:
-                return await call_with_retry(record, lambda r: self._call_receive(
-                    request, setup, r, False, setup.timeout_s + RPC_MARGIN_S))
+                return await self._unless_it_lapses(record, call_with_retry(record, lambda r: self._call_receive(
+                    request, setup, r, False, setup.timeout_s + RPC_MARGIN_S)))
+            except EngineUnavailable as exc:  # its heartbeats stopped mid-transfer
+                progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id, exc)))
+                raise
             except grpc.aio.AioRpcError as exc:
                 # Tell the trainer now, so it stops sending instead of waiting out its
                 # deadline for an engine that will never acknowledge.
@@ -536,6 +540,28 @@ class SyncRound:
         for engine_id in setup.gone:
             outcomes.append(failed_outcome(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
         return await self._record_broadcast(request, setup, outcomes, time.monotonic() - started)
+
+    async def _unless_it_lapses(self, record: EngineRecord, call: Awaitable[common_pb2.EngineOutcome]):
+        """``call`` (an engine's Receive), unless the engine stops heartbeating first: then
+        EngineUnavailable at once. A dead host or a cut link sends no reset, so the call
+        itself would only fail when keepalives give up, or at the round's deadline; the
+        heartbeats (on the agent's loop, which never blocks) say it within the timeout."""
+        task = asyncio.ensure_future(call)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=LAPSE_CHECK_S)
+                # Heartbeats only: an engine that reports a fault still answers its call,
+                # with the receive's own outcome (torn or not), which says more.
+                silent_s = record.heartbeat_age()
+                if not task.done() and silent_s >= self.registry.heartbeat_timeout_s:
+                    task.cancel()
+                    error = EngineUnavailable(f"engine {record.engine_id} stopped heartbeating during the "
+                                              f"broadcast (none for {silent_s:.1f} s)")
+                    error.metadata["engine_id"] = record.engine_id
+                    raise error
+            return task.result()
+        finally:
+            task.cancel()
 
     async def _record_broadcast(self, request, setup: BroadcastSetup, outcomes: list[common_pb2.EngineOutcome],
                                 seconds: float) -> coordinator_pb2.BroadcastResult:

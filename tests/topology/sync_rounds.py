@@ -2,7 +2,7 @@
 to every engine for a number of rounds, and prints one JSON line per round.
 
 Usage: python tests/topology/sync_rounds.py COORDINATOR HOST --model JSON --rounds N
-    [--transport T] [--timeout S] [--pause-between S]
+    [--transport T] [--timeout S] [--pause-between S] [--bucket-bytes B]
 
 Each line: {"round", "ok", "error", "seconds", "engines": {id: {"ok", "transport",
 "reason", "message", "digest_ok"}}} -- digest_ok compares the engine's digest with
@@ -22,7 +22,7 @@ import torch
 from weightsync.client import TrainerClient
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import WeightSyncError
-from weightsync.plan import weights_digest
+from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
 
 
 def model_tensors(config: ModelConfig, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -43,12 +43,14 @@ async def main() -> int:
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--pause-between", type=float, default=0.0)
+    parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     args = parser.parse_args()
     config = ModelConfig.from_json(args.model)
-    async with TrainerClient(args.coordinator, host=args.host, transport=args.transport) as client:
+    async with TrainerClient(args.coordinator, host=args.host, transport=args.transport,
+                             bucket_bytes=args.bucket_bytes) as client:
         for r in range(1, args.rounds + 1):
             named = model_tensors(config, seed=r)
-            line: dict = {"round": r, "ok": False, "error": "", "engines": {}}
+            line: dict = {"round": r, "ok": False, "error": "", "engines": {}, "began": time.time()}
             started = time.monotonic()
             try:
                 result = await client.update_weights(named, version=r, timeout_s=args.timeout)
@@ -59,13 +61,16 @@ async def main() -> int:
                 outcomes = getattr(getattr(exc, "result", None), "engines", ())
             line["seconds"] = round(time.monotonic() - started, 3)
             line["bytes"] = sum(t.numel() * t.element_size() for _, t in named)
+            asked = time.monotonic()
             state = await client.get_state(include_digests=True)
+            line["state_seconds"] = round(time.monotonic() - asked, 3)
             digests = {e.engine_id: e.weights_digest for e in state.engines}
             local = weights_digest(named)
             for o in outcomes:
                 line["engines"][o.engine_id] = {
-                    "ok": o.ok, "transport": getattr(o, "transport", ""), "reason": o.error_reason,
+                    "ok": o.ok, "transport": o.transport, "relayed_by": o.relayed_by, "reason": o.error_reason,
                     "message": o.error_message[:300], "digest_ok": digests.get(o.engine_id) == local}
+            line["ended"] = time.time()
             print(json.dumps(line), flush=True)
             await asyncio.sleep(args.pause_between)
     return 0

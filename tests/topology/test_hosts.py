@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 
 from weightsync.apps.local_cluster import start_service
 from weightsync.apps.topology import SimulatedHosts, unavailable_reason
 from weightsync.engine.model import config_for_size
+from weightsync.faults import ENV as FAULTS_ENV
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"simulated hosts unavailable: {REASON}")
@@ -28,7 +31,7 @@ ROUNDS_SCRIPT = os.path.join(os.path.dirname(__file__), "sync_rounds.py")
 
 
 class Fleet:
-    def __init__(self, hosts: SimulatedHosts, tmp: str) -> None:
+    def __init__(self, hosts: SimulatedHosts, tmp: str, *, slow_hosts: dict[str, dict] | None = None) -> None:
         self.hosts, self.tmp = hosts, tmp
         a = hosts["a"]
         coordinator = start_service(tmp, "coordinator", "coordinator", "--insecure", "--listen", f"{a.address}:0",
@@ -39,16 +42,21 @@ class Fleet:
         for name, count in LAYOUT.items():
             host = hosts[name]
             for i in range(count):
+                slow = (slow_hosts or {}).get(name)
+                faults = ("--enable-fault-injection",) if slow else ()
+                env = {FAULTS_ENV: json.dumps([slow])} if slow else None
                 agent = start_service(tmp, f"{name}-{i}", "agent", "--insecure", "--listen", "0.0.0.0:0",
                                       "--coordinator", self.coordinator, "--engine-id", f"{name}-{i}",
-                                      "--model", MODEL, wrap=host.command)
+                                      "--model", MODEL, *faults, env=env, wrap=host.command)
                 host.procs.append(agent.proc)
+
+    def trainer(self, *args: str) -> list[str]:
+        a = self.hosts["a"]
+        return [sys.executable, ROUNDS_SCRIPT, self.coordinator, a.address, "--model", MODEL, *args]
 
     def sync(self, *args: str, timeout_s: float = 240) -> list[dict]:
         """Runs the trainer on host A; returns its per-round lines."""
-        a = self.hosts["a"]
-        done = a.run([sys.executable, ROUNDS_SCRIPT, self.coordinator, a.address, "--model", MODEL, *args],
-                     timeout_s=timeout_s, capture_output=True, text=True)
+        done = self.hosts["a"].run(self.trainer(*args), timeout_s=timeout_s, capture_output=True, text=True)
         lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         assert done.returncode == 0 and lines, f"trainer failed: {done.stderr[-3000:]}\n{self.logs()}"
         return lines
@@ -63,9 +71,14 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(tmp_path):
+def fleet_factory(tmp_path):
     with SimulatedHosts(list(LAYOUT)) as hosts:
-        yield Fleet(hosts, str(tmp_path))
+        yield lambda **kwargs: Fleet(hosts, str(tmp_path), **kwargs)
+
+
+@pytest.fixture
+def fleet(fleet_factory):
+    return fleet_factory()
 
 
 def test_auto_syncs_three_hosts_with_shm_locally_and_one_network_copy_per_remote_host(fleet):
@@ -85,3 +98,48 @@ def test_auto_syncs_three_hosts_with_shm_locally_and_one_network_copy_per_remote
         # Two engines per remote host, one copy over the network: about 1x the payload
         # (headers and control traffic on top), not 2x.
         assert 0.95 * payload <= got <= 1.3 * payload, (host.name, got / payload)
+
+
+def _wait_for_line(path: str, needle: str, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                if needle in f.read():
+                    return
+        time.sleep(0.05)
+    raise AssertionError(f"{needle!r} not in {path} after {timeout_s} s")
+
+
+def test_cutting_a_hosts_link_mid_round_fails_that_host_promptly_and_no_other(fleet_factory, tmp_path):
+    # Host B's engines take 0.3 s per bucket in round 2, so its link is cut mid-transfer.
+    fleet = fleet_factory(slow_hosts={"b": {"op": "receive", "action": "delay", "seconds": 0.3, "version": 2,
+                                            "times": 0}})
+    out = tmp_path / "trainer.out"
+    with open(out, "w") as f:
+        trainer = fleet.hosts["a"].spawn(fleet.trainer("--rounds", "3", "--transport", "auto", "--timeout", "90",
+                                                       "--bucket-bytes", str(2**20), "--pause-between", "6"),
+                                         stdout=f, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_line(str(out), '"round": 1', 120)
+        _wait_for_line(os.path.join(fleet.tmp, "b-1.log"), "'version': 2", 60)  # round 2 reached host B
+        time.sleep(1.0)
+        fleet.hosts["b"].set_link(False)
+        cut_at = time.monotonic()
+        _wait_for_line(str(out), '"round": 2', 80)
+        ended_after = time.monotonic() - cut_at
+        fleet.hosts["b"].set_link(True)
+        assert trainer.wait(timeout=150) == 0, out.read_text()[-3000:]
+    finally:
+        fleet.hosts["b"].set_link(True)
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    first, cut, after = lines
+    assert first["ok"], first
+    engines = cut["engines"]
+    assert not cut["ok"] and not engines["b-0"]["ok"] and not engines["b-1"]["ok"], cut
+    for engine in ("a-0", "c-0", "c-1"):  # other hosts' engines are not torn by B's loss
+        assert engines[engine]["ok"] and engines[engine]["digest_ok"], (engine, cut)
+    # Promptly: keepalives notice the dead link within seconds, well inside the 90 s deadline.
+    assert ended_after < 20, f"the round ended {ended_after:.1f} s after the cut\n{fleet.logs()}"
+    # With the link back, the coordinator reaches B again and the next round heals it.
+    assert after["ok"] and all(e["ok"] and e["digest_ok"] for e in after["engines"].values()), after

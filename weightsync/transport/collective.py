@@ -42,8 +42,20 @@ threading.Thread(target=_drop_retired, name="weightsync-retire", daemon=True).st
 
 
 def retire(group: object) -> None:
-    """Drops a failed group (or anything holding one) on the daemon thread."""
-    _RETIRED.put(group)
+    """Drops a failed group (or anything holding one as ``.pg``) on the daemon thread.
+
+    The process group itself is taken out of its holder: the holder may live on in an
+    exception's traceback (a frame's locals), and when the garbage collector frees
+    that cycle, on whatever thread it runs, a group still inside would be destroyed
+    there, blocking that thread, GIL held, until the group's pending ops time out (a
+    trainer's event loop froze for a minute that way after a host's link was cut).
+    """
+    pg = getattr(group, "pg", None)
+    if pg is not None:
+        group.pg = None  # type: ignore[attr-defined]
+        _RETIRED.put(pg)
+    else:
+        _RETIRED.put(group)
 
 
 _UNREACHABLE = ("connection refused", "no route to host", "network is unreachable", "host is unreachable")
