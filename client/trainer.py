@@ -221,9 +221,12 @@ class TrainerClient:
 
     Args:
         coordinator: ``HOST:PORT`` of the coordinator.
-        transport: default data plane: ``"gloo"``, ``"shm"`` or ``"group"`` (tensor by
-            tensor over a torch.distributed group; what SGLang engines receive).
-        host: address engines use to reach this trainer's rendezvous store.
+        transport: default data plane: ``"auto"`` (per engine: shm on this host, gloo to
+            other hosts, one network copy per host), ``"gloo"``, ``"shm"`` or ``"group"``
+            (tensor by tensor over a torch.distributed group; what SGLang engines receive).
+        host: address engines use to reach this trainer (its rendezvous store and its end
+            of the network data plane both listen there, never on whatever this machine's
+            hostname resolves to).
         bucket_bytes: bucket size of the plan.
         wire_dtype: cast floating tensors to this dtype on the way (fp32 -> bf16).
         default_timeout_s: deadline of one ``update_weights`` when none is given.
@@ -234,7 +237,7 @@ class TrainerClient:
             carries it and the ``weightsync_trainer_loop_lag_ms`` gauge exports it.
     """
 
-    def __init__(self, coordinator: str, *, transport: str = "gloo", host: str = "127.0.0.1",
+    def __init__(self, coordinator: str, *, transport: str = "auto", host: str = "127.0.0.1",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, wire_dtype: torch.dtype | None = None,
                  default_timeout_s: float = 300.0, resume_grace_s: float = 30.0,
                  retry: RetryPolicy | None = None, security: Security | None = None,

@@ -17,7 +17,7 @@ from weightsync import transport as transports
 from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.plan import BucketPlan
 from weightsync.transport.shm import SHM_DIR
-from weightsync.transport.store import host_store
+from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2
 
 KINDS = {"gloo": common_pb2.TRANSPORT_KIND_GLOO, "shm": common_pb2.TRANSPORT_KIND_SHM,
@@ -277,3 +277,108 @@ def test_the_store_listens_only_on_the_host_the_trainer_names():
         socket.create_connection(("127.0.0.2", store.port), timeout=5).close()
     with pytest.raises(TransferError, match="cannot listen"):
         host_store("192.0.2.1", timeout_s=5)  # TEST-NET-1: not an address of this machine
+
+
+def test_a_receiver_that_cannot_listen_on_its_data_address_fails_at_once_naming_it():
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine: gloo cannot listen there.
+    # The receiver says so at once, and the sender stops on its failure report.
+    kind = KINDS["gloo"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    receiver = transports.make_receiver(kind, data_host="192.0.2.1")
+    sources = [torch.randn(1000)]
+    plan = BucketPlan.from_tensors([("t0", sources[0])], bucket_bytes=1024)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TransferError) as sent:
+            run_round(sender, [receiver], rendezvous(store, kind, 2), plan, sources, timeout_s=20)
+    finally:
+        sender.close()
+        receiver.close()
+    assert time.monotonic() - started < 10, "a wrong address must fail fast, not at the deadline"
+    assert "192.0.2.1" in str(sent.value), sent.value
+
+
+def _relay_round(store, sender, relay, receivers, plan, sources, *, fail_rank=None, timeout_s=20.0):
+    """One round through a host relay: the trainer's ``sender`` sends an upstream gloo
+    lane (world 2) to ``relay``, which re-shares it as rank 0 of a downstream shm lane
+    that ``receivers`` take. Returns (targets, receiver errors, relay error, sender error)."""
+    session = uuid.uuid4().hex
+    upstream = common_pb2.Rendezvous(group_id="up", transport=KINDS["gloo"], store_host="127.0.0.1",
+                                     store_port=store.port, world_size=2, session_id=f"{session}-0")
+    downstream = common_pb2.Rendezvous(group_id="down", transport=KINDS["shm"], store_host="127.0.0.1",
+                                       store_port=store.port, world_size=len(receivers) + 1,
+                                       session_id=f"{session}-1")
+    outcome: dict[str, BaseException] = {}
+
+    def forward():
+        try:
+            relay.forward(upstream, downstream, plan, deadline_at=time.monotonic() + timeout_s,
+                          abort=threading.Event())
+        except BaseException as exc:
+            outcome["relay"] = exc
+
+    def send():
+        try:
+            sender.send(upstream, plan, sources, deadline_at=time.monotonic() + timeout_s, abort=threading.Event())
+        except BaseException as exc:
+            outcome["sender"] = exc
+
+    threads = [threading.Thread(target=forward), threading.Thread(target=send)]
+    for t in threads:
+        t.start()
+    targets = [[torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots] for _ in receivers]
+    errors: dict[int, BaseException] = {}
+
+    def receive(rank):
+        try:
+            if rank == fail_rank:
+                raise RuntimeError("injected receiver failure")
+            receivers[rank - 1].receive(downstream, rank, plan, targets[rank - 1],
+                                        deadline_at=time.monotonic() + timeout_s, abort=threading.Event())
+        except BaseException as exc:
+            errors[rank] = exc
+            # what an agent does for its own engine's failure: the lane's err key
+            store.set(session_key(downstream, "err", rank), str(exc))
+
+    receiving = [threading.Thread(target=receive, args=(r,)) for r in range(1, len(receivers) + 1)]
+    for t in receiving:
+        t.start()
+    for t in threads + receiving:
+        t.join(timeout_s + 5)
+    return targets, errors, outcome.get("relay"), outcome.get("sender")
+
+
+def test_a_host_relay_re_shares_one_network_copy_over_shm_and_a_failure_stops_the_trainer():
+    from weightsync.transport.relay import HostRelay
+
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(KINDS["gloo"], store)
+    relay = HostRelay("127.0.0.1")
+    receivers = [transports.make_receiver(KINDS["shm"]) for _ in range(2)]
+    sources = [torch.randn(33, 17), torch.randn(1000), torch.arange(77, dtype=torch.int64)]
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=1024)
+    assert plan.num_buckets > 4
+    try:
+        for step in range(2):
+            for s in sources:
+                s.add_(1) if s.dtype != torch.int64 else s.add_(step)
+            targets, errors, relay_error, send_error = _relay_round(store, sender, relay, receivers, plan, sources)
+            assert errors == {} and relay_error is None and send_error is None
+            for out in targets:
+                for a, b in zip(out, sources, strict=True):
+                    assert torch.equal(a, b)
+        # An engine behind the relay fails: the relay stops, and tells the trainer.
+        started = time.monotonic()
+        _, errors, relay_error, send_error = _relay_round(store, sender, relay, receivers, plan, sources,
+                                                          fail_rank=2)
+        assert set(errors) == {2} or set(errors) == {1, 2}
+        assert isinstance(relay_error, TransferError) and isinstance(send_error, TransferError), (relay_error,
+                                                                                                   send_error)
+        assert "relay" in str(send_error), send_error
+        assert time.monotonic() - started < 10, "a failure behind the relay must stop the trainer promptly"
+    finally:
+        sender.close()
+        relay.close()
+        for r in receivers:
+            r.close()

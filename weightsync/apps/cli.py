@@ -112,7 +112,8 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="coordinator + 2 reference engines + a short training run, synced every step")
     p.add_argument("--steps", type=int, default=8, help="training steps (one sync each)")
     p.add_argument("--engines", type=int, default=2, help="number of agents")
-    p.add_argument("--transport", default="gloo", choices=["gloo", "shm", "group"], help="data plane")
+    p.add_argument("--transport", default="auto", choices=["auto", "gloo", "shm", "group"],
+                   help="data plane (auto: shm for engines on this host, gloo to other hosts)")
 
 
 def _tensor_counts(text: str) -> list[int]:
@@ -137,8 +138,13 @@ def _add_bench(sub) -> None:
                    help="dense layers, or moe: most tensors are small expert matrices (128 experts per layer "
                         "where the count allows)")
     p.add_argument("--engines", type=int, default=2, help="receiving engines (agent processes)")
-    p.add_argument("--transport", action="append", choices=["gloo", "shm", "group", "nccl", "cuda-ipc"],
-                   help="weightsync transport to measure (repeatable; default gloo and shm)")
+    p.add_argument("--transport", action="append", choices=["auto", "gloo", "shm", "group", "nccl", "cuda-ipc"],
+                   help="weightsync transport to measure (repeatable; default gloo and shm; with --hosts, "
+                        "auto and gloo)")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="run on N simulated hosts (network namespaces; needs root): host a has the coordinator, "
+                        "the trainer and one engine, the others --engines-per-host each")
+    p.add_argument("--engines-per-host", type=int, default=2, help="with --hosts: engines on every other host")
     p.add_argument("--steps", type=int, default=3, help="timed rounds per method")
     p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
@@ -255,10 +261,26 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _bench_hosts(args) -> int:
+    from weightsync.apps.bench.hosts import hosts_table, run_hosts_bench
+
+    try:
+        report = run_hosts_bench(hosts=args.hosts, engines_per_host=args.engines_per_host, size=args.size,
+                                 tensors=args.tensors[0], rounds=args.steps, transports=args.transport or ["auto", "gloo"],
+                                 json_path=args.json)
+    except ValueError as exc:
+        print(f"weightsync bench: {exc}", file=sys.stderr)
+        return 2
+    print(hosts_table(report))
+    return 0
+
+
 def _bench(args) -> int:
     from weightsync import transport as transports
     from weightsync.apps.bench.runner import parse_size, ratios, run_bench, table
 
+    if args.hosts:
+        return _bench_hosts(args)
     chosen = args.transport or ["gloo", "shm"]
     for name in chosen:
         reason = transports.unavailable_reason(transports.kind_from_name(name))

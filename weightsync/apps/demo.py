@@ -37,7 +37,7 @@ def _batch(generator: torch.Generator, batch: int = 32, length: int = 24) -> tor
     return 32 + (a + k * torch.arange(length)) % 64
 
 
-def run_demo(*, steps: int = 8, engines: int = 2, transport: str = "gloo") -> int:
+def run_demo(*, steps: int = 8, engines: int = 2, transport: str = "auto") -> int:
     """Runs the demo; returns the exit code."""
     if steps < 1 or engines < 1:
         print("steps and engines must be >= 1", file=sys.stderr)

@@ -83,6 +83,11 @@ class Host:
         with open(f"/sys/class/net/{self.link}/statistics/tx_bytes") as f:
             return int(f.read())
 
+    def sent_bytes(self) -> int:
+        """Bytes this host sent into the network so far."""
+        with open(f"/sys/class/net/{self.link}/statistics/rx_bytes") as f:
+            return int(f.read())
+
     def set_link(self, up: bool) -> None:
         """Cuts (``up=False``) or restores this host's only network link."""
         _ip("link", "set", self.link, "up" if up else "down")

@@ -90,7 +90,7 @@ def make_sender(kind: common_pb2.TransportKind.ValueType, store: dist.Store, *,
         return GlooSender(store, data_host)
     if kind == common_pb2.TRANSPORT_KIND_GROUP:
         from weightsync.transport.group import GroupSender
-        return GroupSender(store)
+        return GroupSender(store, data_host)
     from weightsync.transport.shm import ShmSender
     return ShmSender(store)
 
@@ -104,7 +104,7 @@ def make_receiver(kind: common_pb2.TransportKind.ValueType, *, data_host: str = 
         return GlooReceiver(data_host)
     if kind == common_pb2.TRANSPORT_KIND_GROUP:
         from weightsync.transport.group import GroupReceiver
-        return GroupReceiver()
+        return GroupReceiver(data_host)
     from weightsync.transport.shm import ShmReceiver
     return ShmReceiver()
 

@@ -98,21 +98,42 @@ def wait_polling(work: dist.Work, deadline_at: float, operation: str, *, abort: 
             raise StepTimeoutError(f"deadline exceeded during {operation}", operation=operation)
         if now >= next_check and stop_keys:
             next_check = now + PEER_CHECK_S
-            try:
-                for key in stop_keys:
-                    if store.check([key]):
-                        raise TransferError(f"peer failed during {operation}: "
-                                            f"{store.get(key).decode(errors='replace')}")
-            except TransferError:
-                raise
-            except Exception as exc:
-                raise TransferError(f"rendezvous store failed during {operation}: {exc}") from exc
+            _raise_if_a_peer_failed(store, stop_keys, operation)
         time.sleep(delay)
         delay = min(delay * 2, 0.001)
     try:
         work.wait()  # completed: returns at once, or raises the op's error
     except Exception as exc:
+        # A peer that failed closes its connections: the op fails with "connection
+        # closed". Its own report, if it made one, says why.
+        report = _peer_report(store, stop_keys)
+        if report is not None:
+            raise TransferError(f"peer failed during {operation}: {report}") from exc
         raise as_transfer_error(exc, operation) from exc
+
+
+def _peer_report(store: dist.Store, stop_keys: Sequence[str]) -> str | None:
+    """A failed peer's own report, if one of ``stop_keys`` holds one (None if none, or
+    if the store cannot say)."""
+    try:
+        for key in stop_keys:
+            if store.check([key]):
+                return store.get(key).decode(errors="replace")
+    except Exception:
+        pass
+    return None
+
+
+def _raise_if_a_peer_failed(store: dist.Store, stop_keys: Sequence[str], operation: str) -> None:
+    """TransferError with a peer's own report when one of ``stop_keys`` is set."""
+    try:
+        for key in stop_keys:
+            if store.check([key]):
+                raise TransferError(f"peer failed during {operation}: {store.get(key).decode(errors='replace')}")
+    except TransferError:
+        raise
+    except Exception as exc:
+        raise TransferError(f"rendezvous store failed during {operation}: {exc}") from exc
 
 
 class _ThreadDone:

@@ -39,6 +39,7 @@ from weightsync.transport.collective import (
     retire,
     wait_polling,
 )
+from weightsync.transport.gloo import data_device
 from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
 
@@ -62,8 +63,10 @@ def group_backend(rendezvous: common_pb2.Rendezvous) -> str:
 
 
 def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Store, deadline_at: float,
-               abort: threading.Event, stop_keys: Sequence[str] = ()) -> dist.ProcessGroup:
+               abort: threading.Event, stop_keys: Sequence[str] = (), bind_host: str = "") -> dist.ProcessGroup:
     """Joins the rendezvous' group as ``rank``; returns once every rank has joined.
+    With the gloo backend, this side listens on ``bind_host`` (when given; SGLang's own
+    side of the group picks its address itself).
 
     The join runs in ``join_in_background``: a peer that failed before joining stops
     the wait at once, and the deadline holds whatever torch does.
@@ -80,7 +83,12 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", keyed), rank, world_size, options)
-        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, timeout)
+        if not bind_host:
+            return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [data_device(bind_host)]
+        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, options)
 
     return join_in_background(build, rendezvous, operation=f"{backend} group setup", deadline_at=deadline_at,
                               abort=abort, watch=watch, stop_keys=stop_keys)
@@ -146,8 +154,9 @@ class GroupSender(Sender):
 
     kind = common_pb2.TRANSPORT_KIND_GROUP
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: dist.Store, bind_host: str = "") -> None:
         self._store = store
+        self._bind_host = bind_host
         self._joined: _Joined | None = None
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
@@ -176,7 +185,8 @@ class GroupSender(Sender):
                 stop: Sequence[str]) -> dist.ProcessGroup:
         if self._joined is None or not self._joined.matches(rendezvous):
             self.close()
-            pg = open_group(rendezvous, 0, watch=self._store, deadline_at=deadline_at, abort=abort, stop_keys=stop)
+            pg = open_group(rendezvous, 0, watch=self._store, deadline_at=deadline_at, abort=abort, stop_keys=stop,
+                            bind_host=self._bind_host)
             self._joined = _Joined(rendezvous, pg)
         return self._joined.pg
 
@@ -190,7 +200,8 @@ class GroupReceiver(Receiver):
 
     kind = common_pb2.TRANSPORT_KIND_GROUP
 
-    def __init__(self) -> None:
+    def __init__(self, bind_host: str = "") -> None:
+        self._bind_host = bind_host
         self._store: tuple[tuple[str, int], dist.Store] | None = None
         self._joined: _Joined | None = None
 
@@ -247,6 +258,7 @@ class GroupReceiver(Receiver):
         if self._store is None or self._store[0] != where:
             self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
         pg = open_group(rendezvous, rank, watch=self._store[1], deadline_at=deadline_at, abort=abort,
+                        bind_host=self._bind_host,
                         stop_keys=stop)
         self._joined = _Joined(rendezvous, pg)
         return pg
