@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -59,12 +61,20 @@ def test_auto_syncs_three_hosts_with_shm_locally_and_one_network_copy_per_remote
         assert 0.95 * payload <= got <= 1.3 * payload, (host.name, got / payload)
 
 
-def test_gloo_to_every_engine_across_hosts_needs_no_hostname_resolution(fleet_factory):
-    # Plain gloo: one group of all five engines, across three hosts whose hostnames
-    # resolve to 127.0.1.1; every side listens on its own address.
-    lines = fleet_factory().sync("--rounds", "2", "--transport", "gloo")
-    for line in lines:
-        assert line["ok"] and all(e["digest_ok"] and e["transport"] == "gloo" for e in line["engines"].values()), line
+def test_bench_hosts_measures_auto_against_gloo_to_every_engine(tmp_path):
+    # The bench fails unless every round leaves every engine equal to the trainer's
+    # tensors: plain gloo across three hosts whose hostnames resolve to 127.0.1.1 too.
+    report_path = tmp_path / "hosts.json"
+    done = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--hosts", "3", "--size", "16MiB",
+                           "--tensors", "32", "--steps", "2", "--json", str(report_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["transport"]: r for r in json.loads(report_path.read_text())["results"]}
+    assert set(results) == {"auto", "gloo"} and "host b got" in done.stdout
+    for host in ("b", "c"):
+        assert 0.95 <= results["auto"]["received_x"][host] <= 1.3, results["auto"]  # one copy per host
+        assert 1.9 <= results["gloo"]["received_x"][host] <= 2.6, results["gloo"]   # one per engine
+    assert results["auto"]["engine_transports"]["b-1"] == "gloo via b-0"
 
 
 def _wait_for_text(path: str, needle: str, timeout_s: float) -> None:
