@@ -152,6 +152,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._relay: HostRelay | None = None
         self._relay_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-relay")
         self._coordinator_heard_at = time.monotonic()  # the last heartbeat that got through
+        self.workers = 0  # ranks the engine takes in a group (its worker processes); 0 = not asked yet
         self._plan_fits = ""  # plan_id of the last plan checked against the engine's tensors
         self._idempotency = IdempotencyStore()
         self._receive_task: asyncio.Future | None = None
@@ -220,7 +221,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             engine_id=self.engine_id, address=self.address, available=not fault,
             paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
             receiving=self.receiving(), engine_restarts=self.launcher.restarts if self.launcher else 0,
-            can_export=self.adapter.can_export_weights, host_id=host_id(),
+            can_export=self.adapter.can_export_weights, host_id=host_id(), workers=self.workers,
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
             weight_version_unknown=not engine.version_known, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
@@ -374,6 +375,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         check_port(rdzv.store_port, "rendezvous store_port")
         if rdzv.world_size < 2 or not 1 <= request.rank < rdzv.world_size:
             raise InvalidArgument(f"rank {request.rank} is not a receiver rank of world {rdzv.world_size}")
+        self.workers = self.adapter.workers()  # a live answer: this runs on the control thread
+        if request.rank + self.workers > rdzv.world_size:
+            # The round was planned before this engine's worker count was known (or it
+            # changed): nothing has started; the next round uses the count reported now.
+            raise FailedPrecondition(f"engine {self.engine_id} receives with {self.workers} workers from rank "
+                                     f"{request.rank}; the round's group has {rdzv.world_size} ranks",
+                                     reason="ENGINE_WORKERS_CHANGED")
         if request.HasField("relay"):
             self._check_relay(request)
         self.adapter.check_receive(request)

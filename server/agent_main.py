@@ -43,6 +43,7 @@ from weightsync.server.serving import (
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 from weightsync.validate import check_engine_id
 
+WORKERS_QUERY_TIMEOUT_S = 60.0
 log = logging.getLogger("weightsync.agent")
 # Bounded by --register-timeout, not by a count.
 REGISTER_RETRY = RetryPolicy(max_attempts=1_000_000, initial_backoff_s=0.1, max_backoff_s=1.0, jitter=0.0)
@@ -158,6 +159,10 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     # first answer is in before the coordinator hears of us.
     await core.watch.refresh()
     agent.tasks.append(asyncio.create_task(core.watch.run()))
+    try:  # reported in every heartbeat: a round gives each of the engine's workers a rank
+        core.workers = await asyncio.wait_for(core.run_on_engine(adapter.workers), WORKERS_QUERY_TIMEOUT_S)
+    except Exception as exc:
+        log.warning("could not ask the engine how many workers receive (%r); a receive asks again", exc)
     agent.server, agent.health, bound = await start_server(
         security=options.security, faults=agent.faults, service=SERVICE, listen=options.listen,
         add_servicer=lambda s: agent_pb2_grpc.add_EngineAgentServicer_to_server(core, s))

@@ -141,12 +141,18 @@ class BroadcastSetup:
     gone: list[str]                 # round members no longer available: reported as failed
     lanes: list[common_pb2.Rendezvous]
     timeout_s: float
+    widths: dict[str, int]          # ranks each engine takes in its lane (its worker processes)
 
     def __post_init__(self) -> None:
-        # Each engine receives in exactly one lane (a relay's upstream lane is not its own).
+        # Each engine receives in exactly one lane (a relay's upstream lane is not its own),
+        # from its first rank; its workers take the ranks after it.
         receiving = [lane for lane in self.lanes if not _is_upstream(lane)]
         self.lane_of = {e: lane for lane in receiving for e in lane.engine_ids}
-        self.ranks = {e: i + 1 for lane in receiving for i, e in enumerate(lane.engine_ids)}
+        self.ranks = {}
+        for lane in receiving:
+            rank = 1
+            for e in lane.engine_ids:
+                self.ranks[e], rank = rank, rank + self.widths[e]
         self.relay_of = {lane.relayed_by: lane for lane in self.lanes if _is_upstream(lane)}
 
     @property
@@ -402,26 +408,30 @@ class SyncRound:
         if not members:
             raise EngineUnavailable("no engine of the paused round is available")
         taking_part = {r.engine_id for r in members}
+        widths = {r.engine_id: max(1, r.state.workers) for r in members}
         layout = plan_lanes(request.transport, members, request.trainer_host_id)
-        group_id = await self._group_id(request, members, layout)
+        group_id = await self._group_id(request, members, layout, widths)
         session = uuid.uuid4().hex
         lanes = [common_pb2.Rendezvous(
             group_id=group_id if len(layout) == 1 else f"{group_id}-{i}", transport=lane.transport,
-            store_host=request.store_host, store_port=request.store_port, world_size=len(lane.receivers) + 1,
+            store_host=request.store_host, store_port=request.store_port,
+            # a relay's upstream lane: the trainer and the relay (one process, whatever its engine's workers)
+            world_size=2 if lane.serves else 1 + sum(widths[e] for e in lane.receivers),
             session_id=session if len(layout) == 1 else f"{session}-{i}", group_backend=request.group_backend,
             store_secret=request.store_secret, lane=lane.name, engine_ids=lane.serves or lane.receivers,
             relayed_by=lane.relayed_by)
             for i, lane in enumerate(layout)]
         return BroadcastSetup(plan, members, [e for e in self.round_engines if e not in taking_part], lanes,
-                              timeout_s)
+                              timeout_s, widths)
 
-    async def _group_id(self, request, members: list[EngineRecord], layout: list[LanePlan]) -> str:
+    async def _group_id(self, request, members: list[EngineRecord], layout: list[LanePlan],
+                        widths: dict[str, int]) -> str:
         """The data-plane group id of this Broadcast: the same id only for the same group.
 
         Members keep their group between rounds while the id stays (plan once, replay).
         So an id must never name two different groups: whenever anything that defines
         the group differs from the last round's (transport, backend, the trainer's
-        store, the members, their lanes and ranks, a member's registration or engine process),
+        store, the members, their lanes, ranks and worker counts, a member's registration or engine process),
         the epoch moves on and the id is new -- also when an earlier membership recurs,
         whose store keys and half-dropped groups still exist. A failed round moves it
         on as well.
@@ -430,7 +440,7 @@ class SyncRound:
         for lane in layout:  # a relay is in two lanes
             for i, e in enumerate(lane.receivers):
                 ranks[e] = f"{ranks[e]}+" if e in ranks else ""
-                ranks[e] += f"{lane.name}/{i + 1}"
+                ranks[e] += f"{lane.name}/{i + 1}x{widths[e]}"
         membership = "|".join(f"{r.engine_id}={ranks[r.engine_id]}@{r.incarnation}.{r.state.engine_restarts}"
                               for r in sorted(members, key=lambda r: r.engine_id))
         group_key = hashlib.blake2b(

@@ -48,7 +48,7 @@ state = {"paused": "", "released": set(), "running": 0, "weight_version": "0"}
 lock = threading.Lock()           # control state
 weights_lock = threading.Lock()   # one weight update at a time, as SGLang's model_update_lock
 params: dict[str, torch.Tensor] = {}
-groups: dict[str, dist.ProcessGroup] = {}
+groups: dict[str, list[dist.ProcessGroup]] = {}  # one group per tp worker
 GROUP_TIMEOUT = timedelta(seconds=120)
 
 
@@ -65,18 +65,72 @@ def join_update_group(master_address: str, master_port: int, rank: int, world_si
     return pg
 
 
-def receive_and_load(names, dtypes, shapes, pg) -> None:
-    """SGLang's update_weights_from_distributed: post every broadcast, wait, load by name."""
+def join_as_another_worker(master_address: str, master_port: int, rank: int, world_size: int,
+                           group_name: str) -> dist.ProcessGroup:
+    """A second tp worker of the same SGLang. In SGLang each worker is a process of its
+    own running the recipe above; in one process torch refuses a second group under the
+    same name, so this worker is a bare gloo group on exactly the store keys the
+    recipe's group uses (torch's helper prefixes ``<group_name>/`` and ``cpu/``)."""
+    store, rank, world_size = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                   timeout=GROUP_TIMEOUT))
+    keyed = dist.PrefixStore("cpu/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+    return dist.ProcessGroupGloo(keyed, rank, world_size, GROUP_TIMEOUT)
+
+
+def _broadcast_from_0(weight: torch.Tensor, pg: dist.ProcessGroup):
+    if isinstance(pg, dist.ProcessGroupGloo):  # a bare group (join_as_another_worker)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return pg.broadcast([weight], opts)
+    return dist.broadcast(weight, src=0, group=pg, async_op=True)
+
+
+def on_every_worker(fn, count: int) -> list:
+    """``fn(worker)`` for each of SGLang's ``count`` tp workers at once (each is a
+    process in SGLang; a thread here): the group's collectives need every rank."""
+    results: list = [None] * count
+
+    def run(worker: int) -> None:
+        try:
+            results[worker] = fn(worker)
+        except Exception as exc:
+            results[worker] = exc
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [r for r in results if isinstance(r, Exception)]
+    if failed:
+        raise failed[0]
+    return results
+
+
+def receive(names, dtypes, shapes, pg) -> list[tuple[str, torch.Tensor]]:
+    """One worker's part of update_weights_from_distributed: post every broadcast, wait."""
     received, handles = [], []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         weight = torch.empty(shape, dtype=getattr(torch, dtype))
-        handles.append(dist.broadcast(weight, src=0, group=pg, async_op=True))
+        handles.append(_broadcast_from_0(weight, pg))
         received.append((name, weight))
     for i, handle in enumerate(handles):
         handle.wait()
         if ARGS.die_during_update and i == 0:
             os._exit(72)
-    for name, weight in received:  # load_weights: stops at the first bad name, partly updated
+    return received
+
+
+def receive_and_load(names, dtypes, shapes, pgs) -> None:
+    """SGLang's update_weights_from_distributed on every tp worker (each receives the
+    full tensors and would load its own shards), then load by name. Here the workers
+    share one copy of the model: worker 0's tensors are loaded, and every other worker
+    must have received the same bytes."""
+    per_worker = on_every_worker(lambda w: receive(names, dtypes, shapes, pgs[w]), len(pgs))
+    for other in per_worker[1:]:
+        if any(not torch.equal(a, b) for (_, a), (_, b) in zip(per_worker[0], other, strict=True)):
+            raise RuntimeError("tp workers received different bytes")
+    for name, weight in per_worker[0]:  # load_weights: stops at the first bad name, partly updated
         params[name].copy_(weight)
 
 
@@ -161,18 +215,21 @@ class Handler(BaseHTTPRequestHandler):
             if not name or name in groups:
                 return self._reply(400, {"success": False, "message": f"bad or existing group name {name!r}"})
             try:
-                groups[name] = join_update_group(body["master_address"], int(body["master_port"]),
-                                                 int(body["rank_offset"]), int(body["world_size"]), name,
-                                                 body.get("backend", "nccl"))
+                # Every tp worker joins, at rank_offset + its tp rank, as SGLang's do.
+                host, port = body["master_address"], int(body["master_port"])
+                offset, world = int(body["rank_offset"]), int(body["world_size"])
+                groups[name] = on_every_worker(
+                    lambda w: join_update_group(host, port, offset, world, name, body.get("backend", "nccl"))
+                    if w == 0 else join_as_another_worker(host, port, offset + w, world, name), ARGS.tp_size)
             except Exception as exc:
                 return self._reply(400, {"success": False, "message": f"Failed to initialize custom process "
                                                                       f"group: {exc}."})
             return self._reply(200, {"success": True, "message": "Succeeded to initialize custom process group."})
         if self.path == "/destroy_weights_update_group":
-            pg = groups.pop(name, None)
-            if pg is None:
+            pgs = groups.pop(name, None)
+            if pgs is None:
                 return self._reply(400, {"success": False, "message": "The group to be destroyed does not exist."})
-            dist.destroy_process_group(pg)
+            dist.destroy_process_group(pgs[0])  # the recipe's group; the others are dropped with the list
             return self._reply(200, {"success": True, "message": "Succeeded to destroy custom process group."})
         if name not in groups:
             return self._reply(400, {"success": False, "message": f"Group {name} not in {sorted(groups)}"})

@@ -111,27 +111,29 @@ def test_the_group_id_changes_exactly_when_the_group_does_and_survives_a_restart
         request = coordinator_pb2.BroadcastRequest(transport=common_pb2.TRANSPORT_KIND_GLOO, store_host="h",
                                                    store_port=7)
         gloo = common_pb2.TRANSPORT_KIND_GLOO
+        ONE = {"a": 1, "b": 1}  # noqa: N806  (one worker each)
 
         def lanes(*engines_per_lane):
             return [LanePlan(f"lane{i}", gloo, list(engines)) for i, engines in enumerate(engines_per_lane)]
 
-        both = await round_._group_id(request, [a, b], lanes("ab"))
-        again = await round_._group_id(request, [a, b], lanes("ab"))
-        swapped = await round_._group_id(request, [a, b], lanes("ba"))
-        alone = await round_._group_id(request, [a], lanes("a"))
-        back = await round_._group_id(request, [a, b], lanes("ab"))
-        split = await round_._group_id(request, [a, b], lanes("a", "b"))  # same ranks, two lanes
+        both = await round_._group_id(request, [a, b], lanes("ab"), ONE)
+        again = await round_._group_id(request, [a, b], lanes("ab"), ONE)
+        swapped = await round_._group_id(request, [a, b], lanes("ba"), ONE)
+        alone = await round_._group_id(request, [a], lanes("a"), ONE)
+        back = await round_._group_id(request, [a, b], lanes("ab"), ONE)
+        split = await round_._group_id(request, [a, b], lanes("a", "b"), ONE)  # same ranks, two lanes
+        wider = await round_._group_id(request, [a, b], lanes("ab"), {"a": 2, "b": 1})  # a has two workers now
         registry.upsert("a", "127.0.0.1:1", "tiny", heartbeat=True)  # a re-registration: a new incarnation
-        reregistered = await round_._group_id(request, [a, b], lanes("ab"))
+        reregistered = await round_._group_id(request, [a, b], lanes("ab"), ONE)
         epoch = round_.epoch
         for record in registry.all():
             await record.channel.close(grace=None)
         db.close()
-        return both, again, swapped, alone, back, split, reregistered, epoch
+        return both, again, swapped, alone, back, split, wider, reregistered, epoch
 
-    both, again, swapped, alone, back, split, reregistered, epoch = asyncio.run(ids())
+    both, again, swapped, alone, back, split, wider, reregistered, epoch = asyncio.run(ids())
     assert again == both  # the same group keeps its id: plan once, replay
-    assert len({both, swapped, alone, back, split, reregistered}) == 6  # every other group is a new id
+    assert len({both, swapped, alone, back, split, wider, reregistered}) == 7  # every other group is a new id
     assert back != both  # an earlier membership that recurs is a new group too (new epoch)
 
     restarted = StateDB(path)

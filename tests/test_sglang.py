@@ -305,14 +305,18 @@ async def test_plans_are_checked_against_a_local_checkpoint(sglang, request):
 
 
 @pytest.mark.parametrize("sglang", [("--tp-size", "2")], indirect=True)
-async def test_sglang_with_tensor_parallel_ranks_is_refused_up_front(sglang):
-    address, _, _, calls, _ = sglang
+async def test_sglang_with_two_tensor_parallel_workers_joins_at_two_ranks_and_syncs(sglang):
+    # SGLang's tp workers each join the update group (rank_offset + tp rank) and each
+    # receive the full tensors: the engine takes two ranks of the round's group.
+    address, _, url, calls, _ = sglang
     async with TrainerClient(address, transport="group") as client:
-        await client.pause()
-        with pytest.raises(FailedPrecondition, match="tp x pp"):
-            await client.broadcast(tiny_weights(seed=1), version=1, timeout_s=30)
-        await client.resume()
-    assert "/init_weights_update_group" not in [p for p, _ in calls_of(calls)]
+        state = await client.get_state()
+        assert [e.workers for e in state.engines] == [2]
+        for version in (1, 2):
+            assert (await client.update_weights(tiny_weights(seed=version), version=version, timeout_s=60)).ok
+            assert get(url, "/standin/weights")["digest"] == weights_digest(tiny_weights(seed=version))
+    joins = [body for path, body in calls_of(calls) if path == "/init_weights_update_group"]
+    assert joins and all(j["rank_offset"] == 1 and j["world_size"] == 3 for j in joins), joins
 
 
 async def test_what_sglang_cannot_do_is_refused_with_one_typed_error(sglang):

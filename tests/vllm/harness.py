@@ -50,10 +50,13 @@ def make_model(out: str, *, arch: str = "llama", tied: bool = False, seed: int =
     return out
 
 
-def vllm_server(model: str, port: int, *extra: str) -> list[str]:
+def vllm_server(model: str, port: int, *extra: str, tensor_parallel: int = 1) -> list[str]:
+    # Tensor parallel on vLLM's CPU backend needs its multiprocessing executor.
+    executor = ["--distributed-executor-backend", "uni"] if tensor_parallel == 1 else [
+        "--distributed-executor-backend", "mp", "--tensor-parallel-size", str(tensor_parallel)]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-            "--max-model-len", "256", "--enforce-eager", "--distributed-executor-backend", "uni",
-            "--host", "127.0.0.1", "--port", str(port), *extra]
+            "--max-model-len", "256", "--enforce-eager", *executor, "--host", "127.0.0.1", "--port", str(port),
+            *extra]
 
 
 def wait_healthy(url: str, proc, timeout_s: float) -> None:
@@ -81,13 +84,19 @@ class Stack:
 
 
 def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vllm-0",
-                     faults: str = "") -> tuple[subprocess.Popen, str]:
+                     faults: str = "", tensor_parallel: int = 1) -> tuple[subprocess.Popen, str]:
     """An agent that launches vLLM (with weightsync's worker extension) and registers
     with the coordinator at ``address``; returns (agent process, vLLM url). The caller
     stops the agent (which stops vLLM)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **VLLM_ENV}
+    if tensor_parallel > 1:
+        # vLLM's CPU workers bind their OpenMP threads to NUMA nodes, one node each; a
+        # one-node machine must say which cores each worker takes (here: one core each,
+        # wrapping around on a machine with fewer cores than workers).
+        cores = os.cpu_count() or 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(w % cores) for w in range(tensor_parallel))
     fault_args: list[str] = []
     if faults:
         env["WEIGHTSYNC_FAULTS"] = faults
@@ -98,7 +107,8 @@ def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vl
             "agent", "--insecure", "--coordinator", address, "--engine", "vllm", "--engine-url", url,
             "--engine-id", engine_id, "--port-file", port_file,
             "--health-url", f"{url}/health", "--launch-timeout", "300", "--shutdown-grace", "10", *fault_args,
-            "--launch", "--", *vllm_server(model, port, *EXTENSION)), env=env, stdout=log, stderr=log)
+            "--launch", "--", *vllm_server(model, port, *EXTENSION, tensor_parallel=tensor_parallel)),
+            env=env, stdout=log, stderr=log)
     try:
         wait_for_file(port_file, timeout_s=360, proc=agent)
         wait_available(address, [engine_id], timeout_s=60)

@@ -191,17 +191,19 @@ async def test_a_vllm_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(v
     """A second vLLM booted with the base checkpoint joins a fleet that has moved on: its
     agent keeps it paused (a completion sent to it does not run) and not ready until
     the next Broadcast brings it to the fleet's version; then its greedy completions
-    equal the first vLLM's and the trainer's own model."""
+    equal the first vLLM's and the trainer's own model. It runs two tensor-parallel
+    workers: the round gives each its own rank, each receives and loads its shards."""
     address, url, _, _ = vllm_stack
     original = checkpoint(tiny_model)
     async with TrainerClient(address) as client:
         version = (await client.get_state()).weight_version + 1
         assert (await client.update_weights(round_weights(original, 300), version=version, timeout_s=120)).ok
         joiner, joiner_url = await asyncio.to_thread(start_vllm_agent, address, tiny_model, str(tmp_path),
-                                                     engine_id="vllm-1")
+                                                     engine_id="vllm-1", tensor_parallel=2)
         try:
             late = next(e for e in (await client.get_state()).engines if e.engine_id == "vllm-1")
             assert late.fenced and not late.ready and late.versions_behind == version, late
+            assert late.workers == 2, late
             assert get(joiner_url, "/is_paused")["is_paused"] is True
             answers: list = []
             pending = threading.Thread(target=lambda: answers.append(completions(joiner_url, tiny_model)),

@@ -129,6 +129,12 @@ class EngineAdapter(abc.ABC):
     def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """name -> (dtype, shape) of every weight the engine serves."""
 
+    def workers(self) -> int:
+        """How many ranks of a data-plane group this engine takes: one per process that
+        receives the weights (each tensor-parallel worker loads its own shards from the
+        full tensors). May ask the engine (blocking; the agent calls it off its loop)."""
+        return 1
+
     def check_receive(self, request) -> None:
         """Refuses (typed error) a ReceiveRequest this engine cannot take, before anything
         changes. The plan itself is checked against ``tensor_specs`` by the agent."""

@@ -63,6 +63,7 @@ class SglangAdapter(HttpEngineAdapter):
         self._pause_mode = ""
         self._group = ""        # the update group SGLang has joined, reused while the rendezvous' stays
         self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+        self._workers: int | None = None
 
     # ----- control ------------------------------------------------------------------
 
@@ -123,11 +124,17 @@ class SglangAdapter(HttpEngineAdapter):
         if request.weights_digest:
             raise Unsupported("SGLang cannot attest a digest of its weights: broadcast without "
                               "verify_digest", reason="DIGEST_UNSUPPORTED")
-        info = self._call("GET", "/get_server_info")
-        ranks = int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
-        if ranks != 1:
-            raise Unsupported(f"SGLang with {ranks} model ranks (tp x pp) joins an update group as {ranks} "
-                              "ranks; weightsync gives each engine one", reason="ENGINE_CANNOT_RECEIVE")
+        workers, ranks = self.workers(), request.rendezvous.world_size - request.rank
+        if workers > ranks:
+            raise FailedPrecondition(f"SGLang joins its update group as {workers} ranks (tp x pp); the round "
+                                     f"left it {ranks}", reason="ENGINE_WORKERS_CHANGED")
+
+    def workers(self) -> int:
+        """SGLang joins an update group as tp x pp ranks (rank_offset + its rank)."""
+        if self._workers is None:
+            info = self._call("GET", "/get_server_info")
+            self._workers = int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
+        return self._workers
 
     def load_targets(self, plan):
         return []  # the bytes land inside SGLang, not in this process

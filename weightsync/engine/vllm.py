@@ -54,7 +54,8 @@ class VllmAdapter(HttpEngineAdapter):
         self._asleep: set[str] = set()
         self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
         self._probe_limits: dict | None = None
-        self._worker_plans: set[str] = set()  # plan ids the worker took whole
+        self._worker_plans: set[str] = set()  # plan ids the workers took whole
+        self._workers: int | None = None
         self.last_received_digest = ""
 
     # ----- HTTP ---------------------------------------------------------------------
@@ -114,7 +115,15 @@ class VllmAdapter(HttpEngineAdapter):
             if not results or not isinstance(results[0], list):
                 raise EngineFault(f"worker extension {EXTENSION} is not loaded in vLLM (results: {results!r})")
             self._specs = {name: (dtype_from_name(dtype), tuple(shape)) for name, dtype, shape in results[0]}
+            self._workers = len(results)  # one result per worker process
         return self._specs
+
+    def workers(self) -> int:
+        """vLLM's worker processes (tensor x pipeline parallel): each receives the plan
+        at its own rank and loads what its shards need."""
+        if self._workers is None:
+            self.tensor_specs()
+        return self._workers or 1
 
     def load_targets(self, plan):
         return []  # bytes land inside vLLM's worker, not in this process
@@ -137,16 +146,22 @@ class VllmAdapter(HttpEngineAdapter):
                 "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
                 json_format.MessageToJson(wire), str(left), "1" if skip_post_load else "", delivery.data_host,
                 timeout_s=left)
-            result = results[0] if results else None
-            if not whole and isinstance(result, dict) and str(result.get("error", "")).startswith("PlanUnknown"):
+            if not whole and any(isinstance(r, dict) and str(r.get("error", "")).startswith("PlanUnknown")
+                                 for r in results):
                 self._worker_plans.discard(plan.plan_id)
                 whole = True
                 continue
             break
-        if not isinstance(result, dict) or "error" in result or "digest" not in result:
-            raise TransferError(f"receive inside vLLM failed: {result!r}")
+        # Every worker must have loaded the same bytes: one torn worker is a torn engine.
+        bad = [r for r in results if not isinstance(r, dict) or "error" in r or "digest" not in r]
+        if not results or bad:
+            raise TransferError(f"receive inside vLLM failed on {len(bad) or 'every'} of {len(results)} "
+                                f"worker(s): {(bad or results)[:2]!r}")
+        digests = {r["digest"] for r in results}
+        if len(digests) != 1:
+            raise TransferError(f"vLLM's workers loaded different bytes: digests {sorted(digests)}")
         self._worker_plans.add(plan.plan_id)
-        self.last_received_digest = result["digest"]
+        self.last_received_digest = digests.pop()
 
     def check_probe(self, probe: Probe) -> None:
         if self._probe_limits is None:

@@ -7,7 +7,8 @@ with string arguments (JSON), never pickle:
   tensor, read from the safetensors headers of the served model. This is what a
   plan is checked against: on CPU, vLLM repacks Linear weights, so its own
   parameters do not show checkpoint shapes.
-- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host])``: joins
+- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host])``: every
+  worker joins at its own rank (``rank`` plus the worker's rank in vLLM's parallel world), joins
   the weightsync transport (shm, gloo or group), receives into checkpoint-shaped
   tensors (host memory; the worker's GPU when the group backend is nccl), and reloads
   them in place, tied layers included (``vllm_reload.py``). Returns the digest of
@@ -57,7 +58,9 @@ class WeightsyncWorkerExtension:
             device = self.device if rendezvous.group_backend == "nccl" else torch.device("cpu")
             targets = [torch.empty(shape, dtype=dtype, device=device)
                        for shape, dtype in zip(plan.shapes, plan.dtypes, strict=True)]
-            receiver.receive(rendezvous, int(rank), plan, targets,
+            # The engine's ranks are rank .. rank + workers - 1: each worker takes its own
+            # (vLLM's rank of this worker in its tensor x pipeline parallel world).
+            receiver.receive(rendezvous, int(rank) + int(getattr(self, "rank", 0) or 0), plan, targets,
                              deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event())
             named = list(zip(plan.names, targets, strict=True))
             reload_in_place(self.model_runner, named, reprocess_tied=skip_post_load != "1")
