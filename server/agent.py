@@ -559,6 +559,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self._progress = (job.plan.num_buckets, job.plan.num_buckets)
             self.torn, self.torn_version = False, 0
             self.record("transfer_done", version=request.version, seconds=f"{job.seconds():.4f}",
+                        **self.adapter.receive_stats(),
                         **({} if job.attest_max_diff is None else {"attest_max_diff": f"{job.attest_max_diff:.3g}"}))
         elif getattr(error, "wrote_nothing", False):
             # The rendezvous failed before any byte reached the engine's tensors: its

@@ -626,18 +626,38 @@ def unpack_bucket(plan: BucketPlan, bucket: int, data: torch.Tensor, targets: Se
             dst[p.tensor_start:p.tensor_start + p.length].copy_(data[p.bucket_start:p.bucket_start + p.length])
 
 
-def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A digest of names, dtypes, shapes and exact bytes; equal iff bitwise equal."""
-    h = hashlib.blake2b(digest_size=20)
-    for name, tensor in sorted(named_tensors, key=lambda nt: nt[0]):
+class WeightsDigest:
+    """``weights_digest`` built one tensor at a time, in any order: a receiver that
+    loads each tensor as it completes and lets it go never holds the whole model.
+    Each tensor is hashed on its own (name, dtype, shape, exact bytes); the digest is
+    the hash of those, in name order."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, bytes] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().contiguous()
         if t.device.type != "cpu":
             t = t.cpu()  # GPU weights are hashed from a host copy
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h = hashlib.blake2b(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode(), digest_size=20)
         if t.numel():
             h.update(byte_view(t).numpy())  # hashes the tensor's memory in place, no copy
-    return h.hexdigest()
+        self._parts[name] = h.digest()
+
+    def hexdigest(self) -> str:
+        h = hashlib.blake2b(digest_size=20)
+        for name in sorted(self._parts):
+            h.update(self._parts[name])
+        return h.hexdigest()
+
+
+def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A digest of names, dtypes, shapes and exact bytes; equal iff bitwise equal."""
+    digest = WeightsDigest()
+    for name, tensor in named_tensors:
+        digest.add(name, tensor)
+    return digest.hexdigest()
 
 
 __all__ = ["BucketPlan", "TensorSlot", "Piece", "is_reference", "DTYPES", "DEFAULT_BUCKET_BYTES", "dtype_from_name",
-           "dtype_name", "byte_view", "pack_bucket", "unpack_bucket", "weights_digest"]
+           "dtype_name", "byte_view", "pack_bucket", "unpack_bucket", "weights_digest", "WeightsDigest"]

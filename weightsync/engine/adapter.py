@@ -129,6 +129,11 @@ class EngineAdapter(abc.ABC):
     def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """name -> (dtype, shape) of every weight the engine serves."""
 
+    def receive_stats(self) -> dict[str, str]:
+        """What the last receive cost inside the engine, for the agent's transfer_done
+        event (local memory: read on the agent's loop)."""
+        return {}
+
     def workers(self) -> int:
         """How many ranks of a data-plane group this engine takes: one per process that
         receives the weights (each tensor-parallel worker loads its own shards from the

@@ -56,6 +56,7 @@ class VllmAdapter(HttpEngineAdapter):
         self._probe_limits: dict | None = None
         self._worker_plans: set[str] = set()  # plan ids the workers took whole
         self._workers: int | None = None
+        self._peak_target_bytes = 0
         self.last_received_digest = ""
 
     # ----- HTTP ---------------------------------------------------------------------
@@ -162,6 +163,11 @@ class VllmAdapter(HttpEngineAdapter):
             raise TransferError(f"vLLM's workers loaded different bytes: digests {sorted(digests)}")
         self._worker_plans.add(plan.plan_id)
         self.last_received_digest = digests.pop()
+        self._peak_target_bytes = max(int(r.get("peak_target_bytes", 0)) for r in results)
+
+    def receive_stats(self) -> dict[str, str]:
+        """The most bytes of received tensors one worker held at once (streamed loading)."""
+        return {"engine_peak_bytes": str(self._peak_target_bytes)} if self._peak_target_bytes else {}
 
     def check_probe(self, probe: Probe) -> None:
         if self._probe_limits is None:

@@ -19,6 +19,8 @@ checked independently of this path by the attestation probe (``vllm_probe.py``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -39,8 +41,9 @@ def tied_layers(model: nn.Module) -> list[nn.Module]:
     return tied
 
 
-def reload_in_place(model_runner, named: list[tuple[str, torch.Tensor]], *, reprocess_tied: bool = True) -> None:
-    """Reloads ``named`` (checkpoint names and formats) into the runner's model, then
+def reload_in_place(model_runner, named: Iterable[tuple[str, torch.Tensor]], *, reprocess_tied: bool = True) -> None:
+    """Reloads ``named`` (checkpoint names and formats; an iterator is consumed as vLLM
+    loads, so tensors can arrive while earlier ones load) into the runner's model, then
     re-processes tied layers. ``reprocess_tied=False`` exists only for fault injection:
     it reproduces vLLM's own behaviour so that attestation can be shown to catch it.
     """

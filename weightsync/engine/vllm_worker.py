@@ -9,10 +9,12 @@ with string arguments (JSON), never pickle:
   parameters do not show checkpoint shapes.
 - ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host])``: every
   worker joins at its own rank (``rank`` plus the worker's rank in vLLM's parallel world), joins
-  the weightsync transport (shm, gloo or group), receives into checkpoint-shaped
-  tensors (host memory; the worker's GPU when the group backend is nccl), and reloads
-  them in place, tied layers included (``vllm_reload.py``). Returns the digest of
-  what it loaded; network transports listen on ``data_host`` (the agent's
+  the weightsync transport (shm, gloo or group), and receives into checkpoint-shaped
+  tensors (host memory; the worker's GPU when the group backend is nccl) that go to
+  vLLM's in-place reload, tied layers included (``vllm_reload.py``), as each one
+  completes (``streamed_load.py``: the worker's extra memory is a few buckets and the
+  tensors being filled, not a second model). Returns the digest of what it loaded and
+  the peak bytes of received tensors alive at once; network transports listen on ``data_host`` (the agent's
   address). ``skip_post_load="1"`` is fault injection only (the agent sends it
   only when started with ``--enable-fault-injection`` and a matching rule).
 - ``weightsync_probe_limits()``: vocabulary size and context length, to refuse a
@@ -33,8 +35,9 @@ from google.protobuf import json_format
 from weightsync import transport as transports
 from weightsync.engine import vllm_probe
 from weightsync.engine.checkpoint import checkpoint_specs
+from weightsync.engine.streamed_load import receive_and_load
 from weightsync.engine.vllm_reload import reload_in_place
-from weightsync.plan import BucketPlan, weights_digest
+from weightsync.plan import BucketPlan
 from weightsync.v1 import common_pb2
 
 
@@ -56,15 +59,16 @@ class WeightsyncWorkerExtension:
                                                                                       data_host=data_host)
             # nccl lands the bytes in the worker's GPU; gloo and shm in host memory.
             device = self.device if rendezvous.group_backend == "nccl" else torch.device("cpu")
-            targets = [torch.empty(shape, dtype=dtype, device=device)
-                       for shape, dtype in zip(plan.shapes, plan.dtypes, strict=True)]
             # The engine's ranks are rank .. rank + workers - 1: each worker takes its own
             # (vLLM's rank of this worker in its tensor x pipeline parallel world).
-            receiver.receive(rendezvous, int(rank) + int(getattr(self, "rank", 0) or 0), plan, targets,
-                             deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event())
-            named = list(zip(plan.names, targets, strict=True))
-            reload_in_place(self.model_runner, named, reprocess_tied=skip_post_load != "1")
-            return {"digest": weights_digest(named), "bytes": plan.total_bytes}
+            # Each tensor goes to vLLM's loader as soon as its last byte is in, and is let
+            # go after: never a second full copy of the model in the worker.
+            digest, peak = receive_and_load(
+                receiver, rendezvous, int(rank) + int(getattr(self, "rank", 0) or 0), plan, device=device,
+                deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event(),
+                load=lambda weights: reload_in_place(self.model_runner, weights, reprocess_tied=skip_post_load != "1"),
+                max_ready_bytes=2 * plan.bucket_bytes)
+            return {"digest": digest, "bytes": plan.total_bytes, "peak_target_bytes": peak}
         except Exception as exc:  # reported to the agent as data; the agent marks the engine torn
             return {"error": f"{type(exc).__name__}: {exc}"}
 

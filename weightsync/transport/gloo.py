@@ -172,10 +172,13 @@ class GlooReceiver(Receiver):
             store = self._store[1]
             n = plan.num_buckets
             works: list[dist.Work | None] = [None, None]
-            direct = [_direct(plan, b, targets) for b in range(n)]
+            # Found when the bucket is posted, not all up front: a receiver whose targets
+            # are made as their first byte arrives (streamed loading) must not have
+            # every target made at the start.
+            direct: dict[int, torch.Tensor | None] = {}
 
             def post(bucket: int) -> dist.Work:
-                into = direct[bucket]
+                into = direct[bucket] = _direct(plan, bucket, targets)
                 if into is None:
                     into = group.buffers[bucket % 2][:plan.bucket_size(bucket)]
                 return broadcast_from_root(group.pg, into)
@@ -188,7 +191,7 @@ class GlooReceiver(Receiver):
                     works[(bucket + 1) % 2] = post(bucket + 1)
                 slot = bucket % 2
                 wait_polling(works[slot], deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
-                if direct[bucket] is None:
+                if direct.pop(bucket) is None:
                     unpack_bucket(plan, bucket, group.buffers[slot], targets)
                 if on_bucket is not None:
                     on_bucket(bucket)
