@@ -71,7 +71,8 @@ class PeakRss:
         return max(peak - self.before.get(pid, peak) for pid, peak in self.peak.items())
 
 
-async def rounds(address: str, agent_pid: int, named_for_round, count: int, transport: str) -> list[dict]:
+async def rounds(address: str, agent_pid: int, named_for_round, count: int, transport: str,
+                 agent_address: str = "") -> list[dict]:
     out = []
     async with TrainerClient(address, transport=transport) as client:
         first = (await client.get_state()).weight_version + 1
@@ -81,14 +82,30 @@ async def rounds(address: str, agent_pid: int, named_for_round, count: int, tran
             with PeakRss(agent_pid) as rss:
                 result = await client.update_weights(named, version=first + r, timeout_s=600)
             assert result.ok, result
-            out.append({"payload": payload, "growth": rss.growth(), "seconds": result.total_seconds})
+            out.append({"payload": payload, "growth": rss.growth(), "seconds": result.total_seconds,
+                        "engine_peak": await _engine_peak(agent_address, first + r)})
     return out
+
+
+async def _engine_peak(agent_address: str, version: int) -> int | None:
+    """What the engine itself reported holding of received tensors at once (vLLM)."""
+    if not agent_address:
+        return None
+    from weightsync.client import EngineClient
+
+    async with EngineClient(agent_address) as engine:
+        for event in await engine.events():
+            if event.kind == "transfer_done" and event.fields.get("version") == str(version):
+                peak = event.fields.get("engine_peak_bytes")
+                return int(peak) if peak else None
+    return None
 
 
 def report(name: str, results: list[dict]) -> None:
     for i, r in enumerate(results):
+        held = f", received tensors held at once {r['engine_peak'] / MIB:.1f} MiB" if r["engine_peak"] else ""
         print(f"{name:<10} round {i + 1}: payload {r['payload'] / MIB:7.1f} MiB, peak RSS growth "
-              f"{r['growth'] / MIB:7.1f} MiB ({r['growth'] / r['payload']:.2f}x), {r['seconds']:.2f} s")
+              f"{r['growth'] / MIB:7.1f} MiB ({r['growth'] / r['payload']:.2f}x){held}, {r['seconds']:.2f} s")
 
 
 def run_vllm(args) -> None:
@@ -102,8 +119,10 @@ def run_vllm(args) -> None:
                        capture_output=True, timeout=600)
         base = checkpoint(model)
         with agent_stack(model, tmp) as stack:
+            with open(Path(tmp) / "vllm-0.addr") as f:
+                agent_address = f.read().strip()
             results = asyncio.run(rounds(stack.address, stack.agent.pid, lambda r: round_weights(base, 500 + r),
-                                         args.rounds, args.transport))
+                                         args.rounds, args.transport, agent_address))
     report("vllm", results)
 
 

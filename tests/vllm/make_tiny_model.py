@@ -16,7 +16,8 @@ import argparse
 import os
 
 
-def build(out: str, seed: int = 0, *, arch: str = "llama", tied: bool = False) -> str:
+def build(out: str, seed: int = 0, *, arch: str = "llama", tied: bool = False, hidden: int = 64,
+          layers: int = 2, intermediate: int = 128) -> str:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -37,8 +38,8 @@ def build(out: str, seed: int = 0, *, arch: str = "llama", tied: bool = False) -
         vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
-    common = dict(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, head_dim=32, max_position_embeddings=256, bos_token_id=fast.bos_token_id,
+    common = dict(vocab_size=len(fast), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=hidden // 32, head_dim=32, max_position_embeddings=256, bos_token_id=fast.bos_token_id,
                   eos_token_id=fast.eos_token_id, tie_word_embeddings=tied, torch_dtype="float32")
     if arch == "llama":
         config, model_class = LlamaConfig(num_key_value_heads=2, **common), LlamaForCausalLM
@@ -62,5 +63,9 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     ap.add_argument("--tied", action="store_true", help="tie the output layer to the input embedding")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 32: heads of 32)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=128)
     args = ap.parse_args()
-    print(build(args.out, args.seed, arch=args.arch, tied=args.tied))
+    print(build(args.out, args.seed, arch=args.arch, tied=args.tied, hidden=args.hidden, layers=args.layers,
+                intermediate=args.intermediate))
