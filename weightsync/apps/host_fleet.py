@@ -16,7 +16,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from weightsync.apps.local_cluster import start_service
+from weightsync.apps.local_cluster import folder_logs, start_service
 from weightsync.apps.topology import Host, SimulatedHosts
 from weightsync.faults import ENV as FAULTS_ENV
 
@@ -72,12 +72,7 @@ class HostFleet:
 
     def logs(self, tail_chars: int = 2000) -> str:
         """The end of every process's log."""
-        out = []
-        for name in sorted(os.listdir(self.folder)):
-            if name.endswith(".log"):
-                with open(os.path.join(self.folder, name), errors="replace") as f:
-                    out.append(f"--- {name}\n{f.read()[-tail_chars:]}")
-        return "\n".join(out)
+        return folder_logs(self.folder, tail_chars)
 
 
 __all__ = ["HostFleet", "FAST_HEARTBEATS"]

@@ -80,6 +80,16 @@ def start_service(tmp: str, name: str, command: str, *args: str, log_level: str 
         raise
 
 
+def folder_logs(folder: str, tail_chars: int) -> str:
+    """The end of every ``*.log`` in ``folder``, each under its name."""
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".log"):
+            with open(os.path.join(folder, name), errors="replace") as f:
+                out.append(f"--- {name}\n{f.read()[-tail_chars:]}")
+    return "\n".join(out)
+
+
 class LocalCluster:
     """Context manager: a coordinator and ``engines`` agents (engine ids ``engine-0`` ...).
 
@@ -186,16 +196,11 @@ class LocalCluster:
 
     def logs(self, tail_chars: int = 4000) -> str:
         """The end of every process's log, for a failure message."""
-        out = []
-        for name in sorted(os.listdir(self.tmp)):
-            if name.endswith(".log"):
-                with open(os.path.join(self.tmp, name), errors="replace") as f:
-                    out.append(f"--- {name}\n{f.read()[-tail_chars:]}")
-        return "\n".join(out)
+        return folder_logs(self.tmp, tail_chars)
 
     def __exit__(self, *exc) -> None:
         for proc in reversed(self.procs):
             stop_process(proc, grace_s=10.0)
 
 
-__all__ = ["LocalCluster", "ServiceProcess", "StartingService", "spawn_service", "start_service"]
+__all__ = ["LocalCluster", "ServiceProcess", "StartingService", "spawn_service", "start_service", "folder_logs"]
