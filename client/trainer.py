@@ -62,7 +62,7 @@ from weightsync.retry import retry
 from weightsync.security import Security
 from weightsync.threads import run_in
 from weightsync.transport.secure_store import StoreHost
-from weightsync.transport.store import host_store
+from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 T = TypeVar("T")
@@ -155,14 +155,23 @@ class _Send:
     transport), shared by the call's attempts. An engine's failure stops its own lane;
     the others go on, so one host's failure never tears another host's engines."""
 
-    def __init__(self) -> None:
+    def __init__(self, tell_relayed: Callable[[common_pb2.Rendezvous, str], None] | None = None) -> None:
         self.lanes: dict[str, _Lane] = {}  # by session id: a retry replays the same rendezvous
+        # A host's shm lane fed by its relay, by relay: sent by the relay, not by us.
+        self.relayed: dict[str, list[common_pb2.Rendezvous]] = {}
+        self._tell_relayed = tell_relayed
 
     def stop(self, engine_id: str | None = None) -> None:
-        """Stops the lane sending to ``engine_id``, or every lane."""
+        """Stops the lane sending to ``engine_id``, or every lane. A stopped lane to a
+        host's relay also tells that host's engines to stop waiting (their abort key):
+        the relay, if it died, never will."""
         for lane in self.lanes.values():
             if engine_id is None or engine_id in lane.rendezvous.engine_ids:
                 lane.abort.set()
+                for relayed in self.relayed.get(lane.rendezvous.relayed_by, ()):
+                    if self._tell_relayed is not None:
+                        self._tell_relayed(relayed, f"the trainer stopped sending to relay "
+                                                    f"{lane.rendezvous.relayed_by}")
 
     async def finish(self) -> None:
         """Waits for every lane's send to end (each is bounded by the round's deadline)."""
@@ -179,6 +188,11 @@ class _Send:
     def seconds(self) -> float:
         """Trainer-side transfer time: the slowest lane."""
         return max((lane.transfer.result().seconds for lane in self.lanes.values()), default=0.0)
+
+
+def _relayed_lane(rendezvous: common_pb2.Rendezvous) -> bool:
+    """A host's shm lane whose sender is the host's relay (the trainer sends its upstream)."""
+    return bool(rendezvous.relayed_by) and rendezvous.transport == common_pb2.TRANSPORT_KIND_SHM
 
 
 def _sync_result(result: coordinator_pb2.BroadcastResult, send: _Send) -> SyncResult:
@@ -430,7 +444,7 @@ class TrainerClient:
         """The Broadcast call, retried with the same key (a retry attaches to the running
         round, never re-runs it), and the send it starts; the send always ends before
         this returns or raises."""
-        send = _Send()
+        send = _Send(self._abort_relayed_lane)
         try:
             try:
                 result = await retry(lambda: self._attempt_broadcast(stub, request, prepared, send),
@@ -467,7 +481,11 @@ class TrainerClient:
         async for event in stub.Broadcast(request, timeout=left):  # read to the end: the status too
             self._plans_sent.add(prepared.plan.plan_id)  # validated: the coordinator holds it
             which = event.WhichOneof("event")
-            if which == "rendezvous" and event.rendezvous.session_id not in send.lanes:
+            if which == "rendezvous" and _relayed_lane(event.rendezvous):
+                lanes = send.relayed.setdefault(event.rendezvous.relayed_by, [])
+                if all(r.session_id != event.rendezvous.session_id for r in lanes):
+                    lanes.append(event.rendezvous)
+            elif which == "rendezvous" and event.rendezvous.session_id not in send.lanes:
                 send.lanes[event.rendezvous.session_id] = self._start_send(event.rendezvous, prepared)
             elif which == "engine_failed":
                 # Stop sending to that engine's lane, which cannot complete; other lanes go on.
@@ -488,6 +506,11 @@ class TrainerClient:
         if self._store_host is None:
             self._store_host = StoreHost(self.host, timeout_s=self.default_timeout_s)
         return self._store_host.port, self._store_host.new_secret()
+
+    def _abort_relayed_lane(self, rendezvous: common_pb2.Rendezvous, why: str) -> None:
+        """Sets a relayed lane's abort key in this trainer's store (in process: no I/O)."""
+        if self._store_host is not None:
+            self._store_host.set(session_key(rendezvous, "abort"), why)
 
     def _start_send(self, rendezvous, prepared: _Prepared) -> _Lane:
         """Starts one lane's send on the send pool (lanes run concurrently). Each lane has

@@ -155,11 +155,6 @@ class BroadcastSetup:
                 self.ranks[e], rank = rank, rank + self.widths[e]
         self.relay_of = {lane.relayed_by: lane for lane in self.lanes if _is_upstream(lane)}
 
-    @property
-    def trainer_lanes(self) -> list[common_pb2.Rendezvous]:
-        """The lanes the trainer sends (a relayed lane's sender is its relay)."""
-        return [lane for lane in self.lanes if not lane.relayed_by or _is_upstream(lane)]
-
 
 def _is_upstream(lane: common_pb2.Rendezvous) -> bool:
     return lane.transport == common_pb2.TRANSPORT_KIND_GLOO and bool(lane.relayed_by)
@@ -510,7 +505,9 @@ class SyncRound:
                         plan="by_id" if is_reference(request.plan) else "whole", engines=",".join(setup.ranks),
                         transport=transports.KIND_NAMES[request.transport],
                         lanes=";".join(f"{lane.lane}:{','.join(lane.engine_ids)}" for lane in setup.lanes))
-        for lane in setup.trainer_lanes:  # the trainer starts one send per lane
+        # The trainer starts one send per lane it sends; a host's relayed lane goes to it
+        # too, so that if the relay dies it can still tell that host's engines to stop.
+        for lane in setup.lanes:
             progress.publish(coordinator_pb2.BroadcastEvent(rendezvous=lane))
         started = time.monotonic()
         metrics.BROADCAST_IN_PROGRESS.set(1)

@@ -120,3 +120,32 @@ def test_cutting_a_hosts_link_mid_round_fails_that_host_promptly_and_no_other(fl
     assert ended_after < 20, f"the round ended {ended_after:.1f} s after the cut\n{fleet.logs()}"
     # With the link back, the coordinator reaches b again and the next round heals it.
     assert after["ok"] and all(e["ok"] and e["digest_ok"] for e in after["engines"].values()), after
+
+
+def test_a_relay_killed_mid_round_fails_its_hosts_engines_promptly_and_no_other(fleet_factory, tmp_path):
+    # b-0 relays host b's copy to b-1 over shm; host b's engines take 0.3 s per bucket
+    # in round 2; b-0's agent is killed mid-transfer. b-1 must not wait for bytes that
+    # will never come until the 90 s deadline: the trainer tells it when b-0's lane stops.
+    fleet = fleet_factory(faults={"b": {"op": "receive", "action": "delay", "seconds": 0.3, "version": 2,
+                                        "times": 0}})
+    out = tmp_path / "trainer.out"
+    with open(out, "w") as f:
+        trainer = fleet.spawn_trainer("--rounds", "2", "--transport", "auto", "--timeout", "90",
+                                      "--bucket-bytes", str(2**20), stdout=f)
+    _wait_for_text(str(out), '"round": 1', 120)
+    _wait_for_text(os.path.join(fleet.folder, "b-1.log"), "'version': 2", 60)
+    time.sleep(1.0)
+    relay = next(p for p in fleet.hosts["b"].procs if "b-0" in " ".join(map(str, p.args)))
+    relay.kill()
+    killed_at = time.monotonic()
+    _wait_for_text(str(out), '"round": 2', 80)
+    ended_after = time.monotonic() - killed_at
+    assert trainer.wait(timeout=60) == 0, out.read_text()[-3000:]
+    _, killed = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    engines = killed["engines"]
+    assert not killed["ok"] and not engines["b-0"]["ok"] and not engines["b-1"]["ok"], killed
+    for engine in ("a-0", "c-0", "c-1"):
+        assert engines[engine]["ok"] and engines[engine]["digest_ok"], (engine, killed)
+    assert ended_after < 20, f"the round ended {ended_after:.1f} s after the relay died\n{fleet.logs()}"
+    with open(os.path.join(fleet.folder, "b-1.log")) as f:
+        assert "transfer_failed" in f.read()  # b-1's receive ended (torn), not still waiting

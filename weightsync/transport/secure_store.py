@@ -114,6 +114,12 @@ class StoreHost:
             self._secrets.append(bytes.fromhex(secret))
         return secret
 
+    def set(self, key: str, value: str) -> None:
+        """Sets ``key`` from this process, without a connection (never blocks on I/O)."""
+        with self._changed:
+            self._data[key] = value.encode()
+            self._changed.notify_all()
+
     def client(self) -> SecureStore:
         """A connection for the trainer itself."""
         return SecureStore(self.host, self.port, self._owner_secret.hex(),
