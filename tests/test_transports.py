@@ -203,7 +203,7 @@ def test_group_sender_speaks_the_recipe_sglang_joins_with():
                 steps.acquire(timeout=20)
                 receive_and_load([s.name for s in plan.slots], [str(s.dtype).removeprefix("torch.")
                                                                  for s in plan.slots],
-                                 [list(s.shape) for s in plan.slots], pg)
+                                 [list(s.shape) for s in plan.slots], [pg])  # one tp worker
         except BaseException as exc:
             errors.append(exc)
             store.set(f"ws/{rdzv.group_id}/{rdzv.session_id}/err/1", repr(exc))  # the sender stops at once
