@@ -61,6 +61,7 @@ from weightsync.plan import (
 from weightsync.retry import retry
 from weightsync.security import Security
 from weightsync.threads import run_in
+from weightsync.transport.relay import is_relayed
 from weightsync.transport.secure_store import StoreHost
 from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -188,11 +189,6 @@ class _Send:
     def seconds(self) -> float:
         """Trainer-side transfer time: the slowest lane."""
         return max((lane.transfer.result().seconds for lane in self.lanes.values()), default=0.0)
-
-
-def _relayed_lane(rendezvous: common_pb2.Rendezvous) -> bool:
-    """A host's shm lane whose sender is the host's relay (the trainer sends its upstream)."""
-    return bool(rendezvous.relayed_by) and rendezvous.transport == common_pb2.TRANSPORT_KIND_SHM
 
 
 def _sync_result(result: coordinator_pb2.BroadcastResult, send: _Send) -> SyncResult:
@@ -481,7 +477,7 @@ class TrainerClient:
         async for event in stub.Broadcast(request, timeout=left):  # read to the end: the status too
             self._plans_sent.add(prepared.plan.plan_id)  # validated: the coordinator holds it
             which = event.WhichOneof("event")
-            if which == "rendezvous" and _relayed_lane(event.rendezvous):
+            if which == "rendezvous" and is_relayed(event.rendezvous):
                 lanes = send.relayed.setdefault(event.rendezvous.relayed_by, [])
                 if all(r.session_id != event.rendezvous.session_id for r in lanes):
                     lanes.append(event.rendezvous)

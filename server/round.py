@@ -50,6 +50,7 @@ from weightsync.retry import RetryPolicy, retry
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.statedb import StateDB, get_meta, set_meta
+from weightsync.transport.relay import is_relay_upstream
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2
 from weightsync.validate import check_pause_mode, check_port, check_timeout
 
@@ -146,18 +147,14 @@ class BroadcastSetup:
     def __post_init__(self) -> None:
         # Each engine receives in exactly one lane (a relay's upstream lane is not its own),
         # from its first rank; its workers take the ranks after it.
-        receiving = [lane for lane in self.lanes if not _is_upstream(lane)]
+        receiving = [lane for lane in self.lanes if not is_relay_upstream(lane)]
         self.lane_of = {e: lane for lane in receiving for e in lane.engine_ids}
         self.ranks = {}
         for lane in receiving:
             rank = 1
             for e in lane.engine_ids:
                 self.ranks[e], rank = rank, rank + self.widths[e]
-        self.relay_of = {lane.relayed_by: lane for lane in self.lanes if _is_upstream(lane)}
-
-
-def _is_upstream(lane: common_pb2.Rendezvous) -> bool:
-    return lane.transport == common_pb2.TRANSPORT_KIND_GLOO and bool(lane.relayed_by)
+        self.relay_of = {lane.relayed_by: lane for lane in self.lanes if is_relay_upstream(lane)}
 
 
 @dataclass

@@ -38,8 +38,9 @@ from weightsync.transport.store import connect_store, prefixed, session_key
 from weightsync.v1 import common_pb2
 
 
-class _Group:
-    """A gloo group plus its two bucket buffers, reused while the group id stays."""
+class GlooGroup:
+    """A gloo group plus its two bucket buffers, reused while the group id stays
+    (the sender, the receiver and the host relay's upstream end each hold one)."""
 
     def __init__(self, rendezvous: common_pb2.Rendezvous, rank: int, bucket_bytes: int, *, bind_host: str,
                  deadline_at: float, abort: threading.Event, watch: dist.Store, stop_keys: Sequence[str]) -> None:
@@ -76,7 +77,7 @@ def data_device(bind_host: str):
                             metadata={"address": bind_host}) from exc
 
 
-def _retire(group: _Group | None) -> None:
+def _retire(group: GlooGroup | None) -> None:
     if group is not None:
         group.buffers = []  # free the memory now; the group object goes later
         retire(group)
@@ -106,7 +107,7 @@ class GlooSender(Sender):
     def __init__(self, store: dist.Store, bind_host: str) -> None:
         self._store = store
         self._bind_host = bind_host
-        self._group: _Group | None = None
+        self._group: GlooGroup | None = None
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
         start = time.monotonic()
@@ -139,11 +140,11 @@ class GlooSender(Sender):
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
     def _ensure_group(self, rendezvous, plan: BucketPlan, deadline_at: float, abort: threading.Event,
-                      stop: Sequence[str]) -> _Group:
+                      stop: Sequence[str]) -> GlooGroup:
         g = self._group
         if g is None or g.group_id != rendezvous.group_id:
             self.close()
-            self._group = _Group(rendezvous, 0, plan.bucket_bytes, bind_host=self._bind_host,
+            self._group = GlooGroup(rendezvous, 0, plan.bucket_bytes, bind_host=self._bind_host,
                                  deadline_at=deadline_at, abort=abort, watch=self._store, stop_keys=stop)
         self._group.fit(plan.bucket_bytes)
         return self._group
@@ -161,7 +162,7 @@ class GlooReceiver(Receiver):
     def __init__(self, bind_host: str) -> None:
         self._bind_host = bind_host
         self._store: tuple[tuple[str, int], dist.Store] | None = None
-        self._group: _Group | None = None
+        self._group: GlooGroup | None = None
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
@@ -207,7 +208,7 @@ class GlooReceiver(Receiver):
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
     def _ensure_group(self, rendezvous, rank: int, plan: BucketPlan, deadline_at: float, abort: threading.Event,
-                      stop: Sequence[str]) -> _Group:
+                      stop: Sequence[str]) -> GlooGroup:
         g = self._group
         if g is not None and g.group_id == rendezvous.group_id:
             g.fit(plan.bucket_bytes)
@@ -216,7 +217,7 @@ class GlooReceiver(Receiver):
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
             self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
-        self._group = _Group(rendezvous, rank, plan.bucket_bytes, bind_host=self._bind_host,
+        self._group = GlooGroup(rendezvous, rank, plan.bucket_bytes, bind_host=self._bind_host,
                              deadline_at=deadline_at, abort=abort, watch=self._store[1], stop_keys=stop)
         return self._group
 

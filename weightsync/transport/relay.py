@@ -26,10 +26,21 @@ from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan
 from weightsync.transport.base import TransferStats
 from weightsync.transport.collective import broadcast_from_root, retire, wait_polling
-from weightsync.transport.gloo import _Group
+from weightsync.transport.gloo import GlooGroup
 from weightsync.transport.shm import ShmSender
 from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
+
+
+def is_relay_upstream(lane: common_pb2.Rendezvous) -> bool:
+    """The network lane from the trainer to a host's relay (the relay is its one
+    receiver; it is not the lane the relay's own engine receives in)."""
+    return lane.transport == common_pb2.TRANSPORT_KIND_GLOO and bool(lane.relayed_by)
+
+
+def is_relayed(lane: common_pb2.Rendezvous) -> bool:
+    """A host's shm lane whose sender is the host's relay, not the trainer."""
+    return lane.transport == common_pb2.TRANSPORT_KIND_SHM and bool(lane.relayed_by)
 
 
 class HostRelay:
@@ -38,7 +49,7 @@ class HostRelay:
 
     def __init__(self, data_host: str) -> None:
         self._data_host = data_host
-        self._group: _Group | None = None
+        self._group: GlooGroup | None = None
         self._store = None  # ((host, port), store): the trainer's store
         self._shm: ShmSender | None = None
 
@@ -81,14 +92,14 @@ class HostRelay:
         return self._store[1]
 
     def _ensure_group(self, upstream, plan: BucketPlan, deadline_at: float, abort: threading.Event, store,
-                      stop) -> _Group:
+                      stop) -> GlooGroup:
         if upstream.world_size != 2:
             raise TransferError(f"a relay's upstream lane has 2 members, not {upstream.world_size}")
         g = self._group
         if g is None or g.group_id != upstream.group_id:
             self._group = None
             # No bucket buffers of its own: buckets land in the shm slots.
-            g = _Group(upstream, 1, 0, bind_host=self._data_host, deadline_at=deadline_at, abort=abort,
+            g = GlooGroup(upstream, 1, 0, bind_host=self._data_host, deadline_at=deadline_at, abort=abort,
                        watch=store, stop_keys=stop)
             self._group = g
         return g
