@@ -60,6 +60,7 @@ from weightsync.plan import (
 )
 from weightsync.retry import retry
 from weightsync.security import Security
+from weightsync.sharding import Owners
 from weightsync.threads import run_in
 from weightsync.transport.relay import is_relayed
 from weightsync.transport.secure_store import StoreHost
@@ -134,6 +135,7 @@ class _Prepared:
     sources: list[torch.Tensor]
     digest: str
     probe: Probe | None = None
+    owners: Owners | None = None  # a sharded trainer: who sends what; ``sources`` are this rank's parts
 
     def group_backend(self, kind) -> str:
         """For the group transport: nccl when the weights are on a GPU, else gloo."""
@@ -416,8 +418,8 @@ class TrainerClient:
         key = key or new_key("broadcast")
         with deadline.scope(timeout_s, operation="broadcast"), deadline.operation("broadcast"):
             store_port, secret = await self._in_thread(self._store_for, kind)
-            trainer_host = host_id() if kind == common_pb2.TRANSPORT_KIND_AUTO else ""
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest)
+            trainer_host = self._trainer_host_id() if kind == common_pb2.TRANSPORT_KIND_AUTO else ""
             # Built on the worker thread too: a request with the whole plan lists every tensor.
             by_reference = prepared.plan.plan_id in self._plans_sent
             request = await self._in_thread(lambda: coordinator_pb2.BroadcastRequest(
@@ -425,7 +427,8 @@ class TrainerClient:
                 plan=prepared.plan.reference_proto() if by_reference else prepared.plan.to_proto(),
                 store_host=self.host, store_port=store_port, store_secret=secret, weights_digest=prepared.digest,
                 group_backend=prepared.group_backend(kind), trainer_host_id=trainer_host,
-                probe=prepared.probe.to_proto() if prepared.probe is not None else None))
+                probe=prepared.probe.to_proto() if prepared.probe is not None else None,
+                owners=prepared.owners.to_proto() if prepared.owners is not None else None))
             # Once the Broadcast is sent, engines may already be waiting for bytes: a
             # cancellation from here on waits for the round (bounded by the deadline),
             # then propagates chained to its error, so nothing is resumed mid-transfer
@@ -508,12 +511,25 @@ class TrainerClient:
         if self._store_host is not None:
             self._store_host.set(session_key(rendezvous, "abort"), why)
 
+    def _trainer_host_id(self) -> str:
+        """The host id ``auto`` compares engines' with (shm for engines on this host)."""
+        return host_id()
+
+    def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
+        """A lane another trainer rank sends (a sharded trainer: see DistributedTrainerClient)."""
+        raise TransferError(f"the round has a lane for trainer rank {rendezvous.sender}; this client is one "
+                            "process (use DistributedTrainerClient)")
+
     def _start_send(self, rendezvous, prepared: _Prepared) -> _Lane:
         """Starts one lane's send on the send pool (lanes run concurrently). Each lane has
         its own sender (its own group, buffers and store connection), kept for the next
-        round while the lane's name stays."""
+        round while the lane's name stays. A sharded trainer's lane of another rank is
+        that rank's to send."""
+        if rendezvous.sender != 0:
+            return self._remote_send(rendezvous, prepared)
         deadline_at = time.monotonic() + (deadline.remaining(self.default_timeout_s) or 0.0)
         kind, abort = rendezvous.transport, threading.Event()
+        plan = prepared.owners.part_plan(0) if prepared.owners is not None else prepared.plan
 
         def send():
             sender = self._senders.get((kind, rendezvous.lane))
@@ -522,7 +538,7 @@ class TrainerClient:
                 sender = self._senders[(kind, rendezvous.lane)] = transports.make_sender(kind, store,
                                                                                         data_host=self.host)
             with torch.no_grad():  # sources are the caller's tensors, not detached copies
-                return sender.send(rendezvous, prepared.plan, prepared.sources, deadline_at=deadline_at, abort=abort)
+                return sender.send(rendezvous, plan, prepared.sources, deadline_at=deadline_at, abort=abort)
 
         return _Lane(rendezvous, run_in(self._send_pool, send), abort)
 

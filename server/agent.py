@@ -58,7 +58,9 @@ from weightsync.server.engine_watch import EngineWatch
 from weightsync.server.fence import VersionFence
 from weightsync.server.launcher import EngineLauncher
 from weightsync.server.weight_export import WeightExporter
+from weightsync.sharding import Owners
 from weightsync.threads import run_in
+from weightsync.transport.from_senders import SenderLane
 from weightsync.transport.relay import HostRelay
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from weightsync.validate import check_pause_mode, check_port, check_timeout
@@ -85,6 +87,17 @@ def _never_started(error: BaseException) -> WeightSyncError:
     return TransferError(prefix + repr(error), reason="TRANSFER_NEVER_STARTED")
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """A Receive that passed every check: what it needs to run."""
+
+    plan: BucketPlan
+    receiver: transports.Receiver
+    probe: Probe | None
+    senders: tuple[SenderLane, ...] = ()
+    owners: Owners | None = None
+
+
 @dataclass
 class _ReceiveJob:
     """One Receive on this engine: what it was asked, and what its steps left."""
@@ -93,6 +106,8 @@ class _ReceiveJob:
     plan: BucketPlan
     receiver: transports.Receiver
     probe: Probe | None
+    senders: tuple[SenderLane, ...]     # a sharded trainer's lanes (empty: one sender)
+    owners: Owners | None
     deadline_at: float
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None       # when the steps ended (settling takes longer)
@@ -146,7 +161,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.address = ""  # HOST:PORT registered with the coordinator (set at start)
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
-        self._receivers: dict[int, transports.Receiver] = {}
+        self._receivers: dict[tuple[int, int], transports.Receiver] = {}  # by (transport, lane)
         # This agent as its host's relay (made on first use): its own thread, because
         # it runs alongside the engine's own receive of the bytes it re-shares.
         self._relay: HostRelay | None = None
@@ -357,7 +372,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return await self._handle(context, request.idempotency_key, "receive", request,
                                   lambda: self._receive(request), common_pb2.EngineOutcome)
 
-    def validate_receive(self, request) -> tuple[BucketPlan, transports.Receiver, Probe | None]:
+    def validate_receive(self, request) -> _Checked:
         """Checks everything about a Receive before anything changes."""
         check_timeout(request.timeout_s)
         if not is_reference(request.plan):
@@ -384,6 +399,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                                      reason="ENGINE_WORKERS_CHANGED")
         if request.HasField("relay"):
             self._check_relay(request)
+        senders, owners = self._sender_lanes(request, plan) if request.HasField("owners") else ((), None)
         self.adapter.check_receive(request)
         if probe is not None:
             self.adapter.check_probe(probe)
@@ -394,11 +410,36 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if request.version <= served:
             raise FailedPrecondition(f"version {request.version} is not newer than the served version "
                                      f"{served}", reason="VERSION_NOT_NEWER")
-        receiver = self._receivers.get(rdzv.transport)
+        return _Checked(plan, self._receiver(rdzv.transport), probe, senders, owners)
+
+    def _receiver(self, kind: int, lane: int = 0) -> transports.Receiver:
+        """This agent's receiver of ``kind`` for its ``lane``-th concurrent lane (each has
+        its own group and buffers, kept while the lane's group id stays)."""
+        receiver = self._receivers.get((kind, lane))
         if receiver is None:
-            receiver = transports.make_receiver(rdzv.transport, data_host=self.data_host)
-            self._receivers[rdzv.transport] = receiver
-        return plan, receiver, probe
+            receiver = self._receivers[(kind, lane)] = transports.make_receiver(kind, data_host=self.data_host)
+        return receiver
+
+    def _sender_lanes(self, request, plan: BucketPlan) -> tuple[tuple[SenderLane, ...], Owners]:
+        """A sharded trainer's round: who sends which parts (they must cover every tensor
+        once) and each sender's lane, all of one transport, this engine at one rank."""
+        if request.HasField("relay"):
+            raise InvalidArgument("a round from several senders is not relayed")
+        owners = Owners.from_proto(request.owners, plan)
+        lanes = []
+        for i, parts in enumerate(request.owners.senders):
+            lane = parts.lane
+            if lane.transport not in (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM):
+                raise InvalidArgument("a round from several senders takes gloo or shm lanes")
+            if lane.transport != request.rendezvous.transport or lane.world_size != request.rendezvous.world_size:
+                raise InvalidArgument(f"sender {parts.sender}'s lane differs from the round's transport or size")
+            if not lane.group_id or not lane.session_id or not lane.store_host or lane.sender != parts.sender:
+                raise InvalidArgument(f"sender {parts.sender}'s lane needs group_id, session_id, store_host and "
+                                      "its sender rank")
+            check_port(lane.store_port, "sender lane store_port")
+            lanes.append(SenderLane(lane, owners.part_plan(parts.sender), self._receiver(lane.transport, i),
+                                    parts.sender))
+        return tuple(lanes), owners
 
     @staticmethod
     def _check_relay(request) -> None:
@@ -472,7 +513,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         """Checks everything, then claims the engine for one receive (nothing has
         changed if this raises)."""
         await self.run_on_engine(self._check_alive)
-        plan, receiver, probe = await self.run_on_engine(self.validate_receive, request)
+        checked = await self.run_on_engine(self.validate_receive, request)
         if not (self.paused or self.fence.fenced):  # a fenced engine is paused: a catch-up receives into it
             raise FailedPrecondition("receive needs a paused engine: call Pause first")
         if self._receive_task is not None and not self._receive_task.done():
@@ -483,9 +524,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             await self._wake_tags(["weights"])
         self._receive_task = asyncio.get_running_loop().create_future()
         self._abort.clear()
-        self.record("transfer_started", version=request.version, bytes=plan.total_bytes,
+        self.record("transfer_started", version=request.version, bytes=checked.plan.total_bytes,
                     plan="by_id" if is_reference(request.plan) else "whole")
-        return _ReceiveJob(request, plan, receiver, probe,
+        return _ReceiveJob(request, checked.plan, checked.receiver, checked.probe, checked.senders, checked.owners,
                            deadline_at=time.monotonic() + (request.timeout_s or DEFAULT_TIMEOUT_S))
 
     async def _receive_steps(self, job: _ReceiveJob) -> None:
@@ -517,7 +558,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     def _start_transfer(self, job: _ReceiveJob) -> asyncio.Future:
         """The transfer, on the transfer thread, through the adapter's one receive entry
         point (into tensors this process holds, or inside the engine's own processes)."""
-        request, faults, version, total = job.request, self.faults, job.request.version, job.plan.num_buckets
+        request, faults, version = job.request, self.faults, job.request.version
+        total = sum(lane.plan.num_buckets for lane in job.senders) if job.senders else job.plan.num_buckets
         skip_post_load = faults is not None and faults.take("receive", version=version,
                                                             action="skip_post_load") is not None
         self._progress = (0, total)
@@ -530,7 +572,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
         own = run_in(self._transfer, self.adapter.receive, Delivery(
             request.rendezvous, request.rank, job.plan, job.receiver, job.deadline_at, self._abort, on_bucket,
-            skip_post_load, self.data_host))
+            skip_post_load, self.data_host, job.senders, job.owners))
         if not request.HasField("relay"):
             return own
         if self._relay is None:
@@ -556,7 +598,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         request, error = job.request, job.error
         job.finished = time.monotonic()
         if error is None:
-            self._progress = (job.plan.num_buckets, job.plan.num_buckets)
+            self._progress = (self._progress[1], self._progress[1])
             self.torn, self.torn_version = False, 0
             self.record("transfer_done", version=request.version, seconds=f"{job.seconds():.4f}",
                         **self.adapter.receive_stats(),

@@ -49,6 +49,7 @@ from weightsync.plan import BucketPlan, is_reference
 from weightsync.retry import RetryPolicy, retry
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
+from weightsync.sharding import Owners
 from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.transport.relay import is_relay_upstream
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2
@@ -60,6 +61,7 @@ RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinat
 RECEIVE_PLAN_FIELD = agent_pb2.ReceiveRequest.DESCRIPTOR.fields_by_name["plan"].number
 AGENT_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0, jitter=0.0)  # -> agents
 VALIDATE_TIMEOUT_S = 30.0   # an engine's check of a Broadcast (phase 1)
+SENDER_TRANSPORTS = (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_AUTO)
 LAPSE_CHECK_S = 0.1         # how often a running Receive checks that its engine still heartbeats
 _PERSISTED = (("weight_version", "0"), ("epoch", "0"), ("round_id", "0"), ("phase", "idle"),
               ("round_engines", "[]"), ("target_version", "0"), ("group_key", ""))
@@ -144,17 +146,28 @@ class BroadcastSetup:
     timeout_s: float
     widths: dict[str, int]          # ranks each engine takes in its lane (its worker processes)
 
+    owners: Owners | None = None    # a sharded trainer: one lane per sending rank
+
     def __post_init__(self) -> None:
         # Each engine receives in exactly one lane (a relay's upstream lane is not its own),
-        # from its first rank; its workers take the ranks after it.
+        # from its first rank; its workers take the ranks after it. With several senders
+        # it receives every sender's lane at the same rank; lane_of is sender 0's.
         receiving = [lane for lane in self.lanes if not is_relay_upstream(lane)]
-        self.lane_of = {e: lane for lane in receiving for e in lane.engine_ids}
+        self.lane_of = {}
+        for lane in receiving:
+            for e in lane.engine_ids:
+                self.lane_of.setdefault(e, lane)
         self.ranks = {}
         for lane in receiving:
             rank = 1
             for e in lane.engine_ids:
                 self.ranks[e], rank = rank, rank + self.widths[e]
         self.relay_of = {lane.relayed_by: lane for lane in self.lanes if is_relay_upstream(lane)}
+        self.owners_proto = None
+        if self.owners is not None:  # what every engine is told: each sender's parts and lane
+            self.owners_proto = self.owners.to_proto()
+            for parts, lane in zip(self.owners_proto.senders, self.lanes, strict=True):
+                parts.lane.CopyFrom(lane)
 
 
 @dataclass
@@ -169,6 +182,21 @@ class LanePlan:
     receivers: list[str]
     relayed_by: str = ""
     serves: list[str] | None = None
+    sender: int = 0  # the trainer rank that sends it (a sharded trainer)
+
+
+def sender_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str,
+                 senders: list[int]) -> list[LanePlan]:
+    """A sharded trainer's lanes: one per sending rank, every member in each at the same
+    rank. ``auto`` is shm when every member shares the trainer's host (the trainer sets
+    ``trainer_host_id`` only when all its ranks do), else gloo."""
+    if transport == common_pb2.TRANSPORT_KIND_AUTO:
+        same_host = bool(trainer_host_id) and all(r.state.host_id == trainer_host_id for r in members)
+        shm = common_pb2.TRANSPORT_KIND_SHM
+        transport = shm if same_host and transports.available(shm) else common_pb2.TRANSPORT_KIND_GLOO
+    receivers = [r.engine_id for r in sorted(members, key=lambda r: r.engine_id)]
+    name = transports.KIND_NAMES[transport]
+    return [LanePlan(f"{name}/sender{s}", transport, receivers, sender=s) for s in senders]
 
 
 def plan_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str) -> list[LanePlan]:
@@ -360,7 +388,7 @@ class SyncRound:
                     await self.emit("broadcast_failed", version=request.version, error=repr(exc))
                 raise
 
-    def _check_request(self, request) -> BucketPlan:
+    def _check_request(self, request) -> tuple[BucketPlan, Owners | None]:
         """Runs on a worker thread: a plan may hold a million tensors."""
         plan = BucketPlan.from_proto(request.plan)
         if request.transport not in transports.KIND_NAMES:
@@ -381,14 +409,19 @@ class SyncRound:
         check_timeout(request.timeout_s)
         if request.HasField("probe"):
             Probe.from_proto(request.probe)  # InvalidArgument before any engine is asked
+        owners = None
+        if request.HasField("owners"):
+            if request.transport not in SENDER_TRANSPORTS:
+                raise InvalidArgument("a sharded trainer's round (owners) takes transport gloo, shm or auto")
+            owners = Owners.from_proto(request.owners, plan)
         if request.version <= self.weight_version:
             raise FailedPrecondition(f"version {request.version} is not newer than the current version "
                                      f"{self.weight_version}", reason="VERSION_NOT_NEWER")
-        return plan
+        return plan, owners
 
     async def _set_up(self, request) -> BroadcastSetup:
         try:
-            plan = await asyncio.to_thread(self._check_request, request)
+            plan, owners = await asyncio.to_thread(self._check_request, request)
         except PlanUnknown:  # the trainer sends the whole plan again, same key
             await self.emit("plan_unknown", plan_id=request.plan.plan_id)
             raise
@@ -401,7 +434,10 @@ class SyncRound:
             raise EngineUnavailable("no engine of the paused round is available")
         taking_part = {r.engine_id for r in members}
         widths = {r.engine_id: max(1, r.state.workers) for r in members}
-        layout = plan_lanes(request.transport, members, request.trainer_host_id)
+        if owners is not None:
+            layout = sender_lanes(request.transport, members, request.trainer_host_id, owners.sender_ranks)
+        else:
+            layout = plan_lanes(request.transport, members, request.trainer_host_id)
         group_id = await self._group_id(request, members, layout, widths)
         session = uuid.uuid4().hex
         lanes = [common_pb2.Rendezvous(
@@ -411,10 +447,10 @@ class SyncRound:
             world_size=2 if lane.serves else 1 + sum(widths[e] for e in lane.receivers),
             session_id=session if len(layout) == 1 else f"{session}-{i}", group_backend=request.group_backend,
             store_secret=request.store_secret, lane=lane.name, engine_ids=lane.serves or lane.receivers,
-            relayed_by=lane.relayed_by)
+            relayed_by=lane.relayed_by, sender=lane.sender)
             for i, lane in enumerate(layout)]
         return BroadcastSetup(plan, members, [e for e in self.round_engines if e not in taking_part], lanes,
-                              timeout_s, widths)
+                              timeout_s, widths, owners)
 
     async def _group_id(self, request, members: list[EngineRecord], layout: list[LanePlan],
                         widths: dict[str, int]) -> str:
@@ -454,7 +490,7 @@ class SyncRound:
             plan=setup.plan.reference_proto() if by_reference else None, rendezvous=setup.lane_of[record.engine_id],
             rank=setup.ranks[record.engine_id], weights_digest=request.weights_digest, timeout_s=setup.timeout_s,
             validate_only=validate_only, probe=request.probe if request.HasField("probe") else None,
-            relay=setup.relay_of.get(record.engine_id),
+            relay=setup.relay_of.get(record.engine_id), owners=setup.owners_proto,
         ).SerializeToString()
         return head if by_reference else head + setup.plan.embedded(RECEIVE_PLAN_FIELD)
 

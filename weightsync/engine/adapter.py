@@ -21,9 +21,11 @@ import torch
 from weightsync.attest import Probe
 from weightsync.errors import InvalidArgument, Unsupported
 from weightsync.plan import BucketPlan
+from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
 from weightsync.v1 import common_pb2
 
 if TYPE_CHECKING:
+    from weightsync.sharding import Owners
     from weightsync.transport.base import Receiver
 
 ATTESTATION_UNSUPPORTED = "ATTESTATION_UNSUPPORTED"
@@ -77,6 +79,9 @@ class Delivery:
     on_bucket: Callable[[int], None] | None = None
     skip_post_load: bool = False        # fault injection (vLLM): tied layers keep their old kernels
     data_host: str = "127.0.0.1"        # the agent's address: where network receivers listen
+    # A sharded trainer: every sender's lane (``rendezvous`` is sender 0's) and who sends what.
+    senders: tuple[SenderLane, ...] = ()
+    owners: Owners | None = None
 
 
 class EngineAdapter(abc.ABC):
@@ -172,6 +177,10 @@ class EngineAdapter(abc.ABC):
         overrides this. Raises on any failure (the agent then marks the engine torn,
         unless the transport says nothing was written)."""
         d = delivery
+        if d.senders:  # a sharded trainer: every rank's lane at once, into row ranges of the targets
+            receive_from_senders(d.senders, d.rank, part_targets(d.owners, self.load_targets(d.plan)),
+                                 deadline_at=d.deadline_at, abort=d.abort, on_bucket=d.on_bucket)
+            return
         d.receiver.receive(d.rendezvous, d.rank, d.plan, self.load_targets(d.plan), deadline_at=d.deadline_at,
                            abort=d.abort, on_bucket=d.on_bucket)
 

@@ -129,6 +129,13 @@ class VllmAdapter(HttpEngineAdapter):
     def load_targets(self, plan):
         return []  # bytes land inside vLLM's worker, not in this process
 
+    def check_receive(self, request) -> None:
+        """What this adapter cannot do yet, refused before anything changes."""
+        if request.HasField("owners"):
+            raise Unsupported("vLLM engines receive from one sender; a sharded trainer's round (several "
+                              "senders) reaches reference engines only in this release",
+                              reason="SHARDED_UNSUPPORTED")
+
     def receive(self, delivery: Delivery) -> None:
         """Runs the receive inside vLLM's worker (blocking; the agent's transfer thread).
         ``skip_post_load`` is fault injection: the tied layers keep their old kernels."""

@@ -120,6 +120,24 @@ class StoreHost:
             self._data[key] = value.encode()
             self._changed.notify_all()
 
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key`` read in this process (no connection, never blocks on I/O);
+        None when it is not set."""
+        with self._changed:
+            return self._data.get(key)
+
+    def forget(self, prefix: str) -> None:
+        """Deletes every key that starts with ``prefix`` (in this process)."""
+        with self._changed:
+            for key in [k for k in self._data if k.startswith(prefix)]:
+                del self._data[key]
+
+    @property
+    def owner_secret(self) -> str:
+        """The secret of the trainer's own connections (hex): given to the other ranks of
+        a sharded trainer, never to engines."""
+        return self._owner_secret.hex()
+
     def client(self) -> SecureStore:
         """A connection for the trainer itself."""
         return SecureStore(self.host, self.port, self._owner_secret.hex(),

@@ -63,6 +63,7 @@ class ReceiveRequest(_message.Message):
     VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
     PROBE_FIELD_NUMBER: _builtins.int
     RELAY_FIELD_NUMBER: _builtins.int
+    OWNERS_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     rank: _builtins.int
@@ -87,6 +88,12 @@ class ReceiveRequest(_message.Message):
         host's shm lane, which its own engine receives like the others).
         """
 
+    @_builtins.property
+    def owners(self) -> _common_pb2.Owners:
+        """A sharded trainer: the parts each trainer rank sends, with its lane (``rendezvous``
+        is sender 0's lane). The engine receives every lane at ``rank``.
+        """
+
     def __init__(
         self,
         *,
@@ -100,10 +107,11 @@ class ReceiveRequest(_message.Message):
         validate_only: _builtins.bool = ...,
         probe: _common_pb2.AttestationProbe | None = ...,
         relay: _common_pb2.Rendezvous | None = ...,
+        owners: _common_pb2.Owners | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "probe", b"probe", "relay", b"relay", "rendezvous", b"rendezvous"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["owners", b"owners", "plan", b"plan", "probe", b"probe", "relay", b"relay", "rendezvous", b"rendezvous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "rank", b"rank", "relay", b"relay", "rendezvous", b"rendezvous", "timeout_s", b"timeout_s", "validate_only", b"validate_only", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "owners", b"owners", "plan", b"plan", "probe", b"probe", "rank", b"rank", "relay", b"relay", "rendezvous", b"rendezvous", "timeout_s", b"timeout_s", "validate_only", b"validate_only", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

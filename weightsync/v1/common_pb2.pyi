@@ -154,6 +154,7 @@ class Rendezvous(_message.Message):
     LANE_FIELD_NUMBER: _builtins.int
     ENGINE_IDS_FIELD_NUMBER: _builtins.int
     RELAYED_BY_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """same id = reuse the existing group and buffers"""
     transport: Global___TransportKind.ValueType
@@ -179,6 +180,10 @@ class Rendezvous(_message.Message):
     The trainer sends only lanes without it. On a relay's upstream lane, engine_ids
     are the engines it serves (the relay alone is rank 1).
     """
+    sender: _builtins.int
+    """A round from a sharded trainer: the trainer rank that sends this lane (rank 0 of
+    it). Every engine receives in every sender's lane at the same rank.
+    """
     @_builtins.property
     def engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -195,14 +200,82 @@ class Rendezvous(_message.Message):
         lane: _builtins.str = ...,
         engine_ids: _abc.Iterable[_builtins.str] | None = ...,
         relayed_by: _builtins.str = ...,
+        sender: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_ids", b"engine_ids", "group_backend", b"group_backend", "group_id", b"group_id", "lane", b"lane", "relayed_by", b"relayed_by", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_ids", b"engine_ids", "group_backend", b"group_backend", "group_id", b"group_id", "lane", b"lane", "relayed_by", b"relayed_by", "sender", b"sender", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Rendezvous: _TypeAlias = Rendezvous  # noqa: Y015
+
+@_typing.final
+class SenderParts(_message.Message):
+    """Which trainer rank sends which part of the plan's tensors (a sharded trainer: each
+    rank sends what it holds). A part is rows [start, start + rows) along dimension 0 of
+    one tensor (a whole tensor: start 0, all its rows; a 0-dimensional one: 0, 1). Every
+    tensor's parts, over all senders, cover it exactly once. A sender's parts, in order,
+    form its own stream, laid out as a plan of tensors shaped like the parts.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SENDER_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    STARTS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    LANE_FIELD_NUMBER: _builtins.int
+    sender: _builtins.int
+    """the trainer rank (0 = the one that drives the round)"""
+    tensors: _builtins.bytes
+    """int32 little-endian per part: index into the plan's tensors"""
+    starts: _builtins.bytes
+    """int64 little-endian per part: first row"""
+    rows: _builtins.bytes
+    """int64 little-endian per part: number of rows"""
+    @_builtins.property
+    def lane(self) -> Global___Rendezvous:
+        """in a ReceiveRequest: the lane this sender sends"""
+
+    def __init__(
+        self,
+        *,
+        sender: _builtins.int = ...,
+        tensors: _builtins.bytes = ...,
+        starts: _builtins.bytes = ...,
+        rows: _builtins.bytes = ...,
+        lane: Global___Rendezvous | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lane", b"lane"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lane", b"lane", "rows", b"rows", "sender", b"sender", "starts", b"starts", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SenderParts: _TypeAlias = SenderParts  # noqa: Y015
+
+@_typing.final
+class Owners(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SENDERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def senders(self) -> _containers.RepeatedCompositeFieldContainer[Global___SenderParts]:
+        """by sender rank, 0 first"""
+
+    def __init__(
+        self,
+        *,
+        senders: _abc.Iterable[Global___SenderParts] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["senders", b"senders"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Owners: _TypeAlias = Owners  # noqa: Y015
 
 @_typing.final
 class ProbeSequence(_message.Message):

@@ -100,6 +100,7 @@ class BroadcastRequest(_message.Message):
     PROBE_FIELD_NUMBER: _builtins.int
     STORE_SECRET_FIELD_NUMBER: _builtins.int
     TRAINER_HOST_ID_FIELD_NUMBER: _builtins.int
+    OWNERS_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     transport: _common_pb2.TransportKind.ValueType
@@ -122,6 +123,10 @@ class BroadcastRequest(_message.Message):
     def probe(self) -> _common_pb2.AttestationProbe:
         """optional: every engine proves it computes with the new weights"""
 
+    @_builtins.property
+    def owners(self) -> _common_pb2.Owners:
+        """a sharded trainer: which rank sends which parts (one lane per rank)"""
+
     def __init__(
         self,
         *,
@@ -137,10 +142,11 @@ class BroadcastRequest(_message.Message):
         probe: _common_pb2.AttestationProbe | None = ...,
         store_secret: _builtins.str = ...,
         trainer_host_id: _builtins.str = ...,
+        owners: _common_pb2.Owners | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "probe", b"probe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["owners", b"owners", "plan", b"plan", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "owners", b"owners", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

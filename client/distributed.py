@@ -1,0 +1,513 @@
+"""DistributedTrainerClient: one sync from every rank of a sharded trainer, no gather.
+
+Every rank of a torch.distributed trainer (FSDP2, or any job whose ranks hold
+different pieces of the model) opens the client and calls ``update_weights`` with the
+tensors it holds (DTensors or plain tensors), collectively, like a torch.distributed
+call. One logical call is one round:
+
+- rank 0 drives it: Pause / Broadcast / Resume under one idempotency key, through a
+  ``TrainerClient`` of its own. Its Broadcast carries the plan of the full tensors and
+  its owners (``weightsync.sharding``): which rank sends which rows.
+- every rank sends its own parts on its own lane (its own group, buckets, pipeline),
+  at once; engines receive every lane into their full tensors.
+- the ranks meet at rank 0's rendezvous store (authenticated; its address and secret
+  go to the other ranks once, over the trainer's own process group, at ``start``):
+  each rank says what it holds, rank 0 hands each its lane and part layout, each says
+  how its send ended, and rank 0 publishes the round's end, which every rank returns
+  (the same ``SyncResult``) or raises (the same typed error).
+
+Failures end the round for every rank, promptly: a rank that fails or is cancelled
+reports it and rank 0 stops every lane; a rank that is killed stops heartbeating
+(every 0.25 s during a round) and rank 0 stops its lane's engines within
+``RANK_SILENCE_S``; rank 0 going away is a closed store connection on every other
+rank. Every wait is bounded by the sync's deadline. Engines whose transfer stopped
+are torn and stay paused; the next round heals them.
+
+Not supported here (typed errors): ``verify_digest`` and ``attest`` (they need the
+full tensors, or a forward pass, on one rank), the ``group`` transport (SGLang's
+update group has one sender), and vLLM engines (the round fails its check, nothing
+changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from weightsync import deadline as deadlines
+from weightsync import transport as transports
+from weightsync.client.retry import RetryPolicy
+from weightsync.client.trainer import (
+    EngineResult,
+    SyncFailed,
+    SyncResult,
+    TrainerClient,
+    _Lane,
+    _Prepared,
+)
+from weightsync.errors import (
+    InvalidArgument,
+    StepTimeoutError,
+    TransferError,
+    WeightSyncError,
+    outcome_error,
+)
+from weightsync.host_identity import host_id
+from weightsync.idempotency import validate_key
+from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
+from weightsync.security import Security
+from weightsync.sharding import Holding, Owners, assign, describe, holding_of, sources_for
+from weightsync.threads import run_in
+from weightsync.transport.base import TransferStats
+from weightsync.transport.secure_store import SecureStore, StoreHost
+from weightsync.transport.store import session_key
+from weightsync.v1 import common_pb2
+
+HEARTBEAT_S = 0.25     # a rank's "alive" tick during a round
+RANK_SILENCE_S = 3.0   # a rank whose tick stops this long is gone: its lane is stopped
+STOP_GRACE_S = 10.0    # after a stop, how long rank 0 waits for a rank to say its send ended
+_POLL_S = 0.005
+_START_TIMEOUT_S = 60.0
+
+
+def _round_prefix(session: str, n: int) -> str:
+    return f"ws-dist/{session}/{n}"
+
+
+def _holdings(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Holding]:
+    held: dict[str, Holding] = {}
+    for name, tensor in named_tensors:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs")
+        if name in held:
+            raise InvalidArgument(f"tensor {name!r} is listed twice", metadata={"tensor": name})
+        held[name] = holding_of(name, tensor)
+    if not held:
+        raise InvalidArgument("no tensors to send")
+    return held
+
+
+def _signature(described: dict) -> str:
+    return hashlib.blake2b(json.dumps(described, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+
+
+def _error_record(exc: BaseException) -> dict:
+    if isinstance(exc, asyncio.CancelledError):
+        return {"type": "CancelledError", "reason": "CANCELLED", "message": "the round was cancelled on rank 0"}
+    if isinstance(exc, WeightSyncError):
+        return {"type": type(exc).__name__, "reason": exc.reason, "message": exc.message,
+                "operation": getattr(exc, "operation", "") or "", "code": exc.code.value[0]}
+    return {"type": type(exc).__name__, "reason": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def _result_record(result: SyncResult) -> dict:
+    data = dataclasses.asdict(result)
+    data["engines"] = [dataclasses.asdict(e) for e in result.engines]
+    data["skipped"] = [dataclasses.asdict(e) for e in result.skipped]
+    return data
+
+
+def _result_from(record: dict) -> SyncResult:
+    engines = tuple(EngineResult(**e) for e in record.pop("engines"))
+    skipped = tuple(EngineResult(**e) for e in record.pop("skipped"))
+    record["resumed"] = tuple(record["resumed"])
+    return SyncResult(engines=engines, skipped=skipped, **record)
+
+
+def _raise_recorded(record: dict) -> None:
+    """Raises the error rank 0's round ended with, as the same type."""
+    error = record["error"]
+    if "result" in record:  # a failed sync: the same SyncFailed, with its result
+        raise SyncFailed(error["message"], result=_result_from(record["result"]))
+    if error["type"] == "CancelledError":
+        raise TransferError(error["message"])
+    raise outcome_error(error["reason"], error["message"], operation=error.get("operation") or "sync",
+                        code=error.get("code", 0))
+
+
+class _ShardedDriver(TrainerClient):
+    """Rank 0's TrainerClient: plans from every rank's holdings, sends its own parts,
+    and hands the other ranks their lanes through the store."""
+
+    def __init__(self, coordinator: str, owner: DistributedTrainerClient, **kwargs) -> None:
+        super().__init__(coordinator, **kwargs)
+        self.owner = owner
+        self._described: dict[int, tuple[str, dict]] = {}  # rank -> (signature, description)
+        self._assigned: tuple[tuple[str, ...], int, BucketPlan, Owners] | None = None
+        self.holdings: dict[str, Holding] = {}
+        self.prefix = ""
+        self.common_host = ""
+
+    def _trainer_host_id(self) -> str:
+        return self.common_host  # "" when the ranks are on different hosts: auto means gloo
+
+    def _prepare(self, named_tensors, with_digest: bool, attest=None) -> _Prepared:
+        if with_digest:
+            raise InvalidArgument("verify_digest needs the full tensors on one rank; a sharded trainer's round "
+                                  "cannot offer it (engines still check every part's layout)")
+        if attest is not None:
+            raise InvalidArgument("attest needs the full model on one rank; not offered for a sharded trainer")
+        self.holdings = _holdings(named_tensors)
+        mine = describe(self.holdings.values())
+        described = [mine]
+        hosts = {host_id()}
+        store = self._store_host
+        for rank in range(1, self.owner.world_size):
+            record = self.owner.wait_key(f"{self.prefix}/holding/{rank}", operation="the ranks' holdings")
+            held = json.loads(record)
+            if held.get("error"):
+                raise outcome_error(held["error"]["reason"], f"trainer rank {rank}: {held['error']['message']}",
+                                    operation="broadcast", code=held["error"].get("code", 0))
+            hosts.add(held["host"])
+            cached = self._described.get(rank)
+            if cached is None or cached[0] != held["sig"]:
+                blob = store.get(f"ws-dist/{self.owner.session}/described/{rank}/{held['sig']}")
+                if blob is None:
+                    raise TransferError(f"trainer rank {rank} did not publish what it holds")
+                cached = self._described[rank] = (held["sig"], json.loads(blob))
+            described.append(cached[1])
+        self.common_host = next(iter(hosts)) if len(hosts) == 1 else ""
+        sigs = (_signature(mine), *(self._described[r][0] for r in range(1, self.owner.world_size)))
+        key = (sigs, self.bucket_bytes, str(self.wire_dtype))
+        if self._assigned is None or self._assigned[0] != key:
+            plan, owners = assign(described, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype)
+            self._assigned = (key, plan, owners)
+        _, plan, owners = self._assigned
+        sources = sources_for(owners, 0, self.holdings) if 0 in owners.sender_ranks else []
+        return _Prepared(plan, sources, "", None, owners)
+
+    def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
+        """Hands rank ``rendezvous.sender`` its lane and part layout; the lane's future
+        ends when that rank says its send ended (or it goes silent, or the deadline)."""
+        rank, store, abort = rendezvous.sender, self._store_host, threading.Event()
+        plan = prepared.owners.part_plan(rank)
+        store.set(f"{self.prefix}/plan/{rank}", plan.to_proto().SerializeToString().hex())
+        store.set(f"{self.prefix}/lane/{rank}", rendezvous.SerializeToString().hex())
+        deadline_at = time.monotonic() + (deadlines.remaining(self.default_timeout_s) or 0.0)
+
+        def follow() -> TransferStats:
+            done_key, alive_key = f"{self.prefix}/done/{rank}", f"{self.prefix}/alive/{rank}"
+            last_tick, heard = store.get(alive_key), time.monotonic()
+            stopped_at: float | None = None
+            while True:
+                done = store.get(done_key)
+                if done is not None:
+                    report = json.loads(done)
+                    if report["ok"]:
+                        return TransferStats(report["bytes"], report["seconds"], report["buckets"])
+                    raise TransferError(f"trainer rank {rank}: {report['error']}")
+                now = time.monotonic()
+                tick = store.get(alive_key)
+                if tick != last_tick:
+                    last_tick, heard = tick, now
+                if now - heard > RANK_SILENCE_S:
+                    why = f"trainer rank {rank} stopped answering (no heartbeat for {now - heard:.1f}s)"
+                    store.set(session_key(rendezvous, "abort"), why)  # its engines stop waiting
+                    raise TransferError(why)
+                if abort.is_set() and stopped_at is None:
+                    stopped_at = now
+                    store.set(f"{self.prefix}/stop/{rank}", "stopped by rank 0")
+                if now >= deadline_at or (stopped_at is not None and now - stopped_at > STOP_GRACE_S):
+                    store.set(session_key(rendezvous, "abort"), f"trainer rank {rank} did not finish")
+                    raise TransferError(f"trainer rank {rank} did not say its send ended")
+                time.sleep(0.02)
+
+        return _Lane(rendezvous, run_in(self._send_pool, follow), abort)
+
+
+class DistributedTrainerClient:
+    """The trainer client of a sharded trainer; every rank of ``group`` opens one.
+
+    Args:
+        coordinator: ``HOST:PORT`` of the coordinator.
+        group: the trainer's torch.distributed process group (default: the world).
+            Used once, at ``start``, to share rank 0's store address; never during a
+            round.
+        transport: ``"auto"`` (shm when every rank and engine share one host, else
+            gloo), ``"gloo"`` or ``"shm"``.
+        host: address engines (and the other ranks) reach this rank at: its end of
+            each lane listens there; rank 0's rendezvous store too.
+        bucket_bytes, wire_dtype, default_timeout_s, resume_grace_s, retry, security:
+            as for ``TrainerClient``.
+    """
+
+    def __init__(self, coordinator: str, *, group: dist.ProcessGroup | None = None, transport: str = "auto",
+                 host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 wire_dtype: torch.dtype | None = None, default_timeout_s: float = 300.0,
+                 resume_grace_s: float = 30.0, retry: RetryPolicy | None = None,
+                 security: Security | None = None) -> None:
+        if not dist.is_initialized():
+            raise InvalidArgument("DistributedTrainerClient needs torch.distributed initialised on every rank")
+        kind = transports.kind_from_name(transport)
+        if kind not in (common_pb2.TRANSPORT_KIND_AUTO, common_pb2.TRANSPORT_KIND_GLOO,
+                        common_pb2.TRANSPORT_KIND_SHM):
+            raise InvalidArgument("a sharded trainer sends over auto, gloo or shm")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.coordinator, self.host, self.transport = coordinator, host, transport
+        self.default_timeout_s, self.resume_grace_s = default_timeout_s, resume_grace_s
+        self.session = ""
+        self._driver: _ShardedDriver | None = None
+        if self.rank == 0:
+            self._driver = _ShardedDriver(coordinator, self, transport=transport, host=host, bucket_bytes=bucket_bytes,
+                                          wire_dtype=wire_dtype, default_timeout_s=default_timeout_s,
+                                          resume_grace_s=resume_grace_s, retry=retry, security=security)
+        self._store: SecureStore | None = None       # ranks > 0: their connection to rank 0's store
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank")
+        self._send_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank-send")
+        self._senders: dict[tuple[int, str], transports.Sender] = {}
+        self._published: str = ""  # signature of the holdings this rank last described
+        self._round = 0
+        self._closed = False
+
+    # ----- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> DistributedTrainerClient:
+        """Collective: every rank calls it. Rank 0 opens its client and store; the others
+        learn where it is (over ``group``) and connect."""
+        if self._driver is not None:
+            await self._driver.start()
+            host = await run_in(self._thread, lambda: StoreHost(self.host, timeout_s=self.default_timeout_s))
+            self._driver._store_host = host
+            info = [host.host, host.port, host.owner_secret, uuid.uuid4().hex[:12]]
+        else:
+            info = [None, None, None, None]
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        await run_in(self._thread, dist.broadcast_object_list, info, src=src, group=self.group)
+        store_host, port, secret, self.session = info
+        if self._driver is None:
+            self._store = await run_in(self._thread, lambda: SecureStore(
+                store_host, port, secret, deadline_at=time.monotonic() + _START_TIMEOUT_S,
+                timeout_s=self.default_timeout_s))
+        return self
+
+    async def aclose(self) -> None:
+        """Releases this rank's senders, store connection, threads (rank 0: its client)."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def close() -> None:
+            for sender in self._senders.values():
+                sender.close()
+            self._senders.clear()
+            if self._store is not None:
+                self._store.close()
+        try:
+            await run_in(self._thread, close)
+        finally:
+            self._thread.shutdown(wait=False)
+            self._send_thread.shutdown(wait=False)
+            if self._driver is not None:
+                await self._driver.aclose()
+
+    async def __aenter__(self) -> DistributedTrainerClient:
+        try:
+            return await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ----- the round ----------------------------------------------------------------------
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                             key: str | None = None, timeout_s: float | None = None, mode: str = "keep",
+                             offload_kv: bool = False, required_engines: Iterable[str] = ()) -> SyncResult:
+        """Collective: every rank calls it with what it holds (DTensors or plain tensors;
+        the same names across ranks). Returns the round's SyncResult on every rank, or
+        raises the same typed error on every rank (a rank that was cancelled raises
+        ``CancelledError`` once the round has ended).
+
+        ``key``: the idempotency key of this sync; give every rank the same one, or none
+        (rank 0 makes one). A retried call with the same key never re-runs a transfer.
+        Do not modify the tensors until this returns.
+        """
+        if self._closed or (self._driver is None and self._store is None):
+            raise RuntimeError("DistributedTrainerClient is not started")
+        self._round += 1
+        prefix = _round_prefix(self.session, self._round)
+        budget = timeout_s if timeout_s is not None else self.default_timeout_s
+        if self._driver is not None:
+            return await self._drive(prefix, named_tensors, version=version, key=key, timeout_s=budget, mode=mode,
+                                     offload_kv=offload_kv, required_engines=required_engines)
+        cancel = threading.Event()
+        work = run_in(self._thread, self._take_part, prefix, named_tensors, budget, cancel)
+        cancelled = False
+        while not work.done():
+            try:
+                await asyncio.wait({work})
+            except asyncio.CancelledError:
+                cancelled = True
+                cancel.set()  # stops this rank's send; rank 0 then ends the round for everyone
+        if cancelled:
+            raise asyncio.CancelledError("update_weights cancelled") from work.exception()
+        return work.result()
+
+    async def _drive(self, prefix: str, named_tensors, *, version, key, timeout_s, mode, offload_kv,
+                     required_engines) -> SyncResult:
+        """Rank 0: the round, then its end published for the other ranks."""
+        driver = self._driver
+        driver.prefix = prefix
+        store = driver._store_host
+        previous = _round_prefix(self.session, self._round - 1)
+        await run_in(self._thread, store.forget, previous + "/")
+        try:
+            result = await driver.update_weights(named_tensors, version=version, key=key and validate_key(key),
+                                                 timeout_s=timeout_s, mode=mode, offload_kv=offload_kv,
+                                                 required_engines=required_engines)
+        except BaseException as exc:
+            record = {"error": _error_record(exc)}
+            result_of = getattr(exc, "result", None)
+            if isinstance(result_of, SyncResult):
+                record["result"] = _result_record(result_of)
+            store.set(f"{prefix}/result", json.dumps(record))
+            raise
+        store.set(f"{prefix}/result", json.dumps({"result": _result_record(result)}))
+        return result
+
+    async def get_state(self, *, include_digests: bool = False):
+        """The coordinator's view (rank 0 only: it holds the client that drives rounds)."""
+        if self._driver is None:
+            raise InvalidArgument("get_state is asked on rank 0 (it drives the rounds)")
+        return await self._driver.get_state(include_digests=include_digests)
+
+    def wait_key(self, key: str, *, operation: str, deadline_at: float | None = None) -> bytes:
+        """Rank 0: waits (in this process) for a key another rank sets."""
+        store = self._driver._store_host
+        left = deadlines.remaining(self.default_timeout_s)
+        until = deadline_at if deadline_at is not None else time.monotonic() + (left or 0.0)
+        while True:
+            value = store.get(key)
+            if value is not None:
+                return value
+            if time.monotonic() >= until:
+                raise StepTimeoutError(f"deadline exceeded waiting for {operation}", operation="broadcast")
+            time.sleep(_POLL_S)
+
+    def _take_part(self, prefix: str, named_tensors, budget_s: float, cancel: threading.Event) -> SyncResult:
+        """Ranks > 0 (their thread): say what this rank holds, send its lane when rank 0
+        hands it one, say how the send ended, and return (or raise) the round's end."""
+        store, rank = self._store, self.rank
+        deadline_at = time.monotonic() + budget_s + self.resume_grace_s
+        alive = threading.Event()
+        ticker = threading.Thread(target=self._tick, args=(f"{prefix}/alive/{rank}", alive), daemon=True,
+                                  name="weightsync-rank-alive")
+        ticker.start()
+        try:
+            held: dict[str, Holding] | None = None
+            try:
+                held = _holdings(named_tensors)
+                described = describe(held.values())
+                sig = _signature(described)
+                if sig != self._published:
+                    store.set(f"ws-dist/{self.session}/described/{rank}/{sig}", json.dumps(described))
+                    self._published = sig
+                store.set(f"{prefix}/holding/{rank}", json.dumps({"sig": sig, "host": host_id()}))
+            except WeightSyncError as exc:
+                store.set(f"{prefix}/holding/{rank}", json.dumps({"error": _error_record(exc)}))
+                held = None
+            lane = self._wait_any(prefix, [f"{prefix}/lane/{rank}", f"{prefix}/result"], deadline_at, cancel)
+            if lane == f"{prefix}/lane/{rank}" and held is not None:
+                self._send_lane(prefix, held, deadline_at, cancel)
+            self._wait_any(prefix, [f"{prefix}/result"], deadline_at, None)
+            record = json.loads(store.get(f"{prefix}/result"))
+        except RuntimeError as exc:  # SecureStore: the connection to rank 0's store failed
+            raise TransferError(f"trainer rank 0 (which drives the round) went away: {exc}") from exc
+        finally:
+            alive.set()
+            ticker.join(timeout=1.0)
+        if "error" in record:
+            _raise_recorded(record)
+        return _result_from(record["result"])
+
+    def _tick(self, key: str, stop: threading.Event) -> None:
+        """This rank's heartbeat during a round, on its own connection (the round's
+        thread may be blocked in a store wait)."""
+        try:
+            store = self._store.clone()
+        except Exception:
+            return
+        try:
+            while not stop.wait(HEARTBEAT_S):
+                store.add(key, 1)
+        except Exception:
+            pass  # rank 0 went away: the round's thread says so
+        finally:
+            store.close()
+
+    def _wait_any(self, prefix: str, keys: list[str], deadline_at: float, cancel: threading.Event | None) -> str:
+        """The first of ``keys`` set. A cancel before then is reported to rank 0 (as this
+        rank's failed send); the wait goes on for the round's end."""
+        store, reported = self._store, False
+        while True:
+            for key in keys:
+                if store.check([key]):
+                    return key
+            if cancel is not None and cancel.is_set() and not reported:
+                store.set(f"{prefix}/done/{self.rank}", json.dumps({"ok": False, "error": "cancelled on this rank"}))
+                reported = True
+            if time.monotonic() >= deadline_at:
+                raise StepTimeoutError(f"deadline exceeded waiting for rank 0 ({keys[0].rsplit('/', 1)[-1]})",
+                                       operation="sync")
+            time.sleep(0.01)
+
+    def _send_lane(self, prefix: str, held: dict[str, Holding], deadline_at: float,
+                   cancel: threading.Event) -> None:
+        """Sends this rank's parts on its lane; stops when rank 0 or the caller says so."""
+        store, rank = self._store, self.rank
+        rendezvous = common_pb2.Rendezvous.FromString(bytes.fromhex(store.get(f"{prefix}/lane/{rank}").decode()))
+        plan = BucketPlan.from_proto(common_pb2.WeightPlan.FromString(
+            bytes.fromhex(store.get(f"{prefix}/plan/{rank}").decode())))
+        report: dict
+        try:
+            sources = []
+            for name, shape in zip(plan.names, plan.shapes, strict=True):
+                local = held[name].local if name in held else None
+                if local is None or tuple(local.shape) != shape:
+                    raise InvalidArgument(f"rank {rank} was asked to send {name!r} {list(shape)}, which it does not "
+                                          "hold")
+                sources.append(local)
+            abort = threading.Event()
+            sending = self._send_thread.submit(self._send, rendezvous, plan, sources, deadline_at, abort)
+            stop_key = f"{prefix}/stop/{rank}"
+            while not sending.done():
+                if cancel.is_set() or store.check([stop_key]):
+                    abort.set()
+                try:
+                    sending.result(timeout=0.02)
+                except TimeoutError:
+                    continue
+                except BaseException:
+                    break
+            stats = sending.result()
+            report = {"ok": True, "bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.buckets}
+        except BaseException as exc:
+            why = "cancelled on this rank" if cancel.is_set() else str(exc) or type(exc).__name__
+            report = {"ok": False, "error": why}
+        store.set(f"{prefix}/done/{rank}", json.dumps(report))
+
+    def _send(self, rendezvous, plan: BucketPlan, sources, deadline_at: float, abort: threading.Event):
+        kind = rendezvous.transport
+        sender = self._senders.get((kind, rendezvous.lane))
+        if sender is None:
+            store = self._store.clone()
+            sender = self._senders[(kind, rendezvous.lane)] = transports.make_sender(kind, store, data_host=self.host)
+        with torch.no_grad():
+            return sender.send(rendezvous, plan, sources, deadline_at=deadline_at, abort=abort)
+
+
+__all__ = ["DistributedTrainerClient"]

@@ -1,0 +1,137 @@
+"""One rank of a sharded trainer (FSDP2 over gloo, on CPU): the sharded-trainer tests
+and ``weightsync bench --trainer-ranks``.
+
+Started like torchrun starts a rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` in the environment). Wraps the engines' reference model (``--model``)
+with ``fully_shard``, moves every rank's own shard by seeded noise each round (so
+rounds differ), and syncs it for ``--rounds`` rounds:
+
+- ``--mode sharded``: every rank sends its own shards (``DistributedTrainerClient``);
+- ``--mode gather``: the baseline: all-gather every parameter to rank 0, which sends
+  the full tensors (``TrainerClient``); the others wait at a barrier.
+
+Each rank prints one JSON line per round:
+    {"rank", "round", "ok", "error_type", "error", "seconds", "bytes", "digest_ok"}
+``digest_ok`` (rank 0; after the round, not timed): every engine's digest equals the
+digest of the full, unsharded state dict (gathered for the check only).
+Before each round a rank prints ``{"rank", "starting": VERSION}`` (a test that kills or
+signals a rank mid-round waits for it; its engines are slowed by fault injection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from weightsync.client import TrainerClient
+from weightsync.client.distributed import DistributedTrainerClient
+from weightsync.engine.model import ModelConfig, ReferenceLM
+from weightsync.errors import WeightSyncError
+from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
+
+
+def sharded_model(config: ModelConfig):
+    """The engines' model (same config and seed), wrapped with FSDP2: every parameter a
+    DTensor placed Shard(0) over the world."""
+    from torch.distributed.fsdp import fully_shard
+    model = ReferenceLM(config)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def move(model, seed: int) -> None:
+    """Seeded noise on this rank's own shards (no collective)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            local = p.to_local()
+            local.add_(0.01 * torch.randn(local.shape, generator=gen))
+
+
+def full_state(model) -> list[tuple[str, torch.Tensor]]:
+    """The full, unsharded tensors (a collective on every rank): the independent check,
+    and the gather baseline's payload."""
+    return [(name, p.full_tensor()) for name, p in model.named_parameters()]
+
+
+async def run(args: argparse.Namespace) -> None:
+    rank = int(os.environ["RANK"])
+    config = ModelConfig.from_json(args.model)
+    model = sharded_model(config)
+    common = dict(host=args.host, transport=args.transport, bucket_bytes=args.bucket_bytes,
+                  default_timeout_s=args.timeout)
+    if args.mode == "sharded":
+        client = DistributedTrainerClient(args.coordinator, **common)
+    else:
+        client = TrainerClient(args.coordinator, **common) if rank == 0 else None
+    if client is not None:
+        await client.start()
+    try:
+        for r in range(args.first_version, args.first_version + args.rounds):
+            move(model, r)
+            line: dict = {"rank": rank, "round": r, "ok": False, "error_type": "", "error": "", "digest_ok": None}
+            print(json.dumps({"rank": rank, "starting": r}), flush=True)
+            started = time.monotonic()
+            try:
+                if args.mode == "sharded":
+                    named = [(n, p) for n, p in model.named_parameters()]
+                    result = await client.update_weights(named, version=r, timeout_s=args.timeout,
+                                                         key=f"{args.key}-{r}" if args.key else None)
+                    line["ok"] = result.ok
+                else:
+                    full = full_state(model)  # the all-gather: part of the baseline's time
+                    if rank == 0:
+                        result = await client.update_weights(full, version=r, timeout_s=args.timeout)
+                        line["ok"] = result.ok
+                    else:
+                        line["ok"] = True
+                    dist.barrier()
+            except (WeightSyncError, asyncio.CancelledError) as exc:
+                line["error_type"], line["error"] = type(exc).__name__, str(exc)[:400]
+            line["seconds"] = round(time.monotonic() - started, 4)
+            if args.check_digests:
+                full = full_state(model)
+                if rank == 0:
+                    state = await (client.get_state(include_digests=True))
+                    local = weights_digest(full)
+                    line["digest_ok"] = bool(state.engines) and all(e.weights_digest == local for e in state.engines)
+            line["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+            print(json.dumps(line), flush=True)
+    finally:
+        if client is not None:
+            await client.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sharded_trainer")
+    parser.add_argument("coordinator")
+    parser.add_argument("--host", default="127.0.0.1", help="address engines reach this rank at")
+    parser.add_argument("--model", required=True, help="the engines' --model JSON")
+    parser.add_argument("--mode", choices=("sharded", "gather"), default="sharded")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--first-version", type=int, default=1)
+    parser.add_argument("--transport", default="auto")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
+    parser.add_argument("--key", default="", help="idempotency key prefix (KEY-VERSION per round)")
+    parser.add_argument("--check-digests", action="store_true")
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    try:
+        asyncio.run(run(args))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

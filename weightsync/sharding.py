@@ -1,0 +1,327 @@
+"""Plans with owners: which trainer rank sends which part of each tensor.
+
+A sharded trainer (FSDP2, or any torch.distributed job whose ranks hold different
+pieces of the model) sends from every rank at once, each rank what it holds; nothing
+is gathered to one rank first. The round's ``BucketPlan`` still describes the full
+tensors the engines hold; ``Owners`` adds, per sending rank, its *parts*: rows
+``[start, start + rows)`` along dimension 0 of a tensor (a whole tensor is all its
+rows; a 0-dimensional tensor is one "row"). A sender's parts, in its order, are laid
+out as a plan of their own (``part_plan``): tensors shaped like the parts, with the
+round's bucket size. Each sender streams that plan on its own lane, and an engine
+receives every lane into views of its full tensors (``part_views``): a row range of
+a contiguous tensor is itself contiguous, so every transport's receiver works on it
+unchanged.
+
+The parts of every tensor, over all senders, must cover it exactly once: checked
+with whole-array operations (a plan may list 20k tensors), by the coordinator and by
+every engine, before anything changes.
+
+What the trainer side can describe (``holding_of``): plain tensors (a full copy),
+DTensors on a 1-D mesh placed ``Shard(0)`` (FSDP2's default: rows split as
+``torch.chunk`` splits them) or ``Replicate()``. A tensor several ranks hold whole
+is sent by one of them, chosen to balance the bytes each rank sends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from weightsync.errors import InvalidArgument
+from weightsync.plan import BucketPlan
+from weightsync.v1 import common_pb2
+
+MAX_SENDERS = 4096
+
+
+@dataclass(frozen=True)
+class SenderParts:
+    """One sender's parts, in the order it streams them."""
+
+    sender: int
+    tensors: np.ndarray  # int32: index into the plan's tensors
+    starts: np.ndarray   # int64: first row
+    rows: np.ndarray     # int64: number of rows
+
+    def to_proto(self) -> common_pb2.SenderParts:
+        return common_pb2.SenderParts(sender=self.sender, tensors=self.tensors.astype("<i4").tobytes(),
+                                      starts=self.starts.astype("<i8").tobytes(),
+                                      rows=self.rows.astype("<i8").tobytes())
+
+
+def _row_counts(plan: BucketPlan) -> np.ndarray:
+    """Rows of every tensor of ``plan`` (a 0-dimensional tensor has one)."""
+    return np.array([shape[0] if shape else 1 for shape in plan.shapes], dtype=np.int64)
+
+
+class Owners:
+    """Which sender sends which parts of ``plan``'s tensors; validated on construction.
+
+    Raises (constructor):
+        InvalidArgument: a part outside its tensor, a sender listing a tensor twice, a
+            tensor covered twice or not at all, duplicate or too many senders.
+    """
+
+    def __init__(self, plan: BucketPlan, senders: Sequence[SenderParts]) -> None:
+        self.plan = plan
+        self.senders = tuple(senders)
+        self._check()
+        self._part_plans: dict[int, BucketPlan] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Owners, plan: BucketPlan) -> Owners:
+        """The owners a request carries, checked against its plan."""
+        if not msg.senders:
+            raise InvalidArgument("owners lists no sender")
+        if len(msg.senders) > MAX_SENDERS:
+            raise InvalidArgument(f"owners lists {len(msg.senders)} senders; at most {MAX_SENDERS}")
+        senders = []
+        for s in msg.senders:
+            if len(s.tensors) % 4 or len(s.starts) % 8 or len(s.rows) % 8:
+                raise InvalidArgument(f"sender {s.sender}: parts columns are not whole int32/int64 values")
+            tensors = np.frombuffer(s.tensors, dtype="<i4").astype(np.int32)
+            starts = np.frombuffer(s.starts, dtype="<i8").astype(np.int64)
+            rows = np.frombuffer(s.rows, dtype="<i8").astype(np.int64)
+            if not len(tensors) == len(starts) == len(rows):
+                raise InvalidArgument(f"sender {s.sender}: parts columns differ in length")
+            senders.append(SenderParts(s.sender, tensors, starts, rows))
+        return cls(plan, senders)
+
+    def to_proto(self) -> common_pb2.Owners:
+        return common_pb2.Owners(senders=[s.to_proto() for s in self.senders])
+
+    @property
+    def sender_ranks(self) -> list[int]:
+        return [s.sender for s in self.senders]
+
+    def parts_of(self, sender: int) -> SenderParts:
+        for s in self.senders:
+            if s.sender == sender:
+                return s
+        raise InvalidArgument(f"trainer rank {sender} sends no part of this plan")
+
+    def _check(self) -> None:
+        n = len(self.plan)
+        ranks = [s.sender for s in self.senders]
+        if not ranks:
+            raise InvalidArgument("owners lists no sender")
+        if len(set(ranks)) != len(ranks):
+            raise InvalidArgument(f"owners lists a sender twice: {sorted(ranks)}")
+        total_rows = _row_counts(self.plan)
+        scalar = np.array([not shape for shape in self.plan.shapes], dtype=bool)
+        for s in self.senders:
+            if len(s.tensors) == 0:
+                raise InvalidArgument(f"sender {s.sender} sends no part")
+            if s.tensors.min() < 0 or s.tensors.max() >= n:
+                raise InvalidArgument(f"sender {s.sender}: a part names a tensor outside the plan's {n}")
+            if len(np.unique(s.tensors)) != len(s.tensors):
+                raise InvalidArgument(f"sender {s.sender} lists a tensor twice")
+            if (s.rows <= 0).any() or (s.starts < 0).any():
+                raise InvalidArgument(f"sender {s.sender}: a part has no rows or starts before row 0")
+            ends = s.starts + s.rows
+            bad = np.flatnonzero((ends > total_rows[s.tensors]) | (scalar[s.tensors] & (s.rows != 1)))
+            if len(bad):
+                i = int(s.tensors[bad[0]])
+                raise InvalidArgument(f"sender {s.sender}: its part of {self.plan.names[i]!r} (rows "
+                                      f"{int(s.starts[bad[0]])}..{int(ends[bad[0]])}) lies outside the tensor's "
+                                      f"{int(total_rows[i])} rows", metadata={"tensor": self.plan.names[i]})
+        tensors = np.concatenate([s.tensors for s in self.senders]).astype(np.int64)
+        starts = np.concatenate([s.starts for s in self.senders])
+        ends = starts + np.concatenate([s.rows for s in self.senders])
+        order = np.lexsort((starts, tensors))
+        tensors, starts, ends = tensors[order], starts[order], ends[order]
+        first = np.ones(len(tensors), dtype=bool)
+        first[1:] = tensors[1:] != tensors[:-1]
+        last = np.ones(len(tensors), dtype=bool)
+        last[:-1] = first[1:]
+        # Each tensor: its first part starts at row 0, each next one where the previous
+        # ended, its last one ends at its last row; and every tensor has parts.
+        gap = np.flatnonzero(first & (starts != 0))
+        if not len(gap):
+            follows = ~first
+            gap = np.flatnonzero(follows & (starts != np.concatenate(([0], ends[:-1]))))
+        if not len(gap):
+            gap = np.flatnonzero(last & (ends != total_rows[tensors]))
+        if len(gap):
+            name = self.plan.names[int(tensors[gap[0]])]
+            raise InvalidArgument(f"the senders' parts of {name!r} overlap or leave rows unsent",
+                                  metadata={"tensor": name})
+        if first.sum() != n:
+            covered = np.zeros(n, dtype=bool)
+            covered[tensors] = True
+            name = self.plan.names[int(np.flatnonzero(~covered)[0])]
+            raise InvalidArgument(f"no sender sends {name!r}", metadata={"tensor": name})
+
+    def part_plan(self, sender: int) -> BucketPlan:
+        """The layout of ``sender``'s stream: its parts as tensors, the round's bucket size."""
+        with self._lock:
+            plan = self._part_plans.get(sender)
+            if plan is None:
+                parts = self.parts_of(sender)
+                names, dtypes, shapes = self.plan.names, self.plan.dtypes, self.plan.shapes
+                specs = ((names[t], dtypes[t], (r, *shapes[t][1:]) if shapes[t] else ())
+                         for t, r in zip(parts.tensors.tolist(), parts.rows.tolist(), strict=True))
+                plan = self._part_plans[sender] = BucketPlan.build(specs, bucket_bytes=self.plan.bucket_bytes)
+            return plan
+
+    def part_views(self, sender: int, targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Where ``sender``'s parts land in the full ``targets`` (plan order): row ranges,
+        contiguous when the targets are."""
+        parts = self.parts_of(sender)
+        views = []
+        for t, start, rows in zip(parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(), strict=True):
+            target = targets[t]
+            views.append(target if target.dim() == 0 else target.narrow(0, start, rows))
+        return views
+
+
+# ----- the trainer side: what each rank holds, and who sends what ------------------------------
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank holds of one tensor: rows ``[start, start + rows)`` of a tensor of
+    ``shape`` (the full tensor's), as ``local`` (contiguous, ``rows`` x ...)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    rows: int
+    local: torch.Tensor
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.rows == (self.shape[0] if self.shape else 1)
+
+
+def holding_of(name: str, tensor: torch.Tensor) -> Holding:
+    """What ``tensor`` (a plain tensor or a DTensor) gives this rank of ``name``.
+
+    Raises:
+        InvalidArgument: a placement other than Shard(0) or Replicate() on a 1-D mesh,
+            or a local shard whose size is not the one torch.chunk gives this rank.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # a torch without DTensor: every tensor is plain
+        DTensor = None  # noqa: N806
+    if DTensor is None or not isinstance(tensor, DTensor):
+        shape = tuple(tensor.shape)
+        return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, tensor.contiguous())
+    shape = tuple(tensor.shape)
+    mesh, placements = tensor.device_mesh, tensor.placements
+    local = tensor.to_local()
+    if mesh.ndim != 1 or len(placements) != 1:
+        raise InvalidArgument(f"tensor {name!r}: a {mesh.ndim}-D device mesh; sharded sends support a 1-D mesh "
+                              "(FSDP2 over one group) with Shard(0) or Replicate()", metadata={"tensor": name})
+    placement = placements[0]
+    if isinstance(placement, Replicate):
+        return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, local.contiguous())
+    if not isinstance(placement, Shard) or placement.dim != 0 or not shape:
+        raise InvalidArgument(f"tensor {name!r}: placement {placement}; sharded sends support Shard(0) and "
+                              "Replicate() (gather other layouts first)", metadata={"tensor": name})
+    size, coordinate = mesh.size(), mesh.get_local_rank()
+    chunk = -(-shape[0] // size)  # torch.chunk: equal chunks, the last ones short or empty
+    start = min(coordinate * chunk, shape[0])
+    rows = max(0, min(chunk, shape[0] - start))
+    if tuple(local.shape) != (rows, *shape[1:]):
+        raise InvalidArgument(f"tensor {name!r}: local shard {tuple(local.shape)} is not the torch.chunk shard "
+                              f"{(rows, *shape[1:])} of mesh coordinate {coordinate}", metadata={"tensor": name})
+    return Holding(name, tensor.dtype, shape, start, rows, local.contiguous())
+
+
+def describe(holdings: Sequence[Holding]) -> dict:
+    """A rank's holdings as plain data (JSON): what it tells the rank that plans."""
+    from weightsync.plan import dtype_name
+    return {"names": [h.name for h in holdings], "dtypes": [dtype_name(h.dtype) for h in holdings],
+            "shapes": [list(h.shape) for h in holdings], "starts": [h.start for h in holdings],
+            "rows": [h.rows for h in holdings]}
+
+
+def assign(described: Sequence[dict], *, bucket_bytes: int,
+           wire_dtype: torch.dtype | None = None) -> tuple[BucketPlan, Owners]:
+    """The round's plan and owners from every rank's ``describe`` (index = rank).
+
+    Tensors are planned in the order they first appear (rank 0's order, then tensors
+    only later ranks hold). A tensor whose shards, over the ranks that hold a shard,
+    cover it is sent shard by shard; otherwise a rank holding it whole sends it,
+    the one that sends the fewest bytes so far (so replicated tensors spread over
+    the ranks).
+
+    Raises:
+        InvalidArgument: ranks disagree on a tensor's dtype or shape, or a tensor is
+            neither covered by shards nor held whole by any rank.
+    """
+    from weightsync.plan import ITEMSIZE, dtype_from_name
+    order: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    shards: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(start, rows, rank)]
+    whole: dict[str, list[int]] = {}
+    for rank, d in enumerate(described):
+        for name, dt, shape, start, rows in zip(d["names"], d["dtypes"], d["shapes"], d["starts"], d["rows"],
+                                                strict=True):
+            spec = (dtype_from_name(dt), tuple(shape))
+            known = order.setdefault(name, spec)
+            if known != spec:
+                raise InvalidArgument(f"tensor {name!r}: rank {rank} holds {dt} {list(shape)}, another rank "
+                                      f"{known[0]} {list(known[1])}", metadata={"tensor": name})
+            full_rows = shape[0] if shape else 1
+            if start == 0 and rows == full_rows:
+                whole.setdefault(name, []).append(rank)
+            elif rows > 0:
+                shards.setdefault(name, []).append((start, rows, rank))
+    names = list(order)
+    dtypes = [wire_dtype if wire_dtype is not None and order[n][0].is_floating_point else order[n][0] for n in names]
+    plan = BucketPlan.build(((n, d, order[n][1]) for n, d in zip(names, dtypes, strict=True)),
+                            bucket_bytes=bucket_bytes)
+    sent = [0] * len(described)
+    parts: list[list[tuple[int, int, int]]] = [[] for _ in described]  # per rank: (tensor, start, rows)
+    for index, name in enumerate(names):
+        shape = order[name][1]
+        row_bytes = ITEMSIZE[dtypes[index]] * int(np.prod(shape[1:], dtype=np.int64)) if shape else \
+            ITEMSIZE[dtypes[index]]
+        pieces = sorted(shards.get(name, ()))
+        covered, at = True, 0
+        for start, rows, _ in pieces:
+            covered &= start == at
+            at = start + rows
+        if pieces and covered and at == shape[0]:
+            for start, rows, rank in pieces:
+                parts[rank].append((index, start, rows))
+                sent[rank] += rows * row_bytes
+        elif name in whole:
+            rank = min(whole[name], key=lambda r: (sent[r], r))
+            rows = shape[0] if shape else 1
+            parts[rank].append((index, 0, rows))
+            sent[rank] += rows * row_bytes
+        else:
+            raise InvalidArgument(f"tensor {name!r}: no rank holds it whole and its shards do not cover it",
+                                  metadata={"tensor": name})
+    senders = [SenderParts(rank, np.array([p[0] for p in ps], dtype=np.int32),
+                           np.array([p[1] for p in ps], dtype=np.int64), np.array([p[2] for p in ps], dtype=np.int64))
+               for rank, ps in enumerate(parts) if ps]
+    return plan, Owners(plan, senders)
+
+
+def sources_for(owners: Owners, sender: int, holdings: dict[str, Holding]) -> list[torch.Tensor]:
+    """``sender``'s source tensors, in its part plan's order: its own local tensors
+    (a whole tensor it holds is sent whole; a shard as it is). Never a gather. A wire
+    dtype is applied as the buckets are packed, as for any plan."""
+    parts = owners.parts_of(sender)
+    names = owners.plan.names
+    sources = []
+    for t, start, rows in zip(parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(), strict=True):
+        h = holdings[names[t]]
+        local = h.local
+        if h.whole and not (start == 0 and rows == (h.shape[0] if h.shape else 1)):
+            local = local.narrow(0, start, rows)  # a whole copy asked for a row range (not planned today)
+        sources.append(local)
+    return sources
+
+
+__all__ = ["Owners", "SenderParts", "Holding", "holding_of", "describe", "assign", "sources_for", "MAX_SENDERS"]
