@@ -75,6 +75,7 @@ from weightsync.v1 import common_pb2
 
 HEARTBEAT_S = 0.25     # a rank's "alive" tick during a round
 RANK_SILENCE_S = 3.0   # a rank whose tick stops this long is gone: its lane is stopped
+CLOSE_GRACE_S = 5.0    # rank 0, closing: how long it waits for the others to read the last round's end
 STOP_GRACE_S = 10.0    # after a stop, how long rank 0 waits for a rank to say its send ended
 _POLL_S = 0.005
 _START_TIMEOUT_S = 60.0
@@ -176,6 +177,10 @@ class _ShardedDriver(TrainerClient):
                     raise TransferError(f"trainer rank {rank} did not publish what it holds")
                 cached = self._described[rank] = (held["sig"], json.loads(blob))
             described.append(cached[1])
+        # Every rank has said what it holds for this round, so each has read the end of
+        # the rounds before: their keys can go (not sooner: a slow rank may still be
+        # reading the last round's result when this one starts).
+        self.owner.forget_rounds_before(self.prefix)
         self.common_host = next(iter(hosts)) if len(hosts) == 1 else ""
         sigs = (_signature(mine), *(self._described[r][0] for r in range(1, self.owner.world_size)))
         key = (sigs, self.bucket_bytes, str(self.wire_dtype))
@@ -269,6 +274,7 @@ class DistributedTrainerClient:
         self._senders: dict[tuple[int, str], transports.Sender] = {}
         self._published: str = ""  # signature of the holdings this rank last described
         self._round = 0
+        self._forgotten = 0  # rank 0: rounds whose store keys are gone
         self._closed = False
 
     # ----- lifecycle --------------------------------------------------------------------
@@ -305,6 +311,8 @@ class DistributedTrainerClient:
             if self._store is not None:
                 self._store.close()
         try:
+            if self._driver is not None and self._driver._store_host is not None and self._round:
+                await run_in(self._thread, self._wait_until_read)
             await run_in(self._thread, close)
         finally:
             self._thread.shutdown(wait=False)
@@ -321,6 +329,16 @@ class DistributedTrainerClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+    def _wait_until_read(self) -> None:
+        """Rank 0, closing: the other ranks read the last round's end from its store
+        before it goes (bounded: a rank that died never will)."""
+        prefix, store = _round_prefix(self.session, self._round), self._driver._store_host
+        until = time.monotonic() + CLOSE_GRACE_S
+        while time.monotonic() < until and store.get(f"{prefix}/result") is not None:
+            if all(store.get(f"{prefix}/read/{r}") is not None for r in range(1, self.world_size)):
+                return
+            time.sleep(0.01)
 
     # ----- the round ----------------------------------------------------------------------
 
@@ -363,8 +381,6 @@ class DistributedTrainerClient:
         driver = self._driver
         driver.prefix = prefix
         store = driver._store_host
-        previous = _round_prefix(self.session, self._round - 1)
-        await run_in(self._thread, store.forget, previous + "/")
         try:
             result = await driver.update_weights(named_tensors, version=version, key=key and validate_key(key),
                                                  timeout_s=timeout_s, mode=mode, offload_kv=offload_kv,
@@ -378,6 +394,12 @@ class DistributedTrainerClient:
             raise
         store.set(f"{prefix}/result", json.dumps({"result": _result_record(result)}))
         return result
+
+    def forget_rounds_before(self, prefix: str) -> None:
+        """Rank 0: drops the store keys of every round before this one."""
+        for n in range(self._forgotten + 1, self._round):
+            self._driver._store_host.forget(_round_prefix(self.session, n) + "/")
+        self._forgotten = self._round - 1
 
     async def get_state(self, *, include_digests: bool = False):
         """The coordinator's view (rank 0 only: it holds the client that drives rounds)."""
@@ -425,6 +447,7 @@ class DistributedTrainerClient:
                 self._send_lane(prefix, held, deadline_at, cancel)
             self._wait_any(prefix, [f"{prefix}/result"], deadline_at, None)
             record = json.loads(store.get(f"{prefix}/result"))
+            store.set(f"{prefix}/read/{rank}", "1")  # rank 0 may close its store once all have read it
         except RuntimeError as exc:  # SecureStore: the connection to rank 0's store failed
             raise TransferError(f"trainer rank 0 (which drives the round) went away: {exc}") from exc
         finally:

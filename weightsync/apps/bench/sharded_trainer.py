@@ -12,8 +12,9 @@ rounds differ), and syncs it for ``--rounds`` rounds:
 
 Each rank prints one JSON line per round:
     {"rank", "round", "ok", "error_type", "error", "seconds", "bytes", "digest_ok"}
-``digest_ok`` (rank 0; after the round, not timed): every engine's digest equals the
-digest of the full, unsharded state dict (gathered for the check only).
+``digest_ok`` (rank 0; after a good round, not timed): every engine's digest equals the
+digest of the full, unsharded state dict (gathered for the check only). SIGINT cancels
+the running round on that rank: it prints the round's line and stops.
 Before each round a rank prints ``{"rank", "starting": VERSION}`` (a test that kills or
 signals a rank mid-round waits for it; its engines are slowed by fault injection).
 """
@@ -95,10 +96,15 @@ async def run(args: argparse.Namespace) -> None:
                     else:
                         line["ok"] = True
                     dist.barrier()
-            except (WeightSyncError, asyncio.CancelledError) as exc:
+            except asyncio.CancelledError as exc:  # SIGINT: this rank stops after the round ended
+                line["error_type"], line["error"] = "CancelledError", str(exc.__cause__ or exc)[:400]
+                line["seconds"] = round(time.monotonic() - started, 4)
+                print(json.dumps(line), flush=True)
+                raise
+            except WeightSyncError as exc:
                 line["error_type"], line["error"] = type(exc).__name__, str(exc)[:400]
             line["seconds"] = round(time.monotonic() - started, 4)
-            if args.check_digests:
+            if args.check_digests and line["ok"]:  # a collective: only when every rank is known alive
                 full = full_state(model)
                 if rank == 0:
                     state = await (client.get_state(include_digests=True))

@@ -1,0 +1,124 @@
+"""Sharded trainers (FSDP2 over gloo, on CPU) syncing through DistributedTrainerClient:
+every rank a real process started as torchrun starts it, a real coordinator and real
+agents (reference engines), real signals. Checked against the trainer's own full,
+unsharded state dict (gathered by the trainer script for the check only), never
+against another engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import pytest
+
+from tests.test_idempotency import transfer_counts
+from tests.test_rounds_end import coordinator_events
+from weightsync.apps.trainer_ranks import TrainerRanks
+from weightsync.client import TrainerClient
+from weightsync.engine.model import ModelConfig
+
+MODEL = ModelConfig().to_json()   # the reference model, 0.56 MB in 26 tensors
+SLOW = {"WEIGHTSYNC_FAULTS": json.dumps([{"op": "receive", "action": "delay", "seconds": 0.25, "times": 0}])}
+SMALL_BUCKETS = ["--bucket-bytes", str(16 * 1024)]  # ~12 buckets per lane, lanes received at once: a slowed round takes ~3 s
+
+
+def rank_args(*extra: str) -> list[str]:
+    return ["--model", MODEL, "--timeout", "60", *extra]
+
+
+async def engine_states(address: str):
+    async with TrainerClient(address) as client:
+        state = await client.get_state()
+    return {e.engine_id: e for e in state.engines}
+
+
+@pytest.mark.parametrize("world, transport", [(2, "auto"), (4, "gloo")])
+def test_fsdp2_ranks_each_send_their_shards_and_engines_match_the_full_model(cluster_factory, tmp_path, world,
+                                                                             transport):
+    cluster = cluster_factory(2, agent_args=("--model", MODEL))
+    with TrainerRanks(str(tmp_path / "ranks"), cluster.address, world,
+                      rank_args("--rounds", "3", "--check-digests", "--transport", transport)) as ranks:
+        codes = ranks.wait(240)
+        assert codes == [0] * world, ranks.tail()
+        for rank in range(world):
+            rounds = ranks.rounds(rank)
+            assert sorted(rounds) == [1, 2, 3], ranks.tail()
+            assert all(r["ok"] for r in rounds.values()), ranks.tail()
+        assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2, 3)] == [True, True, True]
+    events = asyncio.run(coordinator_events(cluster.address))
+    started = [e for e in events if e.kind == "broadcast_started"]
+    assert len(started) == 3
+    # one lane per rank, both engines in each (FSDP2 gives every rank rows of every tensor)
+    kind = "shm" if transport == "auto" else "gloo"
+    lanes = started[-1].fields["lanes"].split(";")
+    assert sorted(lane.split(":")[0] for lane in lanes) == sorted(f"{kind}/sender{r}" for r in range(world))
+    assert all(lane.split(":")[1] == "engine-0,engine-1" for lane in lanes)
+
+
+def test_a_rank_killed_mid_send_fails_the_round_on_every_rank_and_the_next_job_heals(cluster_factory, tmp_path):
+    cluster = cluster_factory(2, agent_args=("--model", MODEL, "--enable-fault-injection"), agent_env=SLOW)
+    with TrainerRanks(str(tmp_path / "job1"), cluster.address, 3,
+                      rank_args("--rounds", "2", "--transport", "gloo", *SMALL_BUCKETS)) as ranks:
+        ranks.wait_for(1, lambda line: line.get("starting") == 2, 120)
+        assert ranks.rounds(1)[1]["ok"], ranks.tail()
+        time.sleep(1.0)  # round 2 is moving bytes (each engine takes seconds)
+        killed_at = time.monotonic()
+        ranks.signal(1, signal.SIGKILL)
+        codes = ranks.wait(60, ranks=[0, 2])
+        assert codes == [0, 0], ranks.tail()
+        for rank in (0, 2):
+            line = ranks.rounds(rank)[2]
+            assert not line["ok"] and line["error_type"] in ("SyncFailed", "TransferError"), ranks.tail()
+        # every survivor heard within the silence window plus the engines' stop, not the 60 s deadline
+        assert time.monotonic() - killed_at < 30, ranks.tail()
+        assert ranks.rounds(0)[2]["error_type"] == ranks.rounds(2)[2]["error_type"], ranks.tail()
+    states = asyncio.run(engine_states(cluster.address))
+    assert all(s.torn and s.paused for s in states.values()), states
+    # torchrun restarts the whole job: a new set of ranks, the next version, heals both engines
+    with TrainerRanks(str(tmp_path / "job2"), cluster.address, 3,
+                      rank_args("--rounds", "1", "--first-version", "3", "--check-digests")) as ranks:
+        assert ranks.wait(120) == [0, 0, 0], ranks.tail()
+        line = ranks.rounds(0)[3]
+        assert line["ok"] and line["digest_ok"], ranks.tail()
+    states = asyncio.run(engine_states(cluster.address))
+    assert all(not s.torn and not s.paused and s.weight_version == 3 for s in states.values()), states
+
+
+def test_a_rank_cancelled_mid_round_ends_it_for_every_rank_and_no_engine_resumes(cluster_factory, tmp_path):
+    cluster = cluster_factory(2, agent_args=("--model", MODEL, "--enable-fault-injection"), agent_env=SLOW)
+    with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 2,
+                      rank_args("--rounds", "2", "--transport", "gloo", *SMALL_BUCKETS)) as ranks:
+        ranks.wait_for(1, lambda line: line.get("starting") == 2, 120)
+        time.sleep(1.0)
+        cancelled_at = time.monotonic()
+        ranks.signal(1, signal.SIGINT)  # asyncio.run cancels the rank's main task
+        ranks.wait(60)
+        line0, line1 = ranks.rounds(0).get(2), ranks.rounds(1).get(2)
+        assert line0 is not None and line1 is not None, ranks.tail()
+        assert line1["error_type"] == "CancelledError", ranks.tail()
+        assert not line0["ok"] and line0["error_type"] in ("SyncFailed", "TransferError"), ranks.tail()
+        assert time.monotonic() - cancelled_at < 30, ranks.tail()
+        # the cancelled rank returned only after the round had ended for rank 0 as well
+        assert ranks.rounds(1)[2]["seconds"] >= 1.0
+    states = asyncio.run(engine_states(cluster.address))
+    assert all(s.paused and s.torn for s in states.values()), "no engine may resume onto a half-sent round"
+    assert all(s.weight_version == 1 for s in states.values())
+
+
+def test_the_same_key_again_replays_the_rounds_without_a_second_transfer(cluster_factory, tmp_path):
+    cluster = cluster_factory(2, agent_args=("--model", MODEL))
+    args = rank_args("--rounds", "2", "--key", "job-a", "--transport", "gloo")
+    with TrainerRanks(str(tmp_path / "first"), cluster.address, 2, args) as ranks:
+        assert ranks.wait(120) == [0, 0], ranks.tail()
+        first = {r: ranks.rounds(r) for r in (0, 1)}
+    before = asyncio.run(transfer_counts(cluster))
+    assert before == {"engine-0": 2, "engine-1": 2}
+    # the same job restarted with the same keys and the same weights: every rank gets
+    # the first run's results, and no engine receives anything again
+    with TrainerRanks(str(tmp_path / "again"), cluster.address, 2, args) as ranks:
+        assert ranks.wait(120) == [0, 0], ranks.tail()
+        for rank in (0, 1):
+            assert all(ranks.rounds(rank)[v]["ok"] == first[rank][v]["ok"] is True for v in (1, 2)), ranks.tail()
+    assert asyncio.run(transfer_counts(cluster)) == before

@@ -1,0 +1,237 @@
+"""Plans with owners (weightsync/sharding.py) and receiving from several senders at once
+(weightsync/transport/from_senders.py): in one process, real gloo/shm groups and a real
+store; the processes-and-FSDP2 path is tests/test_sharded_trainer.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from weightsync import transport as transports
+from weightsync.errors import InvalidArgument, TransferError
+from weightsync.plan import BucketPlan, weights_digest
+from weightsync.sharding import Holding, Owners, SenderParts, assign, describe, sources_for
+from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
+from weightsync.transport.store import host_store, session_key
+from weightsync.v1 import common_pb2
+
+FULL = {"emb": torch.randn(10, 4), "w": torch.randn(7, 3), "b": torch.randn(7), "scale": torch.tensor(2.5),
+        "steps": torch.arange(5, dtype=torch.int64)}
+
+
+def chunk_holdings(world: int) -> list[list[Holding]]:
+    """What FSDP2 gives each of ``world`` ranks: torch.chunk row ranges of every
+    tensor with rows, and a whole copy of the 0-dimensional one."""
+    ranks: list[list[Holding]] = [[] for _ in range(world)]
+    for name, full in FULL.items():
+        if full.dim() == 0:
+            for r in range(world):
+                ranks[r].append(Holding(name, full.dtype, (), 0, 1, full))
+            continue
+        chunk = -(-full.shape[0] // world)
+        for r in range(world):
+            start = min(r * chunk, full.shape[0])
+            rows = max(0, min(chunk, full.shape[0] - start))
+            ranks[r].append(Holding(name, full.dtype, tuple(full.shape), start, rows,
+                                    full.narrow(0, start, rows).clone()))
+    return ranks
+
+
+def parts(sender, tensors, starts, rows):
+    return SenderParts(sender, np.array(tensors, dtype=np.int32), np.array(starts, dtype=np.int64),
+                       np.array(rows, dtype=np.int64))
+
+
+def test_assign_sends_shards_from_their_ranks_and_spreads_whole_tensors():
+    holdings = chunk_holdings(3)
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    assert list(plan.names) == list(FULL)
+    assert [tuple(s) for s in plan.shapes] == [tuple(t.shape) for t in FULL.values()]
+    # every rank with rows sends its own rows; the scalar goes to one rank only
+    w = plan.names.index("w")
+    for r, held in enumerate(holdings):
+        mine = owners.parts_of(r)
+        row = list(mine.tensors).index(w)
+        assert (int(mine.starts[row]), int(mine.rows[row])) == (held[1].start, held[1].rows)
+    scalar_senders = [r for r in owners.sender_ranks if plan.names.index("scale") in owners.parts_of(r).tensors]
+    assert len(scalar_senders) == 1
+    # the parts, put back where part_views says, are the full tensors
+    targets = [torch.zeros(t.shape, dtype=t.dtype) for t in FULL.values()]
+    for r in owners.sender_ranks:
+        by_name = {h.name: h for h in holdings[r]}
+        for view, src in zip(owners.part_views(r, targets), sources_for(owners, r, by_name), strict=True):
+            assert view.is_contiguous()
+            view.copy_(src)
+    assert weights_digest(zip(plan.names, targets, strict=True)) == weights_digest(FULL.items())
+
+
+def test_replicated_tensors_are_balanced_over_the_ranks():
+    tensors = {f"t{i}": torch.randn(8, 8) for i in range(8)}
+    whole = [Holding(n, t.dtype, tuple(t.shape), 0, 8, t) for n, t in tensors.items()]
+    _, owners = assign([describe(whole) for _ in range(4)], bucket_bytes=1024)
+    assert sorted(len(owners.parts_of(r).tensors) for r in range(4)) == [2, 2, 2, 2]
+
+
+def test_assign_refuses_disagreeing_ranks_and_uncovered_tensors():
+    a = [Holding("w", torch.float32, (4, 2), 0, 2, torch.zeros(2, 2))]
+    b = [Holding("w", torch.float32, (4, 3), 2, 2, torch.zeros(2, 3))]
+    with pytest.raises(InvalidArgument, match="rank 1 holds"):
+        assign([describe(a), describe(b)], bucket_bytes=64)
+    c = [Holding("w", torch.float32, (4, 2), 3, 1, torch.zeros(1, 2))]
+    with pytest.raises(InvalidArgument, match="shards do not cover"):
+        assign([describe(a), describe(c)], bucket_bytes=64)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([parts(0, [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [10, 7, 7, 1, 5]), parts(1, [0], [9], [1])], "overlap"),
+    ([parts(0, [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [9, 7, 7, 1, 5])], "overlap or leave rows unsent"),
+    ([parts(0, [0, 1, 2, 3], [0, 0, 0, 0], [10, 7, 7, 1])], "no sender sends 'steps'"),
+    ([parts(0, [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [10, 7, 7, 1, 6])], "outside the tensor"),
+    ([parts(0, [0, 1, 2, 3, 9], [0, 0, 0, 0, 0], [10, 7, 7, 1, 5])], "outside the plan"),
+    ([parts(0, [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [10, 7, 7, 2, 5])], "outside the tensor"),
+    ([parts(0, [0, 0], [0, 5], [5, 5])], "lists a tensor twice"),
+    ([parts(0, [0], [0], [0])], "no rows"),
+    ([parts(0, [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [10, 7, 7, 1, 5]), parts(0, [0], [0], [1])], "sender twice"),
+])
+def test_owners_that_do_not_cover_every_tensor_once_are_refused(bad, message):
+    plan = BucketPlan.from_tensors(FULL.items(), bucket_bytes=64)
+    with pytest.raises(InvalidArgument, match=message):
+        Owners(plan, bad)
+
+
+def test_owners_round_trip_and_malformed_columns():
+    plan, owners = assign([describe(h) for h in chunk_holdings(2)], bucket_bytes=64)
+    again = Owners.from_proto(owners.to_proto(), plan)
+    assert again.sender_ranks == owners.sender_ranks
+    assert again.part_plan(1).plan_id == owners.part_plan(1).plan_id
+    msg = owners.to_proto()
+    msg.senders[0].starts = msg.senders[0].starts[:-8]
+    with pytest.raises(InvalidArgument, match="differ in length"):
+        Owners.from_proto(msg, plan)
+    msg = owners.to_proto()
+    msg.senders[0].rows = b"\x01\x02\x03"
+    with pytest.raises(InvalidArgument, match="whole int32/int64"):
+        Owners.from_proto(msg, plan)
+
+
+def _lanes(kind, store, owners, receivers_per_sender, group):
+    session = uuid.uuid4().hex
+    return [common_pb2.Rendezvous(group_id=f"{group}-{s}", transport=kind, store_host="127.0.0.1",
+                                  store_port=store.port, world_size=1 + receivers_per_sender,
+                                  session_id=f"{session}-{s}", sender=s) for s in owners.sender_ranks]
+
+
+@pytest.mark.parametrize("name", ["gloo", "shm"])
+def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name):
+    kind = {"gloo": common_pb2.TRANSPORT_KIND_GLOO, "shm": common_pb2.TRANSPORT_KIND_SHM}[name]
+    holdings = chunk_holdings(3)
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    store = host_store("127.0.0.1", timeout_s=20)
+    senders = {r: transports.make_sender(kind, store) for r in owners.sender_ranks}
+    receivers = [transports.make_receiver(kind) for _ in owners.sender_ranks]
+    try:
+        for step in range(2):
+            lanes = _lanes(kind, store, owners, 1, f"{name}-{step}")
+            targets = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
+            engine_lanes = [SenderLane(lane, owners.part_plan(r), receivers[i], r)
+                            for i, (r, lane) in enumerate(zip(owners.sender_ranks, lanes, strict=True))]
+            deadline_at = time.monotonic() + 20
+            threads = [threading.Thread(target=senders[r].send, args=(lane, owners.part_plan(r),
+                                                                      sources_for(owners, r, {h.name: h for h in
+                                                                                              holdings[r]})),
+                                        kwargs={"deadline_at": deadline_at, "abort": threading.Event()})
+                       for r, lane in zip(owners.sender_ranks, lanes, strict=True)]
+            for t in threads:
+                t.start()
+            stats = receive_from_senders(engine_lanes, 1, part_targets(owners, targets), deadline_at=deadline_at,
+                                         abort=threading.Event())
+            for t in threads:
+                t.join(20)
+            assert weights_digest(zip(plan.names, targets, strict=True)) == weights_digest(FULL.items())
+            assert stats.bytes == sum(owners.part_plan(r).total_bytes for r in owners.sender_ranks)
+    finally:
+        for s in senders.values():
+            s.close()
+        for r in receivers:
+            r.close()
+
+
+def test_one_lane_failing_stops_every_lane_and_tells_their_senders():
+    """Sender 1 never comes; sender 0's lane works. The engine's receive fails as soon
+    as lane 1 does (its abort key), lane 0 stops too and reports to sender 0."""
+    kind = common_pb2.TRANSPORT_KIND_GLOO
+    holdings = chunk_holdings(2)
+    big = torch.randn(4096, 64)
+    holdings[0].append(Holding("big", big.dtype, tuple(big.shape), 0, 2048, big[:2048].clone()))
+    holdings[1].append(Holding("big", big.dtype, tuple(big.shape), 2048, 2048, big[2048:].clone()))
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=4096)
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    receivers = [transports.make_receiver(kind) for _ in range(2)]
+    lanes = _lanes(kind, store, owners, 1, "fail")
+    targets = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
+    engine_lanes = [SenderLane(lane, owners.part_plan(r), receivers[r], r) for r, lane in enumerate(lanes)]
+    sent: dict = {}
+
+    def send0():
+        try:
+            sender.send(lanes[0], owners.part_plan(0), sources_for(owners, 0, {h.name: h for h in holdings[0]}),
+                        deadline_at=time.monotonic() + 30, abort=threading.Event())
+        except BaseException as exc:
+            sent["error"] = exc
+
+    thread = threading.Thread(target=send0)
+    thread.start()
+    timer = threading.Timer(0.5, lambda: store.set(session_key(lanes[1], "abort"), "rank 1 was killed"))
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TransferError, match="rank 1 was killed") as info:
+            receive_from_senders(engine_lanes, 1, part_targets(owners, targets), deadline_at=time.monotonic() + 30,
+                                 abort=threading.Event())
+        assert time.monotonic() - started < 10
+        assert getattr(info.value, "wrote_nothing", False) is False
+        thread.join(15)
+        assert not thread.is_alive(), "sender 0 must stop once the engine's other lane failed"
+        # sender 0 finished or failed; if it failed, it was told by the engine
+        if "error" in sent:
+            assert "rank 1" in str(sent["error"]) or "receive aborted" in str(sent["error"])
+    finally:
+        timer.cancel()
+        sender.close()
+        for r in receivers:
+            r.close()
+
+
+def test_an_unsupported_dtensor_placement_is_a_clear_error():
+    """Shard(1) (a tensor-parallel column split) is refused naming the tensor and what is
+    supported; a one-rank gloo world in a child process (torch.distributed is global)."""
+    code = (
+        "import os, torch, torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import distribute_tensor, Shard, Replicate\n"
+        "from weightsync.sharding import holding_of\n"
+        "from weightsync.errors import InvalidArgument\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29000 + os.getpid() % 1000))\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "mesh = init_device_mesh('cpu', (1,))\n"
+        "t = torch.randn(4, 6)\n"
+        "h = holding_of('rep', distribute_tensor(t, mesh, [Replicate()]))\n"
+        "assert h.whole and torch.equal(h.local, t)\n"
+        "h = holding_of('s0', distribute_tensor(t, mesh, [Shard(0)]))\n"
+        "assert (h.start, h.rows) == (0, 4)\n"
+        "try:\n"
+        "    holding_of('col', distribute_tensor(t, mesh, [Shard(1)]))\n"
+        "except InvalidArgument as exc:\n"
+        "    print('refused:', exc)\n"
+        "dist.destroy_process_group()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused:" in out.stdout and "'col'" in out.stdout and "Shard(0) and Replicate()" in out.stdout

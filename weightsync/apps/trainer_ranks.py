@@ -1,0 +1,116 @@
+"""TrainerRanks: a sharded trainer's ranks as real processes, started as torchrun starts
+them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), each running
+``weightsync.apps.bench.sharded_trainer``. For the sharded-trainer tests and
+``weightsync bench --trainer-ranks``. Every process is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TrainerRanks:
+    """Context manager: ``world`` rank processes syncing to ``coordinator``.
+
+    Args:
+        folder: where each rank's output goes (``rank-N.log``, JSON lines and warnings).
+        args: the rank script's options after the coordinator (``--model``, ...).
+    """
+
+    def __init__(self, folder: str, coordinator: str, world: int, args: Sequence[str], *,
+                 env: dict[str, str] | None = None) -> None:
+        self.folder, self.coordinator, self.world = folder, coordinator, world
+        self.args = list(args)
+        self.env = env or {}
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> TrainerRanks:
+        port = str(_free_port())
+        os.makedirs(self.folder, exist_ok=True)
+        for rank in range(self.world):
+            env = dict(os.environ, **self.env, RANK=str(rank), WORLD_SIZE=str(self.world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=port, LOCAL_RANK=str(rank))
+            with open(self.log(rank), "w") as out:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "weightsync.apps.bench.sharded_trainer", self.coordinator, *self.args],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        return self
+
+    def log(self, rank: int) -> str:
+        return os.path.join(self.folder, f"rank-{rank}.log")
+
+    def lines(self, rank: int) -> list[dict]:
+        """The JSON lines rank ``rank`` printed so far."""
+        found = []
+        with open(self.log(rank), errors="replace") as f:
+            for line in f:
+                if line.startswith("{"):
+                    try:
+                        found.append(json.loads(line))
+                    except ValueError:
+                        pass
+        return found
+
+    def rounds(self, rank: int) -> dict[int, dict]:
+        """Rank ``rank``'s finished rounds, by version."""
+        return {line["round"]: line for line in self.lines(rank) if "round" in line}
+
+    def wait_for(self, rank: int, predicate, timeout_s: float) -> dict:
+        """The first line of ``rank`` that satisfies ``predicate``; TimeoutError after ``timeout_s``."""
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            for line in self.lines(rank):
+                if predicate(line):
+                    return line
+            time.sleep(0.05)
+        raise TimeoutError(f"rank {rank} printed no such line in {timeout_s}s:\n{self.tail()}")
+
+    def signal(self, rank: int, sig: int) -> None:
+        self.procs[rank].send_signal(sig)
+
+    def wait(self, timeout_s: float, ranks: Sequence[int] | None = None) -> list[int | None]:
+        """Waits for the ranks to exit; their return codes (None: still running at the deadline)."""
+        until = time.monotonic() + timeout_s
+        chosen = range(self.world) if ranks is None else ranks
+        for rank in chosen:
+            try:
+                self.procs[rank].wait(max(0.0, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [self.procs[r].poll() for r in chosen]
+
+    def tail(self, chars: int = 3000) -> str:
+        parts = []
+        for rank in range(self.world):
+            with open(self.log(rank), errors="replace") as f:
+                parts.append(f"--- rank {rank}\n{f.read()[-chars:]}")
+        return "\n".join(parts)
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+__all__ = ["TrainerRanks"]
