@@ -145,6 +145,9 @@ def _add_bench(sub) -> None:
                    help="run on N simulated hosts (network namespaces; needs root): host a has the coordinator, "
                         "the trainer and one engine, the others --engines-per-host each")
     p.add_argument("--engines-per-host", type=int, default=2, help="with --hosts: engines on every other host")
+    p.add_argument("--trainer-ranks", type=int, default=0,
+                   help="a sharded trainer of N FSDP2 ranks: every rank sends its shards, against all-gather to "
+                        "rank 0 then send (transport: the first --transport, default auto)")
     p.add_argument("--steps", type=int, default=3, help="timed rounds per method")
     p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
@@ -275,12 +278,33 @@ def _bench_hosts(args) -> int:
     return 0
 
 
+def _bench_trainer_ranks(args) -> int:
+    from weightsync.apps.bench.runner import parse_size
+    from weightsync.apps.bench.sharded import run_sharded_bench, sharded_table
+
+    try:
+        report = run_sharded_bench(ranks=args.trainer_ranks, engines=args.engines, size=args.size,
+                                   tensors=args.tensors[0], rounds=args.steps,
+                                   transport=(args.transport or ["auto"])[0],
+                                   bucket_bytes=parse_size(args.bucket_bytes), json_path=args.json)
+    except ValueError as exc:
+        print(f"weightsync bench: {exc}", file=sys.stderr)
+        return 2
+    print(sharded_table(report))
+    return 0
+
+
 def _bench(args) -> int:
     from weightsync import transport as transports
     from weightsync.apps.bench.runner import parse_size, ratios, run_bench, table
 
+    if args.hosts and args.trainer_ranks:
+        print("weightsync bench: --hosts and --trainer-ranks are separate benchmarks; choose one", file=sys.stderr)
+        return 2
     if args.hosts:
         return _bench_hosts(args)
+    if args.trainer_ranks:
+        return _bench_trainer_ranks(args)
     chosen = args.transport or ["gloo", "shm"]
     for name in chosen:
         reason = transports.unavailable_reason(transports.kind_from_name(name))

@@ -104,7 +104,8 @@ async def run(args: argparse.Namespace) -> None:
             except WeightSyncError as exc:
                 line["error_type"], line["error"] = type(exc).__name__, str(exc)[:400]
             line["seconds"] = round(time.monotonic() - started, 4)
-            if args.check_digests and line["ok"]:  # a collective: only when every rank is known alive
+            last = r == args.first_version + args.rounds - 1
+            if (args.check_digests or (args.check_digests_last and last)) and line["ok"]:  # a collective: only when every rank is known alive
                 full = full_state(model)
                 if rank == 0:
                     state = await (client.get_state(include_digests=True))
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     parser.add_argument("--key", default="", help="idempotency key prefix (KEY-VERSION per round)")
-    parser.add_argument("--check-digests", action="store_true")
+    parser.add_argument("--check-digests", action="store_true", help="after every good round")
+    parser.add_argument("--check-digests-last", action="store_true", help="after the last round, if good")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     try:
