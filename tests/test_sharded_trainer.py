@@ -122,3 +122,18 @@ def test_the_same_key_again_replays_the_rounds_without_a_second_transfer(cluster
         for rank in (0, 1):
             assert all(ranks.rounds(rank)[v]["ok"] == first[rank][v]["ok"] is True for v in (1, 2)), ranks.tail()
     assert asyncio.run(transfer_counts(cluster)) == before
+
+
+def test_a_rank_that_leaves_a_shard_out_gets_the_same_typed_error_everywhere_and_nothing_changes(
+        cluster_factory, tmp_path):
+    cluster = cluster_factory(2, agent_args=("--model", MODEL))
+    with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 2,
+                      rank_args("--rounds", "1", "--drop-on-rank", "1")) as ranks:
+        assert ranks.wait(120) == [0, 0], ranks.tail()
+        lines = [ranks.rounds(r)[1] for r in (0, 1)]
+        assert [line["error_type"] for line in lines] == ["InvalidArgument", "InvalidArgument"], ranks.tail()
+        assert "embed.weight" in lines[0]["error"] and "do not cover" in lines[0]["error"], ranks.tail()
+        assert lines[0]["error"] == lines[1]["error"]
+    states = asyncio.run(engine_states(cluster.address))
+    assert all(s.weight_version == 0 and not s.paused and not s.torn for s in states.values()), states
+    assert asyncio.run(transfer_counts(cluster)) == {"engine-0": 0, "engine-1": 0}

@@ -5,7 +5,8 @@ A coordinator and ``engines`` reference engines (agent processes); the trainer i
 FSDP2 ranks over gloo (``weightsync.apps.bench.sharded_trainer``, started as torchrun
 starts ranks). For each mode, one warm-up round (groups and plans are set up once),
 then ``rounds`` timed rounds; reported: the median round time on rank 0 (pause,
-broadcast, resume; for ``gather`` the all-gather too) and gather / sharded. The last
+broadcast, resume; for ``gather`` the all-gather too, also reported on its own) and
+gather / sharded. The last
 round of each mode must leave every engine bitwise equal to the trainer's full state
 dict, or the bench fails.
 """
@@ -52,6 +53,8 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
             timed = lines[1:]  # the first round sets up groups and plans
             report["results"].append({"mode": mode, "payload_bytes": lines[0]["bytes"],
                                       "median_s": statistics.median(line["seconds"] for line in timed),
+                                      "median_gather_s": statistics.median(line.get("gather_s", 0.0)
+                                                                           for line in timed),
                                       "rounds_s": [line["seconds"] for line in timed]})
             version += rounds + 1
     by_mode = {r["mode"]: r["median_s"] for r in report["results"]}
@@ -64,9 +67,10 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
 
 def sharded_table(report: dict) -> str:
     """The report as a fixed-width table and the ratio."""
-    rows = [f"{'mode':<8} {'median s':>9} {'GB/s':>7}"]
+    rows = [f"{'mode':<8} {'median s':>9} {'of which gather':>16} {'GB/s':>7}"]
     for r in report["results"]:
-        rows.append(f"{r['mode']:<8} {r['median_s']:>9.3f} {r['payload_bytes'] / r['median_s'] / 1e9:>7.2f}")
+        rows.append(f"{r['mode']:<8} {r['median_s']:>9.3f} {r['median_gather_s']:>16.3f} "
+                    f"{r['payload_bytes'] / r['median_s'] / 1e9:>7.2f}")
     rows.append(f"gather / sharded: {report['gather_over_sharded']:.2f}x ({report['trainer_ranks']} ranks, "
                 f"{report['engines']} engines, {report['transport']})")
     return "\n".join(rows)

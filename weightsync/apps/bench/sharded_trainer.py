@@ -12,6 +12,7 @@ rounds differ), and syncs it for ``--rounds`` rounds:
 
 Each rank prints one JSON line per round:
     {"rank", "round", "ok", "error_type", "error", "seconds", "bytes", "digest_ok"}
+(``gather`` adds ``gather_s``: the all-gather's share of ``seconds``)
 ``digest_ok`` (rank 0; after a good round, not timed): every engine's digest equals the
 digest of the full, unsharded state dict (gathered for the check only). SIGINT cancels
 the running round on that rank: it prints the round's line and stops.
@@ -85,11 +86,14 @@ async def run(args: argparse.Namespace) -> None:
             try:
                 if args.mode == "sharded":
                     named = [(n, p) for n, p in model.named_parameters()]
+                    if rank == args.drop_on_rank:  # tests: this rank fails to offer one of its shards
+                        named = named[1:]
                     result = await client.update_weights(named, version=r, timeout_s=args.timeout,
                                                          key=f"{args.key}-{r}" if args.key else None)
                     line["ok"] = result.ok
                 else:
                     full = full_state(model)  # the all-gather: part of the baseline's time
+                    line["gather_s"] = round(time.monotonic() - started, 4)
                     if rank == 0:
                         result = await client.update_weights(full, version=r, timeout_s=args.timeout)
                         line["ok"] = result.ok
@@ -130,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     parser.add_argument("--key", default="", help="idempotency key prefix (KEY-VERSION per round)")
+    parser.add_argument("--drop-on-rank", type=int, default=-1,
+                        help="tests: this rank leaves its first tensor out (its shards then do not cover it)")
     parser.add_argument("--check-digests", action="store_true", help="after every good round")
     parser.add_argument("--check-digests-last", action="store_true", help="after the last round, if good")
     args = parser.parse_args(argv)
