@@ -87,12 +87,13 @@ def _round_prefix(session: str, n: int) -> str:
 
 def _holdings(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Holding]:
     held: dict[str, Holding] = {}
+    meshes: dict = {}
     for name, tensor in named_tensors:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs")
         if name in held:
             raise InvalidArgument(f"tensor {name!r} is listed twice", metadata={"tensor": name})
-        held[name] = holding_of(name, tensor)
+        held[name] = holding_of(name, tensor, meshes)
     if not held:
         raise InvalidArgument("no tensors to send")
     return held

@@ -24,7 +24,9 @@ is sent by one of them, chosen to balance the bytes each rank sends.
 
 from __future__ import annotations
 
+import hashlib
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +37,17 @@ from weightsync.errors import InvalidArgument
 from weightsync.plan import BucketPlan
 from weightsync.v1 import common_pb2
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor import Replicate as _Replicate
+    from torch.distributed.tensor import Shard as _Shard
+except ImportError:  # a torch without DTensor: every tensor is plain
+    _DTensor = _Replicate = _Shard = None
+
 MAX_SENDERS = 4096
+_OWNERS_BY_KEY: OrderedDict[str, Owners] = OrderedDict()  # checked owners, by plan id and parts (from_proto)
+_OWNERS_LOCK = threading.Lock()
+_OWNERS_KEPT = 8
 
 
 @dataclass(frozen=True)
@@ -71,11 +83,38 @@ class Owners:
         self.senders = tuple(senders)
         self._check()
         self._part_plans: dict[int, BucketPlan] = {}
+        self._layouts: dict[int, tuple[list[int], list[int], list[int], list[bool]]] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Owners, plan: BucketPlan) -> Owners:
-        """The owners a request carries, checked against its plan."""
+        """The owners a request carries, checked against its plan.
+
+        Rounds replay the same owners: a checked one is remembered by its plan's id
+        and its parts' fingerprint, so the next round gets the same object, with the
+        part plans it built (and the bucket views those keep) instead of rebuilding
+        20k-part plans every round."""
+        digest = hashlib.blake2b(plan.plan_id.encode(), digest_size=16)
+        for s in msg.senders:
+            digest.update(b"%d|%d|%d|%d|" % (s.sender, len(s.tensors), len(s.starts), len(s.rows)))
+            digest.update(s.tensors)
+            digest.update(s.starts)
+            digest.update(s.rows)
+        key = digest.hexdigest()
+        with _OWNERS_LOCK:
+            known = _OWNERS_BY_KEY.get(key)
+            if known is not None:
+                _OWNERS_BY_KEY.move_to_end(key)
+                return known
+        owners = cls._from_proto(msg, plan)
+        with _OWNERS_LOCK:
+            _OWNERS_BY_KEY[key] = owners
+            while len(_OWNERS_BY_KEY) > _OWNERS_KEPT:
+                _OWNERS_BY_KEY.popitem(last=False)
+        return owners
+
+    @classmethod
+    def _from_proto(cls, msg: common_pb2.Owners, plan: BucketPlan) -> Owners:
         if not msg.senders:
             raise InvalidArgument("owners lists no sender")
         if len(msg.senders) > MAX_SENDERS:
@@ -169,15 +208,48 @@ class Owners:
                 plan = self._part_plans[sender] = BucketPlan.build(specs, bucket_bytes=self.plan.bucket_bytes)
             return plan
 
-    def part_views(self, sender: int, targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def part_views(self, sender: int, targets: Sequence[torch.Tensor]) -> PartViews:
         """Where ``sender``'s parts land in the full ``targets`` (plan order): row ranges,
-        contiguous when the targets are."""
-        parts = self.parts_of(sender)
-        views = []
-        for t, start, rows in zip(parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(), strict=True):
-            target = targets[t]
-            views.append(target if target.dim() == 0 else target.narrow(0, start, rows))
-        return views
+        contiguous when the targets are; a part that is its whole tensor is the tensor.
+        Each view is made when a receiver first asks for it, so with 20k parts the
+        making is spread over the transfer instead of delaying its start."""
+        return PartViews(self._layout(sender), targets)
+
+    def _layout(self, sender: int) -> tuple[list[int], list[int], list[int], list[bool]]:
+        """``sender``'s parts as Python lists (tensor, start, rows, whole), made once."""
+        with self._lock:
+            layout = self._layouts.get(sender)
+            if layout is None:
+                parts = self.parts_of(sender)
+                total = _row_counts(self.plan)[parts.tensors]
+                whole = ((parts.starts == 0) & (parts.rows == total)).tolist()
+                layout = self._layouts[sender] = (parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(),
+                                                  whole)
+            return layout
+
+
+class PartViews(Sequence):
+    """One sender's part views of a set of full tensors (see ``Owners.part_views``):
+    a sequence whose items are made on first access and kept for this receive."""
+
+    def __init__(self, layout: tuple[list[int], list[int], list[int], list[bool]],
+                 targets: Sequence[torch.Tensor]) -> None:
+        self._tensors, self._starts, self._rows, self._whole = layout
+        self._targets = targets
+        self._made: list[torch.Tensor | None] = [None] * len(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        view = self._made[i]
+        if view is None:
+            target = self._targets[self._tensors[i]]
+            view = target if self._whole[i] else target.narrow(0, self._starts[i], self._rows[i])
+            self._made[i] = view
+        return view
 
 
 # ----- the trainer side: what each rank holds, and who sends what ------------------------------
@@ -200,37 +272,46 @@ class Holding:
         return self.start == 0 and self.rows == (self.shape[0] if self.shape else 1)
 
 
-def holding_of(name: str, tensor: torch.Tensor) -> Holding:
+def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> Holding:
     """What ``tensor`` (a plain tensor or a DTensor) gives this rank of ``name``.
+
+    ``meshes``: a dict the caller keeps for one pass over a model, so each device mesh
+    is asked for its size and this rank's coordinate once, not once per tensor (20k
+    tensors share one mesh; asking cost 16 us a tensor).
 
     Raises:
         InvalidArgument: a placement other than Shard(0) or Replicate() on a 1-D mesh,
             or a local shard whose size is not the one torch.chunk gives this rank.
     """
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:  # a torch without DTensor: every tensor is plain
-        DTensor = None  # noqa: N806
-    if DTensor is None or not isinstance(tensor, DTensor):
-        shape = tuple(tensor.shape)
-        return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, tensor.contiguous())
     shape = tuple(tensor.shape)
+    if _DTensor is None or not isinstance(tensor, _DTensor):
+        return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, tensor.contiguous())
     mesh, placements = tensor.device_mesh, tensor.placements
-    local = tensor.to_local()
-    if mesh.ndim != 1 or len(placements) != 1:
-        raise InvalidArgument(f"tensor {name!r}: a {mesh.ndim}-D device mesh; sharded sends support a 1-D mesh "
+    known = meshes.get(id(mesh)) if meshes is not None else None
+    if known is None:
+        known = (mesh.ndim, mesh.size() if mesh.ndim == 1 else 0, mesh.get_local_rank() if mesh.ndim == 1 else 0)
+        if meshes is not None:
+            meshes[id(mesh)] = known
+    ndim, size, coordinate = known
+    # The local shard itself: DTensor keeps it as ``_local_tensor``; ``to_local()``
+    # returns a view of it through an autograd function (18 us a tensor). Its shape is
+    # checked below either way.
+    local = getattr(tensor, "_local_tensor", None)
+    if not isinstance(local, torch.Tensor):
+        local = tensor.to_local()
+    if ndim != 1 or len(placements) != 1:
+        raise InvalidArgument(f"tensor {name!r}: a {ndim}-D device mesh; sharded sends support a 1-D mesh "
                               "(FSDP2 over one group) with Shard(0) or Replicate()", metadata={"tensor": name})
     placement = placements[0]
-    if isinstance(placement, Replicate):
+    if isinstance(placement, _Replicate):
         return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, local.contiguous())
-    if not isinstance(placement, Shard) or placement.dim != 0 or not shape:
+    if not isinstance(placement, _Shard) or placement.dim != 0 or not shape:
         raise InvalidArgument(f"tensor {name!r}: placement {placement}; sharded sends support Shard(0) and "
                               "Replicate() (gather other layouts first)", metadata={"tensor": name})
-    size, coordinate = mesh.size(), mesh.get_local_rank()
     chunk = -(-shape[0] // size)  # torch.chunk: equal chunks, the last ones short or empty
     start = min(coordinate * chunk, shape[0])
     rows = max(0, min(chunk, shape[0] - start))
-    if tuple(local.shape) != (rows, *shape[1:]):
+    if local.shape[0] != rows or tuple(local.shape[1:]) != shape[1:]:
         raise InvalidArgument(f"tensor {name!r}: local shard {tuple(local.shape)} is not the torch.chunk shard "
                               f"{(rows, *shape[1:])} of mesh coordinate {coordinate}", metadata={"tensor": name})
     return Holding(name, tensor.dtype, shape, start, rows, local.contiguous())
@@ -324,4 +405,4 @@ def sources_for(owners: Owners, sender: int, holdings: dict[str, Holding]) -> li
     return sources
 
 
-__all__ = ["Owners", "SenderParts", "Holding", "holding_of", "describe", "assign", "sources_for", "MAX_SENDERS"]
+__all__ = ["Owners", "PartViews", "SenderParts", "Holding", "holding_of", "describe", "assign", "sources_for", "MAX_SENDERS"]
