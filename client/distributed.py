@@ -196,13 +196,15 @@ class _ShardedDriver(TrainerClient):
         """Hands rank ``rendezvous.sender`` its lane and part layout; the lane's future
         ends when that rank says its send ended (or it goes silent, or the deadline)."""
         rank, store, abort = rendezvous.sender, self._store_host, threading.Event()
-        plan = prepared.owners.part_plan(rank)
-        store.set(f"{self.prefix}/plan/{rank}", plan.to_proto().SerializeToString().hex())
-        store.set(f"{self.prefix}/lane/{rank}", rendezvous.SerializeToString().hex())
         deadline_at = time.monotonic() + (deadlines.remaining(self.default_timeout_s) or 0.0)
+        prefix = self.prefix
 
         def follow() -> TransferStats:
-            done_key, alive_key = f"{self.prefix}/done/{rank}", f"{self.prefix}/alive/{rank}"
+            # On the send pool, not the event loop: a rank's part plan may list 20k parts.
+            plan = prepared.owners.part_plan(rank)
+            store.set(f"{prefix}/plan/{rank}", plan.to_proto().SerializeToString().hex())
+            store.set(f"{prefix}/lane/{rank}", rendezvous.SerializeToString().hex())
+            done_key, alive_key = f"{prefix}/done/{rank}", f"{prefix}/alive/{rank}"
             last_tick, heard = store.get(alive_key), time.monotonic()
             stopped_at: float | None = None
             while True:
@@ -222,7 +224,7 @@ class _ShardedDriver(TrainerClient):
                     raise TransferError(why)
                 if abort.is_set() and stopped_at is None:
                     stopped_at = now
-                    store.set(f"{self.prefix}/stop/{rank}", "stopped by rank 0")
+                    store.set(f"{prefix}/stop/{rank}", "stopped by rank 0")
                 if now >= deadline_at or (stopped_at is not None and now - stopped_at > STOP_GRACE_S):
                     store.set(session_key(rendezvous, "abort"), f"trainer rank {rank} did not finish")
                     raise TransferError(f"trainer rank {rank} did not say its send ended")
