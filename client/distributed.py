@@ -39,6 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -510,15 +511,18 @@ class DistributedTrainerClient:
             abort = threading.Event()
             sending = self._send_thread.submit(self._send, rendezvous, plan, sources, deadline_at, abort)
             stop_key = f"{prefix}/stop/{rank}"
-            while not sending.done():
-                if cancel.is_set() or store.check([stop_key]):
+            try:
+                while not sending.done():
+                    if cancel.is_set() or store.check([stop_key]):
+                        abort.set()
+                    futures.wait([sending], timeout=0.02)
+            finally:
+                # Whatever ended the watch (rank 0's store gone, say), the send ends
+                # before this returns: its group must be retired by the sender itself,
+                # never left to the sender being closed under it.
+                if not sending.done():
                     abort.set()
-                try:
-                    sending.result(timeout=0.02)
-                except TimeoutError:
-                    continue
-                except BaseException:
-                    break
+                    futures.wait([sending], timeout=max(0.0, deadline_at - time.monotonic()))
             stats = sending.result()
             report = {"ok": True, "bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.buckets}
         except BaseException as exc:
