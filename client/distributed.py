@@ -47,6 +47,8 @@ import torch.distributed as dist
 
 from weightsync import deadline as deadlines
 from weightsync import transport as transports
+from weightsync.cancellation import wait_through_cancellation
+from weightsync.client.context import AsyncClient
 from weightsync.client.retry import RetryPolicy
 from weightsync.client.trainer import (
     EngineResult,
@@ -234,7 +236,7 @@ class _ShardedDriver(TrainerClient):
         return _Lane(rendezvous, run_in(self._send_pool, follow), abort)
 
 
-class DistributedTrainerClient:
+class DistributedTrainerClient(AsyncClient):
     """The trainer client of a sharded trainer; every rank of ``group`` opens one.
 
     Args:
@@ -324,16 +326,6 @@ class DistributedTrainerClient:
             if self._driver is not None:
                 await self._driver.aclose()
 
-    async def __aenter__(self) -> DistributedTrainerClient:
-        try:
-            return await self.start()
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
     def _wait_until_read(self) -> None:
         """Rank 0, closing: the other ranks read the last round's end from its store
         before it goes (bounded: a rank that died never will)."""
@@ -368,14 +360,9 @@ class DistributedTrainerClient:
                                      offload_kv=offload_kv, required_engines=required_engines)
         cancel = threading.Event()
         work = run_in(self._thread, self._take_part, prefix, named_tensors, budget, cancel)
-        cancelled = False
-        while not work.done():
-            try:
-                await asyncio.wait({work})
-            except asyncio.CancelledError:
-                cancelled = True
-                cancel.set()  # stops this rank's send; rank 0 then ends the round for everyone
-        if cancelled:
+        # A cancel stops this rank's send; rank 0 then ends the round for everyone, and
+        # this returns once it has.
+        if await wait_through_cancellation(work, on_cancel=cancel.set):
             raise asyncio.CancelledError("update_weights cancelled") from work.exception()
         return work.result()
 

@@ -36,6 +36,7 @@ from weightsync import deadline, metrics
 from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
+from weightsync.client.context import AsyncClient
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
 from weightsync.errors import (
@@ -228,7 +229,7 @@ def _sync_result(result: coordinator_pb2.BroadcastResult, send: _Send) -> SyncRe
     raise error
 
 
-class TrainerClient:
+class TrainerClient(AsyncClient):
     """Async context manager; see the module docstring.
 
     Args:
@@ -334,16 +335,6 @@ class TrainerClient:
                 errors.append(exc)
         if errors:
             raise ExceptionGroup("TrainerClient.aclose failed", errors)
-
-    async def __aenter__(self) -> TrainerClient:
-        try:
-            return await self.start()
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
     def _ready(self) -> coordinator_pb2_grpc.CoordinatorStub:
         if self._stub is None or self._closed:

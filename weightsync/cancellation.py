@@ -7,16 +7,20 @@ cancellation is remembered and re-raised once the work has ended.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 
-async def wait_through_cancellation(future: asyncio.Future) -> bool:
-    """Waits until ``future`` is done even if cancelled meanwhile; True if a cancel arrived."""
+async def wait_through_cancellation(future: asyncio.Future, on_cancel: Callable[[], None] | None = None) -> bool:
+    """Waits until ``future`` is done even if cancelled meanwhile; True if a cancel arrived.
+    ``on_cancel`` runs at each cancellation (to ask the work to stop early)."""
     cancelled = False
     while not future.done():
         try:
             await asyncio.wait({future})
         except asyncio.CancelledError:
             cancelled = True
+            if on_cancel is not None:
+                on_cancel()
     return cancelled
 
 
