@@ -16,7 +16,7 @@ import pytest
 
 from weightsync.errors import EngineUnavailable, FailedPrecondition
 from weightsync.server.registry import EngineRegistry
-from weightsync.server.round import LanePlan, SyncRound, plan_lanes
+from weightsync.server.round import LanePlan, SyncRound, plan_lanes, sender_lanes
 from weightsync.statedb import StateDB
 from weightsync.v1 import common_pb2, coordinator_pb2
 
@@ -189,3 +189,27 @@ def test_auto_gives_the_trainers_host_shm_and_every_other_host_a_network_lane_of
         LanePlan("gloo@host-c", gloo_kind, ["c0"]),
     ]
     assert gloo == [LanePlan("gloo", gloo_kind, ["a0", "b0", "b1", "c0", "old"])]  # a named transport: one lane
+
+
+def test_a_sharded_trainer_gets_a_lane_per_sending_rank_with_every_engine_in_each(tmp_path):
+    async def layouts():
+        registry = EngineRegistry(heartbeat_timeout_s=5.0)
+        records = []
+        for engine, host in {"e1": "host-a", "e0": "host-a"}.items():
+            record, _ = registry.upsert(engine, "127.0.0.1:1", "tiny", heartbeat=True)
+            record.state.host_id = host
+            records.append(record)
+        try:
+            auto = common_pb2.TRANSPORT_KIND_AUTO
+            return (sender_lanes(auto, records, "host-a", [0, 1, 3]),
+                    sender_lanes(auto, records, "", [0, 1]),  # the ranks are on several hosts
+                    sender_lanes(auto, records, "host-b", [0]))
+        finally:
+            for record in registry.all():
+                await record.channel.close(grace=None)
+
+    same_host, ranks_apart, engines_apart = asyncio.run(layouts())
+    shm_kind, gloo_kind = common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_GLOO
+    assert same_host == [LanePlan(f"shm/sender{s}", shm_kind, ["e0", "e1"], sender=s) for s in (0, 1, 3)]
+    assert ranks_apart == [LanePlan(f"gloo/sender{s}", gloo_kind, ["e0", "e1"], sender=s) for s in (0, 1)]
+    assert engines_apart == [LanePlan("gloo/sender0", gloo_kind, ["e0", "e1"], sender=0)]
