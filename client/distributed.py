@@ -108,7 +108,9 @@ def _signature(described: dict) -> str:
 
 def _error_record(exc: BaseException) -> dict:
     if isinstance(exc, asyncio.CancelledError):
-        return {"type": "CancelledError", "reason": "CANCELLED", "message": "the round was cancelled on rank 0"}
+        return {"type": "CancelledError", "reason": "CANCELLED",
+                "message": "the round was cancelled on rank 0 (which drives it); the engines hold whatever its "
+                           "transfer left (a transfer is never abandoned half-way): see get_state"}
     if isinstance(exc, WeightSyncError):
         return {"type": type(exc).__name__, "reason": exc.reason, "message": exc.message,
                 "operation": getattr(exc, "operation", "") or "", "code": exc.code.value[0]}
@@ -132,12 +134,16 @@ def _result_from(record: dict) -> SyncResult:
 def _raise_recorded(record: dict) -> None:
     """Raises the error rank 0's round ended with, as the same type."""
     error = record["error"]
-    if "result" in record:  # a failed sync: the same SyncFailed, with its result
-        raise SyncFailed(error["message"], result=_result_from(record["result"]))
+    result = _result_from(record["result"]) if "result" in record else None
+    if error["type"] == SyncFailed.__name__ and result is not None:  # the same SyncFailed, with its result
+        raise SyncFailed(error["message"], result=result)
     if error["type"] == "CancelledError":
         raise TransferError(error["message"])
-    raise outcome_error(error["reason"], error["message"], operation=error.get("operation") or "sync",
-                        code=error.get("code", 0))
+    typed = outcome_error(error["reason"], error["message"], operation=error.get("operation") or "sync",
+                          code=error.get("code", 0))
+    if result is not None:  # a timeout or a mismatch that carries the round's outcome
+        typed.result = result  # type: ignore[attr-defined]
+    raise typed
 
 
 class _ShardedDriver(TrainerClient):

@@ -235,3 +235,34 @@ def test_an_unsupported_dtensor_placement_is_a_clear_error():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused:" in out.stdout and "'col'" in out.stdout and "Shard(0) and Replicate()" in out.stdout
+
+
+def test_every_rank_rebuilds_the_drivers_error_as_the_same_type():
+    """Rank 0 records how the round ended; the other ranks raise the same type, with
+    the round's result where it had one (in process: the records are plain JSON)."""
+    import asyncio
+    import json
+
+    from weightsync.client.distributed import _error_record, _raise_recorded, _result_record
+    from weightsync.client.trainer import EngineResult, SyncFailed, SyncResult
+    from weightsync.errors import StepTimeoutError
+
+    result = SyncResult(version=3, ok=False, bytes=10, transfer_seconds=0.5,
+                        engines=(EngineResult("e0", False, 2, True, 0.4, "TRANSFER_FAILED", "peer gone"),),
+                        resumed=("e1",))
+    cases = [(SyncFailed("broadcast of version 3 failed", result=result), SyncFailed, result),
+             (StepTimeoutError("deadline exceeded during broadcast", operation="broadcast"), StepTimeoutError, result),
+             (InvalidArgument("tensor 'w': no rank holds it whole"), InvalidArgument, None),
+             (asyncio.CancelledError(), TransferError, None)]
+    for error, expected, carried in cases:
+        record = {"error": _error_record(error)}
+        if carried is not None:
+            record["result"] = _result_record(carried)
+        with pytest.raises(expected) as info:
+            _raise_recorded(json.loads(json.dumps(record)))
+        if carried is not None:
+            assert info.value.result == carried
+        if not isinstance(error, asyncio.CancelledError):
+            assert info.value.message == error.message
+        if expected is StepTimeoutError:
+            assert info.value.operation == "broadcast"
