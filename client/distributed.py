@@ -154,7 +154,7 @@ class _ShardedDriver(TrainerClient):
         super().__init__(coordinator, **kwargs)
         self.owner = owner
         self._described: dict[int, tuple[str, dict]] = {}  # rank -> (signature, description)
-        self._assigned: tuple[tuple[str, ...], int, BucketPlan, Owners] | None = None
+        self._assigned: tuple[tuple, BucketPlan, Owners] | None = None  # (holdings key, plan, owners)
         self.holdings: dict[str, Holding] = {}
         self.prefix = ""
         self.common_host = ""
