@@ -20,8 +20,11 @@ from weightsync.client import TrainerClient
 from weightsync.engine.model import ModelConfig
 
 MODEL = ModelConfig().to_json()   # the reference model, 0.56 MB in 26 tensors
-SLOW = {"WEIGHTSYNC_FAULTS": json.dumps([{"op": "receive", "action": "delay", "seconds": 0.25, "times": 0}])}
-SMALL_BUCKETS = ["--bucket-bytes", str(16 * 1024)]  # ~12 buckets per lane, lanes received at once: a slowed round takes ~3 s
+# Round 2 slowed (engines wait 0.5 s a bucket): ~17 buckets a lane with 16 KiB buckets,
+# lanes received at once, so ~8 s unless something ends it; round 1 is not slowed.
+SLOW_ROUND_2 = {"WEIGHTSYNC_FAULTS": json.dumps([{"op": "receive", "action": "delay", "seconds": 0.5, "times": 0,
+                                                  "version": 2}])}
+SMALL_BUCKETS = ["--bucket-bytes", str(16 * 1024)]
 
 
 def rank_args(*extra: str) -> list[str]:
@@ -32,6 +35,20 @@ async def engine_states(address: str):
     async with TrainerClient(address) as client:
         state = await client.get_state()
     return {e.engine_id: e for e in state.engines}
+
+
+def wait_until_bytes_move(address: str, timeout_s: float = 60.0) -> None:
+    """Returns once an engine is receiving and has taken a bucket (the round is mid-transfer)."""
+    async def poll() -> bool:
+        async with TrainerClient(address) as client:
+            until = time.monotonic() + timeout_s
+            while time.monotonic() < until:
+                state = await client.get_state()
+                if any(e.receiving and e.buckets_done >= 1 for e in state.engines):
+                    return True
+                await asyncio.sleep(0.05)
+        return False
+    assert asyncio.run(poll()), "no engine started receiving"
 
 
 @pytest.mark.parametrize("world, transport", [(2, "auto"), (4, "gloo")])
@@ -62,13 +79,13 @@ def test_a_rank_killed_mid_send_fails_the_round_on_every_rank_and_the_next_job_h
                                                                                      killed, survivors_see):
     """Rank 1 killed: rank 0 ends the round (its engines failed) and every survivor gets
     the same SyncFailed. Rank 0 (the driver) killed: the others lose its store at once."""
-    cluster = cluster_factory(2, agent_args=("--model", MODEL, "--enable-fault-injection"), agent_env=SLOW)
+    cluster = cluster_factory(2, agent_args=("--model", MODEL, "--enable-fault-injection"), agent_env=SLOW_ROUND_2)
     survivors = [r for r in range(3) if r != killed]
     with TrainerRanks(str(tmp_path / "job1"), cluster.address, 3,
                       rank_args("--rounds", "2", "--transport", "gloo", *SMALL_BUCKETS)) as ranks:
         ranks.wait_for(killed, lambda line: line.get("starting") == 2, 120)
         assert ranks.rounds(killed)[1]["ok"], ranks.tail()
-        time.sleep(1.0)  # round 2 is moving bytes (each engine takes seconds)
+        wait_until_bytes_move(cluster.address)  # round 2 is mid-transfer (it takes ~8 s)
         killed_at = time.monotonic()
         ranks.signal(killed, signal.SIGKILL)
         codes = ranks.wait(60, ranks=survivors)
@@ -91,21 +108,22 @@ def test_a_rank_killed_mid_send_fails_the_round_on_every_rank_and_the_next_job_h
 
 
 def test_a_rank_cancelled_mid_round_ends_it_for_every_rank_and_no_engine_resumes(cluster_factory, tmp_path):
-    cluster = cluster_factory(2, agent_args=("--model", MODEL, "--enable-fault-injection"), agent_env=SLOW)
+    cluster = cluster_factory(2, agent_args=("--model", MODEL, "--enable-fault-injection"), agent_env=SLOW_ROUND_2)
     with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 2,
                       rank_args("--rounds", "2", "--transport", "gloo", *SMALL_BUCKETS)) as ranks:
         ranks.wait_for(1, lambda line: line.get("starting") == 2, 120)
-        time.sleep(1.0)
-        cancelled_at = time.monotonic()
+        wait_until_bytes_move(cluster.address)
+        cancelled_at, signalled = time.monotonic(), time.time()
         ranks.signal(1, signal.SIGINT)  # asyncio.run cancels the rank's main task
         ranks.wait(60)
         line0, line1 = ranks.rounds(0).get(2), ranks.rounds(1).get(2)
         assert line0 is not None and line1 is not None, ranks.tail()
-        assert line1["error_type"] == "CancelledError", ranks.tail()
+        assert line1["ended"] > signalled, f"round 2 ended before the signal was sent:\n{ranks.tail()}"
+        assert line1["error_type"] == "CancelledError", f"signalled at {signalled}\n{ranks.tail()}"
         assert not line0["ok"] and line0["error_type"] in ("SyncFailed", "TransferError"), ranks.tail()
         assert time.monotonic() - cancelled_at < 30, ranks.tail()
         # the cancelled rank returned only after the round had ended for rank 0 as well
-        assert ranks.rounds(1)[2]["seconds"] >= 1.0
+        assert line1["ended"] >= line0["ended"] - 0.5, ranks.tail()
     states = asyncio.run(engine_states(cluster.address))
     assert all(s.paused and s.torn for s in states.values()), "no engine may resume onto a half-sent round"
     assert all(s.weight_version == 1 for s in states.values())

@@ -1,10 +1,15 @@
 """What the torch.distributed transports (gloo, group) share: one broadcast from rank
 0, a wait that never blocks inside torch, and the retirement of failed groups.
 
-A posted op cannot be cancelled, and destroying a group with an op still pending
-blocks until the op's timeout. So ``wait_polling`` polls ``is_completed`` and, every
-``PEER_CHECK_S``, the peers' failure keys in the store; and a failed group is handed
-to ``retire``, which drops it on a daemon thread, never on a transfer thread.
+A posted op cannot be cancelled (gloo's ``abort()`` leaves it pending), and
+destroying a group with an op still pending blocks until the op's timeout. So
+``wait_polling`` polls ``is_completed`` and, every ``PEER_CHECK_S``, the peers' failure
+keys in the store; and a failed group is handed to ``retire``, which keeps it until
+its ops have timed out and only then drops it, on a daemon thread, never on a
+transfer thread. A process that exits before then leaves its retired groups to the
+OS: destroying one during interpreter exit either held the exit for the rest of the
+timeout or, with the daemon thread inside the destructor, aborted the process
+("terminate called without an active exception").
 Joining a group blocks inside torch too, and gloo's connect to a peer that died
 meanwhile outlives the group's own timeout, so ``join_in_background`` builds the
 group on a side thread while the caller polls the same way.
@@ -12,6 +17,8 @@ group on a side thread while the caller polls the same way.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import queue
 import re
 import threading
@@ -34,15 +41,34 @@ _RETIRED: queue.Queue = queue.Queue()
 
 def _drop_retired() -> None:
     while True:
-        group = _RETIRED.get()
-        del group  # may block until the group's pending ops time out; harmless here
+        due, group = _RETIRED.get()
+        wait_s = due - time.monotonic()
+        if wait_s > 0:
+            time.sleep(wait_s)  # in Python, not in a destructor, should the process exit meanwhile
+        del group  # its ops have timed out: immediate
 
 
 threading.Thread(target=_drop_retired, name="weightsync-retire", daemon=True).start()
 
 
-def retire(group: object) -> None:
-    """Drops a failed group (or anything holding one as ``.pg``) on the daemon thread.
+@atexit.register
+def _keep_retired_at_exit() -> None:
+    """Groups not yet dropped are never destroyed: their refcount is raised so that
+    interpreter exit does not free them (see the module docstring); the OS reclaims
+    their sockets and threads."""
+    while True:
+        try:
+            _, group = _RETIRED.get_nowait()
+        except queue.Empty:
+            return
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+def retire(group: object, *, pending: Sequence[dist.Work | None] = ()) -> None:
+    """Drops a failed group (or anything holding one as ``.pg``) on the daemon thread:
+    at once when none of the ops in ``pending`` is still running (its peers then see
+    its connections close), else once the holder's ``timeout_s`` (the group's op
+    timeout) has passed, so that dropping it never waits inside torch for an op.
 
     The process group itself is taken out of its holder: the holder may live on in an
     exception's traceback (a frame's locals), and when the garbage collector frees
@@ -50,12 +76,14 @@ def retire(group: object) -> None:
     there, blocking that thread, GIL held, until the group's pending ops time out (a
     trainer's event loop froze for a minute that way after a host's link was cut).
     """
+    running = any(work is not None and not work.is_completed() for work in pending)
+    due = time.monotonic() + (float(getattr(group, "timeout_s", 0.0)) if running else 0.0)
     pg = getattr(group, "pg", None)
     if pg is not None:
         group.pg = None  # type: ignore[attr-defined]
-        _RETIRED.put(pg)
+        _RETIRED.put((due, pg))
     else:
-        _RETIRED.put(group)
+        _RETIRED.put((due, group))
 
 
 _UNREACHABLE = ("connection refused", "no route to host", "network is unreachable", "host is unreachable")

@@ -46,8 +46,9 @@ class GlooGroup:
                  deadline_at: float, abort: threading.Event, watch: dist.Store, stop_keys: Sequence[str]) -> None:
         self.group_id = rendezvous.group_id
         self.bucket_bytes = bucket_bytes
+        self.timeout_s = max(deadline_at - time.monotonic(), 0.001)  # every op's; retire() waits it out
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
+        options._timeout = timedelta(seconds=self.timeout_s)
         options._devices = [data_device(bind_host)]
         self.pg = join_in_background(
             lambda store: dist.ProcessGroupGloo(prefixed(store, f"ws/{rendezvous.group_id}/gloo"), rank,
@@ -77,10 +78,10 @@ def data_device(bind_host: str):
                             metadata={"address": bind_host}) from exc
 
 
-def _retire(group: GlooGroup | None) -> None:
+def _retire(group: GlooGroup | None, pending: Sequence[dist.Work | None] = ()) -> None:
     if group is not None:
         group.buffers = []  # free the memory now; the group object goes later
-        retire(group)
+        retire(group, pending=pending)
 
 
 def _direct(plan: BucketPlan, bucket: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -112,9 +113,9 @@ class GlooSender(Sender):
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
         start = time.monotonic()
         stop = [session_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
+        works: list[dist.Work | None] = [None, None]  # the two buckets in flight
         try:
             group = self._ensure_group(rendezvous, plan, deadline_at, abort, stop)
-            works: list[dist.Work | None] = [None, None]
             for bucket in range(plan.num_buckets):
                 if abort.is_set():
                     raise TransferError("send aborted")
@@ -134,7 +135,7 @@ class GlooSender(Sender):
                 self._store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
             except Exception:
                 pass
-            _retire(self._group)  # a failed group is never reused: peers may be mid-op
+            _retire(self._group, works)  # a failed group is never reused: peers may be mid-op
             self._group = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
@@ -166,13 +167,13 @@ class GlooReceiver(Receiver):
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
+        works: list[dist.Work | None] = [None, None]  # the two buckets in flight
         try:
             stop = [session_key(rendezvous, "abort")]
             with nothing_written():
                 group = self._ensure_group(rendezvous, rank, plan, deadline_at, abort, stop)
             store = self._store[1]
             n = plan.num_buckets
-            works: list[dist.Work | None] = [None, None]
             # Found when the bucket is posted, not all up front: a receiver whose targets
             # are made as their first byte arrives (streamed loading) must not have
             # every target made at the start.
@@ -202,7 +203,7 @@ class GlooReceiver(Receiver):
                     self._store[1].set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
                 except Exception:
                     pass
-            _retire(self._group)
+            _retire(self._group, works)
             self._group = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)

@@ -97,10 +97,11 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
 class _Joined:
     """A joined group, reused while the rendezvous' group id and backend stay."""
 
-    def __init__(self, rendezvous: common_pb2.Rendezvous, pg: dist.ProcessGroup) -> None:
+    def __init__(self, rendezvous: common_pb2.Rendezvous, pg: dist.ProcessGroup, timeout_s: float) -> None:
         self.group_id = rendezvous.group_id
         self.backend = group_backend(rendezvous)
         self.pg = pg
+        self.timeout_s = timeout_s  # every op's; retire() waits it out
 
     def matches(self, rendezvous: common_pb2.Rendezvous) -> bool:
         return self.group_id == rendezvous.group_id and self.backend == group_backend(rendezvous)
@@ -185,9 +186,10 @@ class GroupSender(Sender):
                 stop: Sequence[str]) -> dist.ProcessGroup:
         if self._joined is None or not self._joined.matches(rendezvous):
             self.close()
+            timeout_s = max(deadline_at - time.monotonic(), 0.001)  # open_group's op timeout
             pg = open_group(rendezvous, 0, watch=self._store, deadline_at=deadline_at, abort=abort, stop_keys=stop,
                             bind_host=self._bind_host)
-            self._joined = _Joined(rendezvous, pg)
+            self._joined = _Joined(rendezvous, pg, timeout_s)
         return self._joined.pg
 
     def close(self) -> None:
@@ -257,10 +259,10 @@ class GroupReceiver(Receiver):
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
             self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
+        timeout_s = max(deadline_at - time.monotonic(), 0.001)  # open_group's op timeout
         pg = open_group(rendezvous, rank, watch=self._store[1], deadline_at=deadline_at, abort=abort,
-                        bind_host=self._bind_host,
-                        stop_keys=stop)
-        self._joined = _Joined(rendezvous, pg)
+                        bind_host=self._bind_host, stop_keys=stop)
+        self._joined = _Joined(rendezvous, pg, timeout_s)
         return pg
 
     def close(self) -> None:

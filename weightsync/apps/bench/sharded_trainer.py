@@ -11,7 +11,7 @@ rounds differ), and syncs it for ``--rounds`` rounds:
   the full tensors (``TrainerClient``); the others wait at a barrier.
 
 Each rank prints one JSON line per round:
-    {"rank", "round", "ok", "error_type", "error", "seconds", "bytes", "digest_ok"}
+    {"rank", "round", "ok", "error_type", "error", "seconds", "ended", "bytes", "digest_ok"}
 (``gather`` adds ``gather_s``: the all-gather's share of ``seconds``)
 ``digest_ok`` (rank 0; after a good round, not timed): every engine's digest equals the
 digest of the full, unsharded state dict (gathered for the check only). SIGINT cancels
@@ -102,12 +102,12 @@ async def run(args: argparse.Namespace) -> None:
                     dist.barrier()
             except asyncio.CancelledError as exc:  # SIGINT: this rank stops after the round ended
                 line["error_type"], line["error"] = "CancelledError", str(exc.__cause__ or exc)[:400]
-                line["seconds"] = round(time.monotonic() - started, 4)
+                line["seconds"], line["ended"] = round(time.monotonic() - started, 4), time.time()
                 print(json.dumps(line), flush=True)
                 raise
             except WeightSyncError as exc:
                 line["error_type"], line["error"] = type(exc).__name__, str(exc)[:400]
-            line["seconds"] = round(time.monotonic() - started, 4)
+            line["seconds"], line["ended"] = round(time.monotonic() - started, 4), time.time()
             last = r == args.first_version + args.rounds - 1
             if (args.check_digests or (args.check_digests_last and last)) and line["ok"]:  # a collective: only when every rank is known alive
                 full = full_state(model)
