@@ -44,7 +44,9 @@ def wait_until_bytes_move(address: str, timeout_s: float = 60.0) -> None:
             until = time.monotonic() + timeout_s
             while time.monotonic() < until:
                 state = await client.get_state()
-                if any(e.receiving and e.buckets_done >= 1 for e in state.engines):
+                # this round's progress: the last round's stays at (total, total) until the
+                # new transfer starts
+                if any(e.receiving and 1 <= e.buckets_done < e.buckets_total for e in state.engines):
                     return True
                 await asyncio.sleep(0.05)
         return False

@@ -22,6 +22,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _interruptible() -> None:
+    """In the child, before exec: SIGINT back to its default. A process started in the
+    background by a non-interactive shell (a CI job, ``cmd &``) inherits SIGINT ignored,
+    and Python then never turns it into a cancellation of the rank's round."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class TrainerRanks:
     """Context manager: ``world`` rank processes syncing to ``coordinator``.
 
@@ -46,7 +53,8 @@ class TrainerRanks:
             with open(self.log(rank), "w") as out:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "weightsync.apps.bench.sharded_trainer", self.coordinator, *self.args],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=_interruptible))
         return self
 
     def log(self, rank: int) -> str:
