@@ -600,8 +600,10 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if error is None:
             self._progress = (self._progress[1], self._progress[1])
             self.torn, self.torn_version = False, 0
+            # shm says how it read the bytes: "direct" (from the trainer's memory) or "ring".
+            read = getattr(job.receiver, "last_mode", "")
             self.record("transfer_done", version=request.version, seconds=f"{job.seconds():.4f}",
-                        **self.adapter.receive_stats(),
+                        **self.adapter.receive_stats(), **({"read": read} if read else {}),
                         **({} if job.attest_max_diff is None else {"attest_max_diff": f"{job.attest_max_diff:.3g}"}))
         elif getattr(error, "wrote_nothing", False):
             # The rendezvous failed before any byte reached the engine's tensors: its

@@ -28,16 +28,22 @@ def test_bench_small_run_reports_every_method(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--size", "4MiB", "--tensors", "12",
                            "--engines", "2", "--steps", "1", "--bucket-bytes", "1MiB", "--json", str(out),
-                           "--plot", str(png), "--attest"], capture_output=True, text=True, timeout=300)
+                           "--plot", str(png), "--attest", "--transport", "gloo", "--transport", "shm",
+                           "--transport", "shm-ring"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert {"platform", "cpus", "torch"} <= set(report["machine"])
     results = report["results"]
     assert {r["method"] for r in results} == METHODS | {"weightsync+attest"}
-    assert {r["transport"] for r in results if r["method"] == "weightsync"} == {"gloo", "shm"}
-    assert {r["transport"] for r in results if r["method"] == "weightsync+attest"} == {"gloo", "shm"}
+    assert {r["transport"] for r in results if r["method"] == "weightsync"} == {"gloo", "shm", "shm-ring"}
+    assert {r["transport"] for r in results if r["method"] == "weightsync+attest"} == {"gloo", "shm", "shm-ring"}
+    # How the engines read: shm straight from the trainer's memory (same user, here),
+    # shm-ring through the shared-memory ring; gloo does not say.
+    assert {r["transport"]: r["read"] for r in results if r["method"] == "weightsync"} == {
+        "gloo": None, "shm": ["direct"], "shm-ring": ["ring"]}
     for r in results:
-        assert set(r) == {"method", "transport", "bytes", "tensors", "engines", "seconds", "gbps", "loop_lag_ms"}
+        assert set(r) == {"method", "transport", "bytes", "tensors", "engines", "seconds", "gbps", "loop_lag_ms",
+                          "read"}
         assert r["engines"] == 2 and r["bytes"] > 3 * 2**20
         assert 0 < r["seconds"]["min"] <= r["seconds"]["median"] <= r["seconds"]["max"]
         assert r["gbps"] > 0
@@ -46,7 +52,8 @@ def test_bench_small_run_reports_every_method(tmp_path):
     assert "weightsync" in proc.stdout and "memcpy" in proc.stdout
 
 
-@pytest.mark.parametrize("args", [["--size", "0"], ["--transport", "nccl"], ["--engines", "0"]])
+@pytest.mark.parametrize("args", [["--size", "0"], ["--transport", "nccl"], ["--engines", "0"],
+                                  ["--transport", "shm-ring", "--trainer-ranks", "2"]])
 def test_bench_bad_arguments_exit_2(args):
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", *args, "--no-baselines"],
                           capture_output=True, text=True, timeout=120)

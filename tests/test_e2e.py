@@ -31,8 +31,14 @@ async def assert_engines_equal(client: TrainerClient, model: ReferenceLM, versio
         assert not e.torn and not e.paused
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
-async def test_three_rounds_bitwise_equal(cluster, transport):
+@pytest.mark.parametrize("transport", ["gloo", "shm", "shm-ring"])
+async def test_three_rounds_bitwise_equal(cluster_factory, transport):
+    """shm reads straight from the trainer's memory where the kernel allows it (here:
+    same user, no Yama); "shm-ring" is shm with the agents opting out of that
+    (WEIGHTSYNC_SHM_DIRECT=0), so the shared-memory ring carries every byte."""
+    ring = transport == "shm-ring"
+    cluster = cluster_factory(2, agent_env={"WEIGHTSYNC_SHM_DIRECT": "0"} if ring else None)
+    transport = "shm" if ring else transport
     model = ReferenceLM(PRESETS["tiny"])
     # a small bucket forces tensors to span buckets and the double buffer to cycle
     async with TrainerClient(cluster.address, transport=transport, bucket_bytes=64 * 1024) as client:
@@ -48,9 +54,12 @@ async def test_three_rounds_bitwise_equal(cluster, transport):
         # and the agents report no re-registration or failure
         for agent in cluster.agents:
             async with EngineClient(agent.address) as engine:
-                kinds = [e.kind for e in await engine.events()]
+                events = await engine.events()
+            kinds = [e.kind for e in events]
             assert kinds.count("transfer_done") == 3
             assert "transfer_failed" not in kinds
+            reads = {e.fields.get("read") for e in events if e.kind == "transfer_done"}
+            assert reads == ({"ring"} if ring else {"direct"} if transport == "shm" else {None}), reads
 
 
 async def test_keep_pause_request_continues_with_new_version(cluster_factory):

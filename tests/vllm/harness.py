@@ -10,6 +10,7 @@ trainer's own model (Hugging Face transformers) scoring the same tokens.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
@@ -17,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +33,12 @@ from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_
 HERE = Path(__file__).parent
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_CI_ENV": "1"}
+# vLLM puts its ZeroMQ sockets in VLLM_RPC_BASE_PATH (default: the system temp dir) and
+# leaves them there when it stops; give them one short directory of this test run's
+# own, removed at exit (a socket path must stay under 108 bytes, so not tmp_path).
+RPC_DIR = tempfile.mkdtemp(prefix="ws-vllm-rpc-")
+atexit.register(shutil.rmtree, RPC_DIR, ignore_errors=True)
+VLLM_ENV["VLLM_RPC_BASE_PATH"] = RPC_DIR
 EXTENSION = ["--worker-extension-cls", "weightsync.engine.vllm_worker.WeightsyncWorkerExtension"]
 PROMPTS = [(5, 6, 7), (11, 3, 8, 1), (42,)]
 # Teacher-forced probe sequences (token ids inside every tiny model's vocabulary).

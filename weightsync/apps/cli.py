@@ -138,9 +138,11 @@ def _add_bench(sub) -> None:
                    help="dense layers, or moe: most tensors are small expert matrices (128 experts per layer "
                         "where the count allows)")
     p.add_argument("--engines", type=int, default=2, help="receiving engines (agent processes)")
-    p.add_argument("--transport", action="append", choices=["auto", "gloo", "shm", "group", "nccl", "cuda-ipc"],
+    p.add_argument("--transport", action="append",
+                   choices=["auto", "gloo", "shm", "shm-ring", "group", "nccl", "cuda-ipc"],
                    help="weightsync transport to measure (repeatable; default gloo and shm; with --hosts, "
-                        "auto and gloo)")
+                        "auto and gloo); shm-ring is shm with the direct reads off (every byte through the "
+                        "shared-memory ring)")
     p.add_argument("--hosts", type=int, default=0,
                    help="run on N simulated hosts (network namespaces; needs root): host a has the coordinator, "
                         "the trainer and one engine, the others --engines-per-host each")
@@ -301,13 +303,16 @@ def _bench(args) -> int:
     if args.hosts and args.trainer_ranks:
         print("weightsync bench: --hosts and --trainer-ranks are separate benchmarks; choose one", file=sys.stderr)
         return 2
+    if (args.hosts or args.trainer_ranks) and "shm-ring" in (args.transport or []):
+        print("weightsync bench: shm-ring is for the single-trainer benchmark", file=sys.stderr)
+        return 2
     if args.hosts:
         return _bench_hosts(args)
     if args.trainer_ranks:
         return _bench_trainer_ranks(args)
     chosen = args.transport or ["gloo", "shm"]
     for name in chosen:
-        reason = transports.unavailable_reason(transports.kind_from_name(name))
+        reason = transports.unavailable_reason(transports.kind_from_name(name.removesuffix("-ring")))
         if reason is not None:
             print(f"weightsync bench: transport {name} unavailable here: {reason}", file=sys.stderr)
             return 2

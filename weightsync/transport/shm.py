@@ -7,6 +7,13 @@ slot and sets ``ready/b``; each receiver waits for ``ready/b``, copies the slot 
 its engine's tensors and sets ``ack/b/<rank>``. So the sender packs b+1 while the
 receivers load b, and the bytes are copied exactly twice (into the slot, out of it).
 
+Direct mode: where the kernel lets an engine read the trainer's memory
+(``cross_memory``), the trainer also offers its tensors' addresses; each engine says
+``mode/<rank>`` = ``direct`` or ``ring``. A direct engine reads every bucket's bytes
+straight from the trainer's tensors into its own (one copy, none by the trainer) and
+sets ``done/<rank>``; the ring runs only if some engine needs it. The trainer returns
+only when every engine is done, so its tensors are not changed under a reader.
+
 A plain file + mmap is used rather than ``multiprocessing.shared_memory``: on Python
 3.11 attaching registers the segment with the resource tracker of every receiver,
 which unlinks it when that receiver exits. Signalling rides the TCP store because it
@@ -23,12 +30,14 @@ import time
 import uuid
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from weightsync.errors import TransferError
+from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.plan import pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
+from weightsync.transport.cross_memory import Beacon, RemoteMemory, direct_enabled, tensor_addresses
 from weightsync.transport.store import connect_store, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
@@ -109,6 +118,8 @@ class ShmSender(Sender):
     def __init__(self, store: dist.Store) -> None:
         self._store = store
         self._segment: _Segment | None = None
+        self._beacon: Beacon | None = None
+        self.last_direct_ranks: tuple[int, ...] = ()  # the engines that read directly last round
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort,
              fill: Callable[[int, torch.Tensor], None] | None = None):
@@ -117,26 +128,34 @@ class ShmSender(Sender):
         if fill is None:
             def fill(bucket: int, slot: torch.Tensor) -> None:
                 pack_bucket(plan, bucket, sources, slot)
+            addresses = tensor_addresses(sources, plan.dtypes, plan.sizes) if direct_enabled() else None
+        else:
+            addresses = None  # the bytes arrive bucket by bucket: there is nothing to read directly
         start = time.monotonic()
         store = self._store
         ranks = range(1, rendezvous.world_size)
         errors = [session_key(rendezvous, "err", r) for r in ranks]
+        self.last_direct_ranks = ()
         try:
             seg = self._ensure_segment(plan.bucket_bytes)
+            if addresses is not None:
+                if self._beacon is None:
+                    self._beacon = Beacon()
+                store.set(session_key(rendezvous, "direct"), self._beacon.describe())
+                store.set(session_key(rendezvous, "addresses"), addresses.tobytes())
             store.set(session_key(rendezvous, "segment"), f"{seg.path}|{seg.bucket_bytes}")
-            n = plan.num_buckets
-            seg.acquire()
-            try:
-                for bucket in range(n):
-                    if bucket >= 2:
-                        wait_for_keys(store, [session_key(rendezvous, "ack", bucket - 2, r) for r in ranks],
-                                      deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
-                    fill(bucket, seg.slots[bucket % 2])
-                    store.set(session_key(rendezvous, "ready", bucket), b"1")
-            finally:
-                seg.release()
-            for bucket in range(max(0, n - 2), n):
-                wait_for_keys(store, [session_key(rendezvous, "ack", bucket, r) for r in ranks],
+            ring_ranks = list(ranks)
+            if addresses is not None:
+                modes = [session_key(rendezvous, "mode", r) for r in ranks]
+                wait_for_keys(store, modes, deadline_at=deadline_at, operation="broadcast", abort=abort,
+                              fail_keys=errors)
+                direct = tuple(r for r, key in zip(ranks, modes, strict=True) if store.get(key) == b"direct")
+                ring_ranks = [r for r in ranks if r not in direct]
+                self.last_direct_ranks = direct
+            if ring_ranks:
+                self._run_ring(rendezvous, plan, seg, fill, ring_ranks, errors, deadline_at, abort)
+            if self.last_direct_ranks:
+                wait_for_keys(store, [session_key(rendezvous, "done", r) for r in self.last_direct_ranks],
                               deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
         except BaseException as exc:
             try:  # tell receivers to stop waiting for buckets that will never come
@@ -148,15 +167,36 @@ class ShmSender(Sender):
             self._forget_keys(rendezvous, plan.num_buckets)
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
+    def _run_ring(self, rendezvous, plan, seg: _Segment, fill, ring_ranks, errors, deadline_at, abort) -> None:
+        store = self._store
+        n = plan.num_buckets
+        seg.acquire()
+        try:
+            for bucket in range(n):
+                if bucket >= 2:
+                    wait_for_keys(store, [session_key(rendezvous, "ack", bucket - 2, r) for r in ring_ranks],
+                                  deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
+                fill(bucket, seg.slots[bucket % 2])
+                store.set(session_key(rendezvous, "ready", bucket), b"1")
+        finally:
+            seg.release()
+        for bucket in range(max(0, n - 2), n):
+            wait_for_keys(store, [session_key(rendezvous, "ack", bucket, r) for r in ring_ranks],
+                          deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
+
     def _forget_keys(self, rendezvous, n: int) -> None:
         # Bounded store growth across thousands of steps; a missing key is fine.
+        receivers = range(1, rendezvous.world_size)
+        keys = [session_key(rendezvous, name) for name in ("direct", "addresses")]
+        keys += [session_key(rendezvous, name, r) for r in receivers for name in ("mode", "done")]
         for bucket in range(n):
-            for key in [session_key(rendezvous, "ready", bucket)] + [
-                    session_key(rendezvous, "ack", bucket, r) for r in range(1, rendezvous.world_size)]:
-                try:
-                    self._store.delete_key(key)
-                except Exception:
-                    return
+            keys.append(session_key(rendezvous, "ready", bucket))
+            keys += [session_key(rendezvous, "ack", bucket, r) for r in receivers]
+        for key in keys:
+            try:
+                self._store.delete_key(key)
+            except Exception:
+                return
 
     def _ensure_segment(self, bucket_bytes: int) -> _Segment:
         if self._segment is None or self._segment.bucket_bytes != bucket_bytes:
@@ -179,6 +219,8 @@ class ShmReceiver(Receiver):
     def __init__(self) -> None:
         self._store: tuple[tuple[str, int], dist.Store] | None = None
         self._segment: _Segment | None = None
+        self._remote: RemoteMemory | None = None
+        self.last_mode = ""  # "direct" or "ring": how the last receive read its bytes
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
@@ -192,21 +234,20 @@ class ShmReceiver(Receiver):
             with nothing_written():
                 wait_for_keys(store, [session_key(rendezvous, "segment")], deadline_at=deadline_at,
                               operation="receive", abort=abort, fail_keys=stop)
-                path, size = store.get(session_key(rendezvous, "segment")).decode().rsplit("|", 1)
-                if int(size) != plan.bucket_bytes:
-                    raise TransferError(f"segment bucket size {size} != plan bucket size {plan.bucket_bytes}")
-                seg = self._ensure_segment(path, plan.bucket_bytes)
-            seg.acquire()
-            try:
-                for bucket in range(plan.num_buckets):
-                    wait_for_keys(store, [session_key(rendezvous, "ready", bucket)], deadline_at=deadline_at,
-                                  operation="receive", abort=abort, fail_keys=stop)
-                    unpack_bucket(plan, bucket, seg.slots[bucket % 2], targets)
-                    if on_bucket is not None:
-                        on_bucket(bucket)
-                    store.set(session_key(rendezvous, "ack", bucket, rank), b"1")
-            finally:
-                seg.release()
+                direct = self._direct_plan(store, rendezvous, plan, targets)
+                if direct is None:
+                    path, size = store.get(session_key(rendezvous, "segment")).decode().rsplit("|", 1)
+                    if int(size) != plan.bucket_bytes:
+                        raise TransferError(f"segment bucket size {size} != plan bucket size {plan.bucket_bytes}")
+                    seg = self._ensure_segment(path, plan.bucket_bytes)
+                if store.check([session_key(rendezvous, "direct")]):  # the trainer waits for every answer
+                    store.set(session_key(rendezvous, "mode", rank), b"ring" if direct is None else b"direct")
+            self.last_mode = "ring" if direct is None else "direct"
+            if direct is not None:
+                self._read_direct(store, rendezvous, plan, *direct, stop[0], deadline_at, abort, on_bucket)
+                store.set(session_key(rendezvous, "done", rank), b"1")
+            else:
+                self._read_ring(store, rendezvous, rank, plan, seg, targets, stop, deadline_at, abort, on_bucket)
         except BaseException as exc:
             try:
                 store.set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
@@ -214,6 +255,66 @@ class ShmReceiver(Receiver):
                 pass
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _direct_plan(self, store, rendezvous, plan, targets) -> tuple[np.ndarray, np.ndarray] | None:
+        """(our targets' addresses, the trainer's sources' addresses) where this receive can
+        read the trainer's memory directly; None for the ring."""
+        offer = session_key(rendezvous, "direct")
+        if not direct_enabled() or not store.check([offer]):
+            return None
+        local = tensor_addresses(targets, plan.dtypes, plan.sizes)
+        if local is None:
+            return None
+        description = store.get(offer)
+        if self._remote is None or not self._remote.describes(description):
+            self._remote = RemoteMemory.attach(description)
+        elif not self._remote.beacon_matches():
+            self._remote = None
+        if self._remote is None:
+            return None
+        remote = np.frombuffer(store.get(session_key(rendezvous, "addresses")), dtype=np.uint64)
+        if len(remote) != len(local):
+            raise TransferError(f"the trainer offered {len(remote)} tensor addresses for a plan of {len(local)}")
+        return local, remote
+
+    def _read_direct(self, store, rendezvous, plan, local, remote, abort_key, deadline_at, abort, on_bucket) -> None:
+        memory = self._remote
+        sizes = plan._nbytes.astype(np.uint64)
+        for bucket in range(plan.num_buckets):
+            if abort.is_set():
+                raise TransferError("receive aborted")
+            if store.check([abort_key]):
+                raise TransferError(f"peer reported failure: {store.get(abort_key).decode(errors='replace')}")
+            if time.monotonic() >= deadline_at:
+                raise StepTimeoutError("deadline exceeded during receive", operation="receive")
+            whole, _, split = plan._whole_and_split[bucket]
+            index = np.fromiter(whole, dtype=np.int64, count=len(whole))
+            to, source, lengths = local[index], remote[index], sizes[index]
+            if split:
+                pieces = np.array([(p.tensor_index, p.tensor_start, p.length) for p in split], dtype=np.uint64)
+                at = pieces[:, 0].astype(np.int64)
+                to = np.concatenate([to, local[at] + pieces[:, 1]])
+                source = np.concatenate([source, remote[at] + pieces[:, 1]])
+                lengths = np.concatenate([lengths, pieces[:, 2]])
+            memory.read(to, source, lengths)
+            if on_bucket is not None:
+                on_bucket(bucket)
+        if not memory.beacon_matches():  # the pid was the trainer's for the whole read
+            self._remote = None
+            raise TransferError(f"the trainer (pid {memory.pid}) went away during the read")
+
+    def _read_ring(self, store, rendezvous, rank, plan, seg, targets, stop, deadline_at, abort, on_bucket) -> None:
+        seg.acquire()
+        try:
+            for bucket in range(plan.num_buckets):
+                wait_for_keys(store, [session_key(rendezvous, "ready", bucket)], deadline_at=deadline_at,
+                              operation="receive", abort=abort, fail_keys=stop)
+                unpack_bucket(plan, bucket, seg.slots[bucket % 2], targets)
+                if on_bucket is not None:
+                    on_bucket(bucket)
+                store.set(session_key(rendezvous, "ack", bucket, rank), b"1")
+        finally:
+            seg.release()
 
     def _ensure_segment(self, path: str, bucket_bytes: int) -> _Segment:
         if self._segment is None or self._segment.path != path:
@@ -230,6 +331,7 @@ class ShmReceiver(Receiver):
             self._segment.close()
             self._segment = None
         self._store = None
+        self._remote = None
 
 
 __all__ = ["ShmSender", "ShmReceiver", "SHM_DIR"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -26,7 +27,7 @@ import torch
 
 from weightsync.apps.bench.baselines import METHODS, Baselines
 from weightsync.apps.local_cluster import LocalCluster
-from weightsync.client import LoopLagProbe, Probe, TrainerClient
+from weightsync.client import EngineClient, LoopLagProbe, Probe, TrainerClient
 from weightsync.engine.model import SHAPE_PROFILES, ModelConfig, ReferenceLM, config_for_size
 from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
 
@@ -60,11 +61,22 @@ class Progress:
 
 
 def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engines: int, seconds: list[float],
-             lag: dict | None) -> dict:
+             lag: dict | None, read: list[str] | None = None) -> dict:
     median = statistics.median(seconds)
     return {"method": method, "transport": transport, "bytes": nbytes, "tensors": tensors, "engines": engines,
             "seconds": {"min": min(seconds), "median": median, "max": max(seconds)},
-            "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag}
+            "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag, "read": read}
+
+
+async def _reads(agents: list[str], rounds: int) -> list[str]:
+    """How the engines read their last ``rounds`` shm transfers ("direct", "ring"), from
+    their agents' transfer_done events."""
+    seen: set[str] = set()
+    for address in agents:
+        async with EngineClient(address) as engine:
+            done = [e for e in await engine.events() if e.kind == "transfer_done"][-rounds:]
+        seen.update(e.fields["read"] for e in done if "read" in e.fields)
+    return sorted(seen)
 
 
 def _perturb(model: ReferenceLM) -> None:
@@ -80,8 +92,27 @@ def probe_sequences(model: ReferenceLM, count: int = 4, length: int = 16) -> lis
     return torch.randint(0, model.cfg.vocab_size, (count, length), generator=g).tolist()
 
 
+@contextlib.asynccontextmanager
+async def _shm_variant(transport: str):
+    """The transport's name for the client; for ``shm-ring``, shm with this trainer
+    offering no direct reads for the duration (the engines then take the ring)."""
+    if transport != "shm-ring":
+        yield transport
+        return
+    before = os.environ.get("WEIGHTSYNC_SHM_DIRECT")
+    os.environ["WEIGHTSYNC_SHM_DIRECT"] = "0"
+    try:
+        yield "shm"
+    finally:
+        if before is None:
+            os.environ.pop("WEIGHTSYNC_SHM_DIRECT", None)
+        else:
+            os.environ["WEIGHTSYNC_SHM_DIRECT"] = before
+
+
 async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list[str], steps: int,
-                           bucket_bytes: int, engines: int, progress: Progress, attest: bool) -> list[dict]:
+                           bucket_bytes: int, engines: int, progress: Progress, attest: bool,
+                           agents: list[str]) -> list[dict]:
     results = []
     version = 0
     tensors = sum(1 for _ in model.parameters())
@@ -90,7 +121,8 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
     # (torch's named_parameters) costs ~10 us per tensor, outside weightsync.
     named = list(model.named_parameters())
     for transport in transports:
-        async with TrainerClient(address, transport=transport, bucket_bytes=bucket_bytes) as client:
+        async with _shm_variant(transport) as name, TrainerClient(address, transport=name,
+                                                                  bucket_bytes=bucket_bytes) as client:
             version += 1
             await client.update_weights(named, version=version, timeout_s=600)  # warm-up
             progress.step(f"weightsync/{transport} warm-up")
@@ -114,7 +146,8 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
                     lags.append(lag)
                     progress.step(f"{method}/{transport}")
                 lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags)}
-                results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag))
+                read = await _reads(agents, steps) if transport.startswith("shm") else None
+                results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read))
             state = await client.get_state(include_digests=True)
             local = await asyncio.to_thread(weights_digest, model.named_parameters())
             if len(state.engines) != engines or any(e.weights_digest != local for e in state.engines):
@@ -188,7 +221,7 @@ def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, base
                           settle_s=1.0) as cluster:
             results += asyncio.run(_weightsync_runs(cluster.address, model, transports=transports, steps=steps,
                                                     bucket_bytes=bucket_bytes, engines=engines, progress=progress,
-                                                    attest=attest))
+                                                    attest=attest, agents=[a.address for a in cluster.agents]))
         if baselines:
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             with Baselines(named, engines=engines, steps=steps, tmp=tmp) as runs:
@@ -207,12 +240,12 @@ def machine() -> dict:
 def table(report: dict) -> str:
     """The report as a fixed-width table."""
     rows = [f"{'method':<18} {'transport':<9} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
-            f"{'min s':>8} {'Gbit/s':>7} {'lag p99/max ms':>15}"]
+            f"{'min s':>8} {'Gbit/s':>7} {'lag p99/max ms':>15}  read"]
     for r in report["results"]:
         lag = f"{r['loop_lag_ms']['p99']:.1f}/{r['loop_lag_ms']['max']:.1f}" if r["loop_lag_ms"] else "-"
         rows.append(f"{r['method']:<18} {r['transport'] or '-':<9} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
                     f"{r['engines']:>7} {r['seconds']['median']:>9.3f} {r['seconds']['min']:>8.3f} "
-                    f"{r['gbps']:>7.2f} {lag:>15}")
+                    f"{r['gbps']:>7.2f} {lag:>15}  {'+'.join(r.get('read') or []) or '-'}")
     return "\n".join(rows)
 
 

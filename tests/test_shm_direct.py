@@ -1,0 +1,197 @@
+"""The shm transport's direct mode: engines read the trainer's tensors with cross-memory
+attach (``process_vm_readv``), one copy, and fall back to the shared-memory ring where
+they cannot. Real store, real kernel calls; the kernel's refusal is a real one (a
+reader running as another user). Cross-process rounds are in test_e2e (``shm`` and
+``shm-ring``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_transports import KINDS, rendezvous
+from weightsync import transport as transports
+from weightsync.errors import TransferError
+from weightsync.plan import BucketPlan
+from weightsync.transport.cross_memory import Beacon, RemoteMemory
+from weightsync.transport.store import host_store
+
+SHM = KINDS["shm"]
+
+
+def model_tensors() -> list[torch.Tensor]:
+    # Many small tensors (whole inside a bucket), one spanning several buckets, a 0-d one.
+    return ([torch.randn(7, 3) for _ in range(40)] + [torch.randn(5000)] + [torch.tensor(2.5)]
+            + [torch.arange(100, dtype=torch.int64)])
+
+
+def receive_all(sender, receivers, plan, sources, targets, *, timeout_s=20.0):
+    rdzv = rendezvous(store_of(sender), SHM, len(receivers) + 1)
+    errors: dict[int, BaseException] = {}
+
+    def receive(rank):
+        try:
+            receivers[rank - 1].receive(rdzv, rank, plan, targets[rank - 1], deadline_at=time.monotonic() + timeout_s,
+                                        abort=threading.Event())
+        except BaseException as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in range(1, len(receivers) + 1)]
+    for t in threads:
+        t.start()
+    try:
+        sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + timeout_s, abort=threading.Event())
+    finally:
+        for t in threads:
+            t.join(timeout_s + 5)
+    assert errors == {}, errors
+
+
+def store_of(sender):
+    return sender._store
+
+
+def zeros_like(plan):
+    return [torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots]
+
+
+def test_engines_read_the_trainers_tensors_directly_and_one_that_cannot_takes_the_ring():
+    """Receiver 1's targets are plain tensors: it reads directly. Receiver 2 has one
+    target it cannot write as a run of bytes (a transposed view): it takes the ring, in
+    the same round. Both end bitwise equal to the trainer, round after round."""
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(SHM, store)
+    receivers = [transports.make_receiver(SHM) for _ in range(2)]
+    sources = model_tensors()
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=4096)
+    assert plan.num_buckets > 5
+    direct_targets = zeros_like(plan)
+    ring_targets = zeros_like(plan)
+    ring_targets[0] = torch.zeros(3, 7).t()  # same shape and dtype, not contiguous
+    try:
+        for step in range(3):
+            for s in sources:
+                s.add_(step + 1)
+            receive_all(sender, receivers, plan, sources, [direct_targets, ring_targets])
+            assert sender.last_direct_ranks == (1,)
+            assert [r.last_mode for r in receivers] == ["direct", "ring"]
+            for targets in (direct_targets, ring_targets):
+                for got, want in zip(targets, sources, strict=True):
+                    assert torch.equal(got, want)
+        # Every engine direct: the ring carries nothing (the trainer packs no bucket).
+        receive_all(sender, receivers[:1], plan, sources, [direct_targets])
+        assert sender.last_direct_ranks == (1,) and receivers[0].last_mode == "direct"
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()
+
+
+def test_sources_that_are_not_runs_of_bytes_go_through_the_ring():
+    """A non-contiguous source, or a plan that casts, cannot be read directly: the
+    trainer offers nothing and every engine takes the ring."""
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(SHM, store)
+    receiver = transports.make_receiver(SHM)
+    try:
+        strided = [torch.randn(30, 40).t(), torch.randn(100)]
+        plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(strided)], bucket_bytes=1024)
+        targets = zeros_like(plan)
+        receive_all(sender, [receiver], plan, strided, [targets])
+        assert sender.last_direct_ranks == () and receiver.last_mode == "ring"
+        assert all(torch.equal(a, b) for a, b in zip(targets, strided, strict=True))
+
+        cast = [torch.randn(300)]
+        plan = BucketPlan.from_tensors([("c", cast[0])], bucket_bytes=256, wire_dtype=torch.bfloat16)
+        targets = zeros_like(plan)
+        receive_all(sender, [receiver], plan, cast, [targets])
+        assert receiver.last_mode == "ring" and torch.equal(targets[0], cast[0].to(torch.bfloat16))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_the_switch_turns_direct_reads_off(monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "0")
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(SHM, store)
+    receiver = transports.make_receiver(SHM)
+    sources = model_tensors()
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=4096)
+    targets = zeros_like(plan)
+    try:
+        receive_all(sender, [receiver], plan, sources, [targets])
+        assert receiver.last_mode == "ring"
+        assert all(torch.equal(a, b) for a, b in zip(targets, sources, strict=True))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_beacon_that_does_not_read_back_is_not_attached():
+    beacon = Beacon()
+    pid, address, value = beacon.describe().decode().split("|")
+    assert RemoteMemory.attach(beacon.describe()) is not None
+    wrong_value = f"{pid}|{address}|{'00' * 16}".encode()
+    assert RemoteMemory.attach(wrong_value) is None
+    assert RemoteMemory.attach(b"not a description") is None
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert RemoteMemory.attach(f"{gone.pid}|{address}|{value}".encode()) is None
+
+
+def test_reading_a_process_that_exited_is_a_transfer_error():
+    """What an engine sees when the trainer dies mid-read: the next read fails, typed."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    memory = RemoteMemory(child.pid, 0, b"")
+    child.stdin.close()
+    child.wait(timeout=30)
+    out = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(TransferError, match=f"pid {child.pid}"):
+        memory.read(np.array([out.data_ptr()], np.uint64), np.array([4096], np.uint64), np.array([16], np.uint64))
+
+
+def test_many_runs_are_read_in_calls_the_kernel_accepts():
+    """More runs than one call takes (IOV_MAX 1024): read in several calls, all bytes right."""
+    source = torch.randn(5000)
+    out = torch.zeros(5000)
+    beacon = Beacon()
+    memory = RemoteMemory.attach(beacon.describe()) or pytest.fail("cannot read this process")
+    starts = np.arange(0, 5000 * 4, 4, dtype=np.uint64)  # one run per float: 5000 runs
+    memory.read(out.data_ptr() + starts, source.data_ptr() + starts, np.full(5000, 4, np.uint64))
+    assert torch.equal(out, source)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop a reader to another user")
+def test_the_kernel_refuses_a_reader_of_another_user():
+    """A reader that may not ptrace the trainer (a forked child that became 'nobody') is
+    refused by the kernel, and attach says so (the engine would take the ring); the same
+    child before dropping its user reads the beacon."""
+    beacon = Beacon()
+    description = beacon.describe()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only ctypes calls, then _exit
+        try:
+            before = RemoteMemory.attach(description) is not None
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            after = RemoteMemory.attach(description) is not None
+            os.write(write, f"{before} {after}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        answer = os.read(read, 64).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert answer == "True False", answer

@@ -1,0 +1,157 @@
+"""Reading the trainer's memory straight into an engine's tensors: Linux cross-memory
+attach (``process_vm_readv``), the shm transport's direct mode.
+
+Through the shared-memory ring every byte is copied twice (the trainer packs it into a
+slot, each engine copies it out). With cross-memory attach each engine's kernel call
+copies the trainer's tensors into the engine's own, once, and the trainer copies
+nothing. The kernel allows it where the engine could ptrace the trainer: the same user
+and no Yama restriction (``/proc/sys/kernel/yama/ptrace_scope`` 0), or
+``CAP_SYS_PTRACE``; in the same PID namespace, because the trainer is named by its pid.
+So this is no new access: a process that passes the check could already read all of
+the trainer's memory.
+
+The trainer proves which process it is with a *beacon*: 16 random bytes in its memory,
+whose address and value travel through the authenticated rendezvous store. An engine
+reads the beacon first (wrong process, other PID namespace, not permitted: the engine
+uses the ring instead) and again after its last bucket (the trainer, not a process that
+took its pid, was read the whole time).
+
+``WEIGHTSYNC_SHM_DIRECT=0`` on either side turns the direct mode off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from weightsync.errors import TransferError
+
+# The kernel's limits per call: at most IOV_MAX (1024) segments, and a transfer is
+# capped near 2 GiB (MAX_RW_COUNT); stay well inside both.
+_IOV_MAX = 1024
+_MAX_CALL_BYTES = 1 << 30
+_BEACON_BYTES = 16
+
+
+def direct_enabled() -> bool:
+    """Whether this process may use the direct mode (``WEIGHTSYNC_SHM_DIRECT``, default on;
+    Linux on a 64-bit machine only)."""
+    return (os.environ.get("WEIGHTSYNC_SHM_DIRECT", "1") != "0" and sys.platform == "linux"
+            and ctypes.sizeof(ctypes.c_void_p) == 8)
+
+
+_readv = None
+
+
+def _process_vm_readv():
+    global _readv
+    if _readv is None:
+        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+        fn.restype = ctypes.c_ssize_t
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                       ctypes.c_ulong]
+        _readv = fn
+    return _readv
+
+
+class Beacon:
+    """The trainer's side: random bytes at a fixed address of this process, for readers
+    to check they are reading this process."""
+
+    def __init__(self) -> None:
+        self._value = secrets.token_bytes(_BEACON_BYTES)
+        self._buffer = ctypes.create_string_buffer(self._value, _BEACON_BYTES)
+
+    def describe(self) -> bytes:
+        """What a reader needs: ``pid|address|value`` (value in hex)."""
+        return f"{os.getpid()}|{ctypes.addressof(self._buffer)}|{self._value.hex()}".encode()
+
+
+def tensor_addresses(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype],
+                     sizes: Sequence[int]) -> np.ndarray | None:
+    """The address of each tensor's first byte (uint64), or None unless every tensor is
+    a contiguous CPU tensor of the given dtype and byte size: only those can be read or
+    written as one run of bytes."""
+    # One tight pass (20k tensors: about 10 ms); torch's cheapest accessors.
+    out = []
+    for tensor, dtype, size in zip(tensors, dtypes, sizes, strict=True):
+        if not tensor.is_cpu or tensor.dtype is not dtype or tensor.nbytes != size or not tensor.is_contiguous():
+            return None
+        out.append(tensor.data_ptr())
+    return np.array(out, dtype=np.uint64)
+
+
+class RemoteMemory:
+    """The engine's side: reads runs of bytes of the trainer's memory into its own."""
+
+    def __init__(self, pid: int, beacon_address: int, beacon_value: bytes, description: bytes = b"") -> None:
+        self.pid = pid
+        self._beacon = (beacon_address, beacon_value)
+        self._description = description
+
+    def describes(self, description: bytes) -> bool:
+        """Whether ``description`` is the one this was attached with."""
+        return description == self._description
+
+    @classmethod
+    def attach(cls, description: bytes) -> RemoteMemory | None:
+        """The trainer ``description`` (``Beacon.describe``) names, if its beacon reads
+        back right from here; None where the kernel refuses or another process answers."""
+        try:
+            pid, address, value = description.decode().split("|")
+            memory = cls(int(pid), int(address), bytes.fromhex(value), description)
+        except ValueError:
+            return None
+        return memory if memory.beacon_matches() else None
+
+    def beacon_matches(self) -> bool:
+        """Whether the beacon still reads back (False on any refusal)."""
+        address, value = self._beacon
+        got = ctypes.create_string_buffer(len(value))
+        try:
+            self.read(np.array([ctypes.addressof(got)], np.uint64), np.array([address], np.uint64),
+                      np.array([len(value)], np.uint64))
+        except TransferError:
+            return False
+        return got.raw == value
+
+    def read(self, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> None:
+        """Copies ``lengths[i]`` bytes from the trainer's ``remote[i]`` to our ``local[i]``
+        for every i (uint64 arrays of one length); TransferError if any byte could not be
+        read."""
+        n = len(lengths)
+        if n == 0:
+            return
+        # struct iovec is {void *base; size_t len}: two uint64 columns, row-major.
+        local_iov = np.empty((n, 2), np.uint64)
+        remote_iov = np.empty((n, 2), np.uint64)
+        local_iov[:, 0], local_iov[:, 1] = local, lengths
+        remote_iov[:, 0], remote_iov[:, 1] = remote, lengths
+        if int(lengths.max()) > _MAX_CALL_BYTES:
+            raise TransferError(f"a run of {int(lengths.max())} bytes is larger than one read allows")
+        readv = _process_vm_readv()
+        cumulative = np.cumsum(lengths, dtype=np.uint64)
+        start = 0
+        while start < n:
+            # As many segments as one call takes, within the byte cap.
+            base = int(cumulative[start - 1]) if start else 0
+            stop = min(n, start + _IOV_MAX, int(np.searchsorted(cumulative, base + _MAX_CALL_BYTES, "right")))
+            stop = max(stop, start + 1)
+            want = int(cumulative[stop - 1]) - base
+            count = stop - start
+            got = readv(self.pid, local_iov[start:].ctypes.data, count, remote_iov[start:].ctypes.data, count, 0)
+            if got < 0:
+                err = ctypes.get_errno()
+                raise TransferError(f"cannot read the trainer's memory (pid {self.pid}): {os.strerror(err)}")
+            if got != want:
+                raise TransferError(f"read {got} of {want} bytes of the trainer's memory (pid {self.pid})")
+            start = stop
+
+
+__all__ = ["Beacon", "RemoteMemory", "direct_enabled", "tensor_addresses"]
