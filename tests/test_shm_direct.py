@@ -63,18 +63,21 @@ def zeros_like(plan):
 
 
 def test_engines_read_the_trainers_tensors_directly_and_one_that_cannot_takes_the_ring():
-    """Receiver 1's targets are plain tensors: it reads directly. Receiver 2 has one
-    target it cannot write as a run of bytes (a transposed view): it takes the ring, in
-    the same round. Both end bitwise equal to the trainer, round after round."""
+    """Receiver 1 reads directly; one of its targets is a transposed view (not a run of
+    bytes), read through a bounce buffer. Receiver 2 does not read directly (as where
+    the kernel refuses): it takes the ring, in the same round. Both end bitwise equal to
+    the trainer, round after round."""
+    from weightsync.transport.shm import ShmReceiver
+
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(SHM, store)
-    receivers = [transports.make_receiver(SHM) for _ in range(2)]
+    receivers = [ShmReceiver(), ShmReceiver(direct=False)]
     sources = model_tensors()
     plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=4096)
     assert plan.num_buckets > 5
     direct_targets = zeros_like(plan)
+    direct_targets[0] = torch.zeros(3, 7).t()  # same shape and dtype, not contiguous
     ring_targets = zeros_like(plan)
-    ring_targets[0] = torch.zeros(3, 7).t()  # same shape and dtype, not contiguous
     try:
         for step in range(3):
             for s in sources:
@@ -92,6 +95,38 @@ def test_engines_read_the_trainers_tensors_directly_and_one_that_cannot_takes_th
         sender.close()
         for r in receivers:
             r.close()
+
+
+def test_a_streamed_load_gets_its_tensors_bucket_by_bucket():
+    """Direct reads ask for targets as their buckets come, like the ring: a streamed
+    load (vLLM's worker) never holds more than the buckets being read."""
+    from weightsync.engine.streamed_load import StreamedTargets
+
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(SHM, store)
+    receiver = transports.make_receiver(SHM)
+    sources = [torch.randn(1024) for _ in range(16)]  # 4 KiB each, one per bucket
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=4096)
+    targets = StreamedTargets(plan, torch.device("cpu"))
+    seen = []
+    try:
+        rdzv = rendezvous(store, SHM, 2)
+        thread = threading.Thread(target=sender.send, args=(rdzv, plan, sources),
+                                  kwargs={"deadline_at": time.monotonic() + 20, "abort": threading.Event()})
+        thread.start()
+
+        def on_bucket(bucket):  # what the streamed load does: hand the tensor on, let it go
+            seen.append(targets.take(bucket))
+
+        receiver.receive(rdzv, 1, plan, targets, deadline_at=time.monotonic() + 20, abort=threading.Event(),
+                         on_bucket=on_bucket)
+        thread.join(20)
+        assert receiver.last_mode == "direct"
+        assert targets.peak_bytes == 4096, "one tensor alive at a time"
+        assert all(torch.equal(a, b) for a, b in zip(seen, sources, strict=True))
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_sources_that_are_not_runs_of_bytes_go_through_the_ring():

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import StepTimeoutError, TransferError
-from weightsync.plan import pack_bucket, unpack_bucket
+from weightsync.plan import byte_view, pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.cross_memory import Beacon, RemoteMemory, direct_enabled, tensor_addresses
 from weightsync.transport.store import connect_store, session_key, wait_for_keys
@@ -216,10 +216,13 @@ class ShmReceiver(Receiver):
 
     kind = common_pb2.TRANSPORT_KIND_SHM
 
-    def __init__(self) -> None:
+    def __init__(self, *, direct: bool | None = None) -> None:
+        """``direct``: whether to read the trainer's memory when offered (default: unless
+        ``WEIGHTSYNC_SHM_DIRECT=0``)."""
         self._store: tuple[tuple[str, int], dist.Store] | None = None
         self._segment: _Segment | None = None
         self._remote: RemoteMemory | None = None
+        self._direct = direct
         self.last_mode = ""  # "direct" or "ring": how the last receive read its bytes
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
@@ -234,7 +237,7 @@ class ShmReceiver(Receiver):
             with nothing_written():
                 wait_for_keys(store, [session_key(rendezvous, "segment")], deadline_at=deadline_at,
                               operation="receive", abort=abort, fail_keys=stop)
-                direct = self._direct_plan(store, rendezvous, plan, targets)
+                direct = self._trainer_memory(store, rendezvous, plan)
                 if direct is None:
                     path, size = store.get(session_key(rendezvous, "segment")).decode().rsplit("|", 1)
                     if int(size) != plan.bucket_bytes:
@@ -244,7 +247,7 @@ class ShmReceiver(Receiver):
                     store.set(session_key(rendezvous, "mode", rank), b"ring" if direct is None else b"direct")
             self.last_mode = "ring" if direct is None else "direct"
             if direct is not None:
-                self._read_direct(store, rendezvous, plan, *direct, stop[0], deadline_at, abort, on_bucket)
+                self._read_direct(store, plan, targets, direct, stop[0], deadline_at, abort, on_bucket)
                 store.set(session_key(rendezvous, "done", rank), b"1")
             else:
                 self._read_ring(store, rendezvous, rank, plan, seg, targets, stop, deadline_at, abort, on_bucket)
@@ -256,14 +259,12 @@ class ShmReceiver(Receiver):
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
-    def _direct_plan(self, store, rendezvous, plan, targets) -> tuple[np.ndarray, np.ndarray] | None:
-        """(our targets' addresses, the trainer's sources' addresses) where this receive can
-        read the trainer's memory directly; None for the ring."""
+    def _trainer_memory(self, store, rendezvous, plan) -> list[int] | None:
+        """The trainer's source addresses (plan order) where this receive can read the
+        trainer's memory directly; None for the ring."""
         offer = session_key(rendezvous, "direct")
-        if not direct_enabled() or not store.check([offer]):
-            return None
-        local = tensor_addresses(targets, plan.dtypes, plan.sizes)
-        if local is None:
+        enabled = direct_enabled() if self._direct is None else self._direct
+        if not enabled or not store.check([offer]):
             return None
         description = store.get(offer)
         if self._remote is None or not self._remote.describes(description):
@@ -273,13 +274,19 @@ class ShmReceiver(Receiver):
         if self._remote is None:
             return None
         remote = np.frombuffer(store.get(session_key(rendezvous, "addresses")), dtype=np.uint64)
-        if len(remote) != len(local):
-            raise TransferError(f"the trainer offered {len(remote)} tensor addresses for a plan of {len(local)}")
-        return local, remote
+        if len(remote) != len(plan):
+            raise TransferError(f"the trainer offered {len(remote)} tensor addresses for a plan of {len(plan)}")
+        return remote.tolist()
 
-    def _read_direct(self, store, rendezvous, plan, local, remote, abort_key, deadline_at, abort, on_bucket) -> None:
+    def _read_direct(self, store, plan, targets, remote: list[int], abort_key, deadline_at, abort,
+                     on_bucket) -> None:
+        """Every bucket's pieces, read from the trainer's tensors into the targets: one
+        kernel call per bucket (per 1024 pieces). Targets are asked for bucket by bucket,
+        as the ring does (a streamed load makes each tensor when its bytes arrive). A
+        target the kernel cannot write into as one run of bytes (not a contiguous CPU
+        tensor of the plan's dtype) is read into a bounce buffer and copied."""
         memory = self._remote
-        sizes = plan._nbytes.astype(np.uint64)
+        sizes, dtypes, shapes = plan.sizes, plan.dtypes, plan.shapes
         for bucket in range(plan.num_buckets):
             if abort.is_set():
                 raise TransferError("receive aborted")
@@ -288,15 +295,29 @@ class ShmReceiver(Receiver):
             if time.monotonic() >= deadline_at:
                 raise StepTimeoutError("deadline exceeded during receive", operation="receive")
             whole, _, split = plan._whole_and_split[bucket]
-            index = np.fromiter(whole, dtype=np.int64, count=len(whole))
-            to, source, lengths = local[index], remote[index], sizes[index]
-            if split:
-                pieces = np.array([(p.tensor_index, p.tensor_start, p.length) for p in split], dtype=np.uint64)
-                at = pieces[:, 0].astype(np.int64)
-                to = np.concatenate([to, local[at] + pieces[:, 1]])
-                source = np.concatenate([source, remote[at] + pieces[:, 1]])
-                lengths = np.concatenate([lengths, pieces[:, 2]])
-            memory.read(to, source, lengths)
+            local, source, lengths, bounced = [], [], [], []
+            for i in whole:
+                target = targets[i]
+                if not (target.is_cpu and target.dtype is dtypes[i] and target.is_contiguous()
+                        and target.nbytes == sizes[i]):
+                    buffer = torch.empty(sizes[i], dtype=torch.uint8)
+                    bounced.append((target, buffer.view(dtypes[i]).view(shapes[i])))
+                    target = buffer
+                local.append(target.data_ptr())
+                source.append(remote[i])
+                lengths.append(sizes[i])
+            for p in split:
+                target = byte_view(targets[p.tensor_index])[p.tensor_start:p.tensor_start + p.length]
+                if not target.is_cpu:
+                    buffer = torch.empty(p.length, dtype=torch.uint8)
+                    bounced.append((target, buffer))
+                    target = buffer
+                local.append(target.data_ptr())
+                source.append(remote[p.tensor_index] + p.tensor_start)
+                lengths.append(p.length)
+            memory.read(np.array(local, np.uint64), np.array(source, np.uint64), np.array(lengths, np.uint64))
+            for target, buffer in bounced:
+                target.copy_(buffer)
             if on_bucket is not None:
                 on_bucket(bucket)
         if not memory.beacon_matches():  # the pid was the trainer's for the whole read
