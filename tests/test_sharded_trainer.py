@@ -90,11 +90,9 @@ def test_fsdp2_ranks_each_send_their_shards_and_engines_match_the_full_model(clu
 
 @pytest.mark.parametrize("killed, survivors_see", [
     (1, "SyncFailed"),
-    # On CI an engine was still receiving when the survivors had exited (its lanes end when
-    # their connections close); the state is now read once no engine receives. Not yet
-    # seen passing on a full CI run: kept running, not strict, until it has.
-    pytest.param(0, "TransferError", marks=pytest.mark.xfail(
-        reason="not yet confirmed on a full CI run after the settle fix", strict=False)),
+    # The engines' state is read once none is still receiving: their lanes end when the
+    # killed driver's connections close, which can come after the survivors have exited.
+    (0, "TransferError"),
 ])
 def test_a_rank_killed_mid_send_fails_the_round_on_every_rank_and_the_next_job_heals(cluster_factory, tmp_path,
                                                                                      killed, survivors_see):
