@@ -202,6 +202,13 @@ def test_many_runs_are_read_in_calls_the_kernel_accepts():
     starts = np.arange(0, 5000 * 4, 4, dtype=np.uint64)  # one run per float: 5000 runs
     memory.read(out.data_ptr() + starts, source.data_ptr() + starts, np.full(5000, 4, np.uint64))
     assert torch.equal(out, source)
+    # Runs longer than one call's share (4 MiB) are cut into pieces, an odd tail included.
+    big = torch.randint(0, 255, ((9 << 20) + 3,), dtype=torch.uint8)
+    into = torch.zeros_like(big)
+    memory.read(np.array([into.data_ptr(), into.data_ptr() + 10], np.uint64),
+                np.array([big.data_ptr(), big.data_ptr() + 10], np.uint64),
+                np.array([10, big.numel() - 10], np.uint64))
+    assert torch.equal(into, big)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop a reader to another user")
