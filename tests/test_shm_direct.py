@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_transports import KINDS, rendezvous
+from tests.test_transports import KINDS, rendezvous, run_round
 from weightsync import transport as transports
 from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan
@@ -32,30 +32,10 @@ def model_tensors() -> list[torch.Tensor]:
             + [torch.arange(100, dtype=torch.int64)])
 
 
-def receive_all(sender, receivers, plan, sources, targets, *, timeout_s=20.0):
-    rdzv = rendezvous(store_of(sender), SHM, len(receivers) + 1)
-    errors: dict[int, BaseException] = {}
-
-    def receive(rank):
-        try:
-            receivers[rank - 1].receive(rdzv, rank, plan, targets[rank - 1], deadline_at=time.monotonic() + timeout_s,
-                                        abort=threading.Event())
-        except BaseException as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=receive, args=(r,)) for r in range(1, len(receivers) + 1)]
-    for t in threads:
-        t.start()
-    try:
-        sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + timeout_s, abort=threading.Event())
-    finally:
-        for t in threads:
-            t.join(timeout_s + 5)
+def receive_all(sender, receivers, plan, sources, targets):
+    _, errors = run_round(sender, receivers, rendezvous(sender._store, SHM, len(receivers) + 1), plan, sources,
+                          targets=targets)
     assert errors == {}, errors
-
-
-def store_of(sender):
-    return sender._store
 
 
 def zeros_like(plan):

@@ -30,8 +30,11 @@ def rendezvous(store, kind, world, group="g1"):
                                  world_size=world, session_id=uuid.uuid4().hex)
 
 
-def run_round(sender, receivers, rdzv, plan, sources, *, timeout_s=20.0, fail_rank=None):
-    targets = [[torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots] for _ in receivers]
+def run_round(sender, receivers, rdzv, plan, sources, *, timeout_s=20.0, fail_rank=None, targets=None):
+    """One round in threads; returns (each receiver's targets, errors by rank). ``targets``:
+    each receiver's own (default: zeros shaped like the plan)."""
+    if targets is None:
+        targets = [[torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots] for _ in receivers]
     errors: dict[int, BaseException] = {}
 
     def receive(rank):
