@@ -280,8 +280,8 @@ class ShmReceiver(Receiver):
 
     def _read_direct(self, store, plan, targets, remote: list[int], abort_key, deadline_at, abort,
                      on_bucket) -> None:
-        """Every bucket's pieces, read from the trainer's tensors into the targets: one
-        kernel call per bucket (per 1024 pieces). Targets are asked for bucket by bucket,
+        """Every bucket's pieces, read from the trainer's tensors into the targets (kernel
+        calls of at most 4 MiB, see ``cross_memory``). Targets are asked for bucket by bucket,
         as the ring does (a streamed load makes each tensor when its bytes arrive). A
         target the kernel cannot write into as one run of bytes (not a contiguous CPU
         tensor of the plan's dtype) is read into a bounce buffer and copied."""
