@@ -315,11 +315,16 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             # caller that just resumed expects to see it resumed.
             if not view.available:
                 return
+            probe_s = 30.0 if request.include_digests else 2.0
             try:
                 fresh = await record.stub.GetState(
-                    agent_pb2.AgentStateRequest(include_digest=request.include_digests),
-                    timeout=30.0 if request.include_digests else 2.0)
+                    agent_pb2.AgentStateRequest(include_digest=request.include_digests), timeout=probe_s)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and record.heartbeat_age() < probe_s:
+                    # Slow, not gone: a heartbeat arrived while we waited (our channel to
+                    # it can be busy, e.g. carrying a plan of tens of MiB under load). A
+                    # frozen agent sends none. Keep what its heartbeats say.
+                    return
                 # Recorded in the registry, not just this answer: a Pause right after
                 # must not count in an engine GetState just reported unavailable.
                 record.unreachable = f"GetState failed: {exc.code().name}"

@@ -261,6 +261,25 @@ async def test_events_carry_the_key_of_their_operation(cluster):
         assert started == [mine], "one execution per key, and the event says which"
 
 
+async def test_a_slow_getstate_from_an_agent_that_heartbeats_is_not_unavailable(cluster_factory):
+    """The other side of the test below: an agent that answers GetState late (always 3 s, past
+    the coordinator's 2 s probe; its channel busy, say, with a plan of tens of MiB) but
+    keeps heartbeating is alive. It stays available, and no engine_unavailable event
+    says otherwise (seen on CI: a 1M-tensor plan made a probe time out)."""
+    slow_state = [{"op": "rpc", "action": "delay", "method": "GetState", "seconds": 3, "times": 0}]
+    cluster = cluster_factory(2, agent_args=("--enable-fault-injection",),
+                              agent_env={"WEIGHTSYNC_FAULTS": json.dumps(slow_state)})
+    async with TrainerClient(cluster.address) as client:
+        started = time.monotonic()
+        state = await client.get_state()
+        assert time.monotonic() - started >= 2.0, "the probe did not wait for the slow agents"
+        assert all(e.available for e in state.engines), state
+        assert all(o.ok for o in (await client.pause(timeout_s=30)).engines)
+        await client.resume()
+    kinds = [e.kind for e in await coordinator_events(cluster.address)]
+    assert "engine_unavailable" not in kinds, kinds
+
+
 async def test_pause_does_not_count_in_an_engine_getstate_reported_unavailable(cluster_factory):
     # A long heartbeat timeout widens the window in which heartbeats alone still say
     # "available" for a frozen engine; GetState's own probe finds it unreachable first.
