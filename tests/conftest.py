@@ -111,3 +111,12 @@ def cluster_factory(tmp_path) -> Callable[..., LocalCluster]:
 def cluster(cluster_factory) -> Cluster:
     """Coordinator + two reference-engine agents."""
     return cluster_factory(2)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``make test`` runs two workers), the vLLM tier stays on one
+    worker: its tests share module-scoped vLLM servers, and two vLLMs at once on two
+    cores would only slow each other down."""
+    for item in items:
+        if item.nodeid.startswith("tests/vllm/") or "/vllm/" in str(item.path):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
