@@ -259,7 +259,7 @@ class ShmReceiver(Receiver):
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
-    def _trainer_memory(self, store, rendezvous, plan) -> list[int] | None:
+    def _trainer_memory(self, store, rendezvous, plan) -> np.ndarray | None:
         """The trainer's source addresses (plan order) where this receive can read the
         trainer's memory directly; None for the ring."""
         offer = session_key(rendezvous, "direct")
@@ -276,9 +276,9 @@ class ShmReceiver(Receiver):
         remote = np.frombuffer(store.get(session_key(rendezvous, "addresses")), dtype=np.uint64)
         if len(remote) != len(plan):
             raise TransferError(f"the trainer offered {len(remote)} tensor addresses for a plan of {len(plan)}")
-        return remote.tolist()
+        return remote
 
-    def _read_direct(self, store, plan, targets, remote: list[int], abort_key, deadline_at, abort,
+    def _read_direct(self, store, plan, targets, remote: np.ndarray, abort_key, deadline_at, abort,
                      on_bucket) -> None:
         """Every bucket's pieces, read from the trainer's tensors into the targets (kernel
         calls of at most 4 MiB, see ``cross_memory``). Targets are asked for bucket by bucket,
@@ -287,6 +287,11 @@ class ShmReceiver(Receiver):
         tensor of the plan's dtype) is read into a bounce buffer and copied."""
         memory = self._remote
         sizes, dtypes, shapes = plan.sizes, plan.dtypes, plan.shapes
+        # A list of targets that the kernel can all write into (the reference engine's
+        # parameters): every address in one pass, then whole-array work per bucket. A
+        # streamed load (targets made bucket by bucket) or a bounced target: per tensor.
+        writable = (tensor_addresses(targets, dtypes, sizes) if isinstance(targets, (list, tuple)) else None)
+        nbytes = plan._nbytes.astype(np.uint64)
         for bucket in range(plan.num_buckets):
             if abort.is_set():
                 raise TransferError("receive aborted")
@@ -295,27 +300,23 @@ class ShmReceiver(Receiver):
             if time.monotonic() >= deadline_at:
                 raise StepTimeoutError("deadline exceeded during receive", operation="receive")
             whole, _, split = plan._whole_and_split[bucket]
-            local, source, lengths, bounced = [], [], [], []
-            for i in whole:
-                target = targets[i]
-                if not (target.is_cpu and target.dtype is dtypes[i] and target.is_contiguous()
-                        and target.nbytes == sizes[i]):
-                    buffer = torch.empty(sizes[i], dtype=torch.uint8)
-                    bounced.append((target, buffer.view(dtypes[i]).view(shapes[i])))
-                    target = buffer
-                local.append(target.data_ptr())
-                source.append(remote[i])
-                lengths.append(sizes[i])
+            bounced = []
+            if writable is not None:
+                at = np.array(whole, np.int64)
+                local, source, lengths = [writable[at]], [remote[at]], [nbytes[at]]
+            else:
+                local, source, lengths = self._whole_targets(whole, targets, remote, sizes, dtypes, shapes,
+                                                             bounced)
             for p in split:
                 target = byte_view(targets[p.tensor_index])[p.tensor_start:p.tensor_start + p.length]
                 if not target.is_cpu:
                     buffer = torch.empty(p.length, dtype=torch.uint8)
                     bounced.append((target, buffer))
                     target = buffer
-                local.append(target.data_ptr())
-                source.append(remote[p.tensor_index] + p.tensor_start)
-                lengths.append(p.length)
-            memory.read(np.array(local, np.uint64), np.array(source, np.uint64), np.array(lengths, np.uint64))
+                local.append(np.array([target.data_ptr()], np.uint64))
+                source.append(remote[p.tensor_index:p.tensor_index + 1] + np.uint64(p.tensor_start))
+                lengths.append(np.array([p.length], np.uint64))
+            memory.read(np.concatenate(local), np.concatenate(source), np.concatenate(lengths))
             for target, buffer in bounced:
                 target.copy_(buffer)
             if on_bucket is not None:
@@ -323,6 +324,25 @@ class ShmReceiver(Receiver):
         if not memory.beacon_matches():  # the pid was the trainer's for the whole read
             self._remote = None
             raise TransferError(f"the trainer (pid {memory.pid}) went away during the read")
+
+    @staticmethod
+    def _whole_targets(whole, targets, remote: np.ndarray, sizes, dtypes, shapes, bounced: list):
+        """Addresses for the tensors that lie whole in a bucket, one target at a time (a
+        target made on demand is made here); one the kernel cannot write into as one run
+        of bytes (not a contiguous CPU tensor of the plan's dtype) gets a bounce buffer,
+        recorded in ``bounced`` to be copied after the read."""
+        local, lengths = [], []
+        for i in whole:
+            target = targets[i]
+            if not (target.is_cpu and target.dtype is dtypes[i] and target.is_contiguous()
+                    and target.nbytes == sizes[i]):
+                buffer = torch.empty(sizes[i], dtype=torch.uint8)
+                bounced.append((target, buffer.view(dtypes[i]).view(shapes[i])))
+                target = buffer
+            local.append(target.data_ptr())
+            lengths.append(sizes[i])
+        at = np.array(whole, np.int64)
+        return [np.array(local, np.uint64)], [remote[at]], [np.array(lengths, np.uint64)]
 
     def _read_ring(self, store, rendezvous, rank, plan, seg, targets, stop, deadline_at, abort, on_bucket) -> None:
         seg.acquire()
