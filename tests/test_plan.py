@@ -202,3 +202,36 @@ def test_serial_copies_affect_only_the_calling_thread_and_only_inside():
         worker.join()
     assert seen == {"inside": 1, "other": before}
     assert torch.get_num_threads() == before
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=3 << 20), min_size=1, max_size=12),
+       st.sampled_from([1 << 20, 3 << 20, 8 << 20]))
+def test_bucket_ops_cut_each_bucket_into_ranges_with_every_large_piece_on_its_own(sizes, bucket_bytes):
+    """The ranges a network transport moves one by one: they tile the bucket, every
+    piece of at least 1 MiB is exactly one range, and the ranges between hold only small
+    pieces; packing the small ones and copying the large ones by hand makes the bucket
+    that ``pack_bucket`` makes."""
+    from weightsync.plan import SERIAL_COPY_BYTES, pack_piece
+
+    sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=bucket_bytes)
+    for bucket in range(plan.num_buckets):
+        ops = plan.bucket_ops(bucket)
+        if plan.bucket_size(bucket) == 0:  # a plan of empty tensors: nothing to move
+            assert ops == ()
+            continue
+        assert ops[0][0] == 0 and ops[-1][1] == plan.bucket_size(bucket)
+        assert all(a[1] == b[0] for a, b in zip(ops, ops[1:], strict=False))
+        large = {(p.tensor_index, p.tensor_start) for p in plan.bucket_pieces(bucket) if p.length >= SERIAL_COPY_BYTES}
+        assert {(p.tensor_index, p.tensor_start) for _, _, p in ops if p is not None} == large
+        for start, end, piece in ops:
+            if piece is not None:
+                assert (start, end) == (piece.bucket_start, piece.bucket_start + piece.length)
+        expected, built = torch.zeros(bucket_bytes, dtype=torch.uint8), torch.zeros(bucket_bytes, dtype=torch.uint8)
+        pack_bucket(plan, bucket, sources, expected)
+        pack_bucket(plan, bucket, sources, built, small_only=True)
+        for _, _, piece in ops:
+            if piece is not None:
+                pack_piece(plan, piece, sources, built)
+        assert torch.equal(built, expected)

@@ -151,33 +151,53 @@ def test_availability_probes():
         transports.kind_from_name("carrier-pigeon")
 
 
-def test_gloo_direct_buckets_and_cast_mix_correctly():
-    """Buckets wholly inside a tensor go on the wire straight from it (no bucket copy);
-    with a cast the sender packs while the receiver still lands bytes directly."""
-    from weightsync.transport.gloo import _direct
+def _pieces_of(plan, bucket, index):
+    return [p for _, _, p in plan.bucket_ops(bucket) if p is not None and p.tensor_index == index]
+
+
+def test_gloo_sends_large_tensors_from_and_into_the_tensors_and_packs_only_small_ones():
+    """Every piece of 1 MiB or more is a broadcast of its own, from the trainer's tensor
+    into the engine's (no bucket copy on either side); small tensors go packed; a cast
+    (the sender packs) or a target that cannot take bytes (non-contiguous: staged, then
+    copied) still lands bitwise, on the same wire ranges."""
+    from weightsync.transport.gloo import _wire_bytes
 
     kind = KINDS["gloo"]
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(kind, store)
-    receivers = [transports.make_receiver(kind)]
-    sources = [torch.randn(3), torch.randn(4096), torch.randn(5)]
+    receiver = transports.make_receiver(kind)
+    # small, large whole in bucket 0, small, large spanning buckets 0-2, small
+    sources = [torch.randn(3), torch.randn(512, 768), torch.randn(5), torch.randn(1536 * 1024), torch.randn(7)]
     named = [(f"t{i}", t) for i, t in enumerate(sources)]
-    plan = BucketPlan.from_tensors(named, bucket_bytes=1024, wire_dtype=torch.bfloat16)
-    targets_dtype = [s.dtype for s in plan.slots]
-    assert set(targets_dtype) == {torch.bfloat16}
-    direct_receiver = [_direct(plan, b, [torch.empty(s.shape, dtype=s.dtype) for s in plan.slots])
-                       for b in range(plan.num_buckets)]
-    direct_sender = [_direct(plan, b, sources) for b in range(plan.num_buckets)]
-    assert any(d is not None for d in direct_receiver) and any(d is None for d in direct_receiver)
-    assert all(d is None for d in direct_sender)  # fp32 sources, bf16 on the wire: packed with a cast
     try:
-        targets, errors = run_round(sender, receivers, rendezvous(store, kind, 2, group="cast"), plan, sources)
+        plan = BucketPlan.from_tensors(named, bucket_bytes=4 << 20)
+        assert _pieces_of(plan, 0, 1) and all(_pieces_of(plan, b, 3) for b in range(plan.num_buckets))
+        assert not any(_pieces_of(plan, b, i) for b in range(plan.num_buckets) for i in (0, 2, 4))
+        piece = _pieces_of(plan, 0, 1)[0]
+        view = _wire_bytes(sources[1], plan.dtypes[1], piece)
+        assert view is not None and view.data_ptr() == sources[1].data_ptr()  # no copy: the tensor itself
+        targets = [torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots]
+        # a transposed target cannot take the wire's bytes: staged and copied
+        targets[1] = torch.zeros(768, 512).t()
+        assert not targets[1].is_contiguous() and _wire_bytes(targets[1], plan.dtypes[1], piece) is None
+        before = [t.data_ptr() for t in targets]
+        got, errors = run_round(sender, [receiver], rendezvous(store, kind, 2, group="large"), plan, sources,
+                                targets=[targets])
         assert errors == {}
-        for got, src in zip(targets[0], sources, strict=True):
-            assert torch.equal(got, src.to(torch.bfloat16))
+        assert [t.data_ptr() for t in got[0]] == before  # landed in the engine's own tensors
+        for t, src in zip(got[0], sources, strict=True):
+            assert torch.equal(t, src)
+
+        # Cast on the wire: fp32 sources are packed as bf16, bf16 targets take bytes directly.
+        cast = BucketPlan.from_tensors(named, bucket_bytes=4 << 20, wire_dtype=torch.bfloat16)
+        assert _wire_bytes(sources[3], cast.dtypes[3], _pieces_of(cast, 0, 3)[0]) is None
+        got, errors = run_round(sender, [receiver], rendezvous(store, kind, 2, group="cast"), cast, sources)
+        assert errors == {}
+        for t, src in zip(got[0], sources, strict=True):
+            assert torch.equal(t, src.to(torch.bfloat16))
     finally:
         sender.close()
-        receivers[0].close()
+        receiver.close()
 
 
 def test_group_sender_speaks_the_recipe_sglang_joins_with():

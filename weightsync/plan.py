@@ -441,6 +441,34 @@ class BucketPlan:
                         tuple(split[bucket])))
         return tuple(out)
 
+    def bucket_ops(self, bucket: int) -> tuple[tuple[int, int, Piece | None], ...]:
+        """``bucket`` cut into the byte ranges ``(start, end, piece)`` that a network
+        transport moves as one operation each, in order: every piece of at least
+        ``SERIAL_COPY_BYTES`` is a range of its own (``piece`` set: it can go from, or
+        land in, its tensor with no copy), and the bytes between them (small tensors,
+        padding) one range each (``piece`` None: packed through a bucket buffer). Sender
+        and receivers derive the same ranges from the plan alone."""
+        return self._bucket_ops[bucket]
+
+    @cached_property
+    def _bucket_ops(self) -> tuple[tuple[tuple[int, int, Piece | None], ...], ...]:
+        out = []
+        for bucket, (whole, small, split) in enumerate(self._whole_and_split):
+            base = bucket * self.bucket_bytes
+            large = [Piece(i, 0, self.offsets[i] - base, self.sizes[i]) for i in whole[small:]]
+            large += [p for p in split if p.length >= SERIAL_COPY_BYTES]
+            ops: list[tuple[int, int, Piece | None]] = []
+            at = 0
+            for p in sorted(large, key=lambda p: p.bucket_start):
+                if p.bucket_start > at:
+                    ops.append((at, p.bucket_start, None))
+                ops.append((p.bucket_start, p.bucket_start + p.length, p))
+                at = p.bucket_start + p.length
+            if at < self.bucket_size(bucket):
+                ops.append((at, self.bucket_size(bucket), None))
+            out.append(tuple(ops))
+        return tuple(out)
+
     @cached_property
     def _small_splits(self) -> tuple[bool, ...]:
         """Per bucket: whether its pieces of bucket-spanning tensors are all small (copied
@@ -587,15 +615,20 @@ def _copy_whole(small: int, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.T
 
 
 @torch.no_grad()
-def pack_bucket(plan: BucketPlan, bucket: int, sources: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+def pack_bucket(plan: BucketPlan, bucket: int, sources: Sequence[torch.Tensor], out: torch.Tensor, *,
+                small_only: bool = False) -> None:
     """Copies (casting where the plan's dtype differs) bucket ``bucket`` into ``out`` (uint8).
 
     Tensors that lie whole in the bucket go in one ``torch._foreach_copy_`` call per
     size group (one Python call for thousands of small tensors); pieces of larger ones
-    one by one."""
+    one by one. ``small_only``: only the pieces under ``SERIAL_COPY_BYTES`` (the packed
+    ranges of ``plan.bucket_ops``; the large pieces travel on their own)."""
     whole, small, split = plan._whole_and_split[bucket]
+    if small_only:
+        whole = whole[:small]
+        split = [p for p in split if p.length < SERIAL_COPY_BYTES]
     if whole:
-        _copy_whole(small, plan.bucket_views(out, bucket), [sources[i] for i in whole])
+        _copy_whole(small, plan.bucket_views(out, bucket)[:len(whole)], [sources[i] for i in whole])
     with serial_copies() if plan._small_splits[bucket] else contextlib.nullcontext():
         _pack_split(plan, split, sources, out)
 
@@ -613,16 +646,37 @@ def _pack_split(plan: BucketPlan, split: Sequence[Piece], sources: Sequence[torc
             dst.view(dtype).copy_(src[first:first + count])
 
 
+def pack_piece(plan: BucketPlan, piece: Piece, sources: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copies one piece into ``out`` (the bucket's buffer) at its place in the bucket."""
+    with torch.no_grad():
+        _pack_split(plan, [piece], sources, out)
+
+
 @torch.no_grad()
-def unpack_bucket(plan: BucketPlan, bucket: int, data: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+def unpack_bucket(plan: BucketPlan, bucket: int, data: torch.Tensor, targets: Sequence[torch.Tensor], *,
+                  small_only: bool = False) -> None:
     """Copies bucket ``bucket`` from ``data`` (uint8) into ``targets`` (same dtypes as the plan);
-    whole tensors grouped as in ``pack_bucket``."""
+    whole tensors grouped as in ``pack_bucket``; ``small_only`` as there."""
     whole, small, split = plan._whole_and_split[bucket]
+    if small_only:
+        whole = whole[:small]
+        split = [p for p in split if p.length < SERIAL_COPY_BYTES]
     if whole:
-        _copy_whole(small, [targets[i] for i in whole], plan.bucket_views(data, bucket))
+        _copy_whole(small, [targets[i] for i in whole], plan.bucket_views(data, bucket)[:len(whole)])
     with serial_copies() if plan._small_splits[bucket] else contextlib.nullcontext():
         for p in split:
-            dst = byte_view(targets[p.tensor_index])
+            unpack_piece(plan, p, data, targets)
+
+
+def unpack_piece(plan: BucketPlan, piece: Piece, data: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    """Copies one piece from ``data`` (the bucket's buffer) into its tensor."""
+    index, p = piece.tensor_index, piece
+    with torch.no_grad():
+        if p.tensor_start == 0 and p.length == plan.sizes[index]:  # a whole tensor: any layout, any device
+            view = data[p.bucket_start:p.bucket_start + p.length].view(plan.dtypes[index]).view(plan.shapes[index])
+            targets[index].copy_(view)
+        else:
+            dst = byte_view(targets[index])
             dst[p.tensor_start:p.tensor_start + p.length].copy_(data[p.bucket_start:p.bucket_start + p.length])
 
 
@@ -660,4 +714,4 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 __all__ = ["BucketPlan", "TensorSlot", "Piece", "is_reference", "DTYPES", "DEFAULT_BUCKET_BYTES", "dtype_from_name",
-           "dtype_name", "byte_view", "pack_bucket", "unpack_bucket", "weights_digest", "WeightsDigest"]
+           "dtype_name", "byte_view", "pack_bucket", "unpack_bucket", "pack_piece", "unpack_piece", "weights_digest", "WeightsDigest"]

@@ -65,8 +65,12 @@ class HostRelay:
                 self._shm = ShmSender(store)
 
             def fill(bucket: int, slot: torch.Tensor) -> None:
-                work = broadcast_from_root(group.pg, slot[:plan.bucket_size(bucket)])
-                wait_polling(work, deadline_at, "relay receive", abort=abort, store=store, stop_keys=upstream_stop)
+                # The trainer's gloo sender cuts each bucket into ranges (large tensors on
+                # their own); the same ranges land in the slot, in order.
+                works = [broadcast_from_root(group.pg, slot[start:end]) for start, end, _ in plan.bucket_ops(bucket)]
+                for work in works:
+                    wait_polling(work, deadline_at, "relay receive", abort=abort, store=store,
+                                 stop_keys=upstream_stop)
 
             self._shm.send(downstream, plan, [], deadline_at=deadline_at, abort=abort, fill=fill)
         except BaseException as exc:
