@@ -402,16 +402,6 @@ class BucketPlan:
         pieces.extend(split)
         return tuple(sorted(pieces, key=lambda p: p.bucket_start))
 
-    def sole_piece(self, bucket: int) -> Piece | None:
-        """The piece that fills ``bucket`` on its own (a bucket inside one large
-        tensor), or None."""
-        whole, _, split = self._whole_and_split[bucket]
-        if len(whole) + len(split) != 1:
-            return None
-        piece = split[0] if split else Piece(whole[0], 0, self.offsets[whole[0]] - bucket * self.bucket_bytes,
-                                             self.sizes[whole[0]])
-        return piece if piece.length == self.bucket_size(bucket) else None
-
     @cached_property
     def _whole_and_split(self) -> tuple[tuple[tuple[int, ...], int, tuple[Piece, ...]], ...]:
         """Per bucket: the indices of tensors that lie whole inside it, small ones first
