@@ -200,6 +200,36 @@ def test_gloo_sends_large_tensors_from_and_into_the_tensors_and_packs_only_small
         receiver.close()
 
 
+def test_a_trainer_that_cuts_buckets_differently_is_refused_before_any_byte(monkeypatch):
+    """gloo pairs the n-th broadcast of each side whatever their lengths, so a trainer of
+    another release (another cut of the buckets) would move wrong bytes silently. The
+    receiver checks the trainer's named wire format first: a typed error naming both,
+    the targets untouched, and the trainer stopped at once (not at its deadline)."""
+    from weightsync.transport import gloo
+
+    monkeypatch.setattr(gloo, "announce_wire_format",
+                        lambda store, rdzv: store.set(session_key(rdzv, "gloo-wire"), b"buckets-v0"))
+    kind = KINDS["gloo"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    receiver = transports.make_receiver(kind)
+    sources = [torch.randn(300_000), torch.randn(7)]
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=1 << 20)
+    targets = [[torch.full(s.shape, 5.0) for s in plan.slots]]
+    rdzv = rendezvous(store, kind, 2, group="wire")
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransferError):
+            run_round(sender, [receiver], rdzv, plan, sources, targets=targets, timeout_s=30)
+        assert time.monotonic() - start < 15
+    finally:
+        sender.close()
+        receiver.close()
+    error = store.get(session_key(rdzv, "err", 1)).decode()
+    assert "buckets-v0" in error and gloo.WIRE_FORMAT.decode() in error
+    assert all(torch.all(t == 5.0) for t in targets[0])
+
+
 def test_group_sender_speaks_the_recipe_sglang_joins_with():
     """The group transport's sender against a receiver that joins the way SGLang does
     (torch's rendezvous and group helper, see tests/sglang_standin.py): two rounds on

@@ -50,7 +50,7 @@ from weightsync.transport.collective import (
     retire,
     wait_polling,
 )
-from weightsync.transport.store import connect_store, prefixed, session_key
+from weightsync.transport.store import connect_store, prefixed, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
 
@@ -100,6 +100,30 @@ def _retire(group: GlooGroup | None, pending: Sequence[dist.Work | None] = ()) -
         retire(group, pending=pending)
 
 
+# How a bucket is cut into broadcasts (``BucketPlan.bucket_ops``). Both ends must cut
+# alike: gloo pairs the n-th broadcast of each side whatever their lengths, so two
+# different cuts would move wrong bytes without an error. The trainer names its cut in
+# the round's store; each receiver checks it before its first broadcast.
+WIRE_FORMAT = b"ranges-v1:1MiB"
+
+
+def announce_wire_format(store: dist.Store, rendezvous) -> None:
+    """The sender's side: names its cut for this round."""
+    store.set(session_key(rendezvous, "gloo-wire"), WIRE_FORMAT)
+
+
+def check_wire_format(store: dist.Store, rendezvous, *, deadline_at: float, abort: threading.Event,
+                      stop_keys: Sequence[str]) -> None:
+    """A receiver's side: TransferError unless the trainer cuts as this side does."""
+    key = session_key(rendezvous, "gloo-wire")
+    wait_for_keys(store, [key], deadline_at=deadline_at, operation="receive", abort=abort, fail_keys=stop_keys)
+    theirs = store.get(key)
+    if theirs != WIRE_FORMAT:
+        raise TransferError(f"the trainer's gloo wire format is {theirs.decode(errors='replace')!r}, this side's "
+                            f"{WIRE_FORMAT.decode()!r}: run the same weightsync release on both sides",
+                            metadata={"theirs": theirs.decode(errors="replace"), "ours": WIRE_FORMAT.decode()})
+
+
 def _wire_bytes(tensor: torch.Tensor, dtype: torch.dtype, piece: Piece) -> torch.Tensor | None:
     """``piece``'s bytes as a view of ``tensor``, when they can go on (or come off) the
     wire there: a contiguous CPU tensor of the plan's dtype. The bytes on the wire are
@@ -132,6 +156,7 @@ class GlooSender(Sender):
                 works[slot].pop(0)
 
         try:
+            announce_wire_format(self._store, rendezvous)
             group = self._ensure_group(rendezvous, plan, deadline_at, abort, stop)
             for bucket in range(plan.num_buckets):
                 if abort.is_set():
@@ -152,6 +177,8 @@ class GlooSender(Sender):
                     works[slot].append(broadcast_from_root(group.pg, buf[start:end] if data is None else data))
             wait(0)
             wait(1)
+            # Every receiver read the format before its first broadcast completed.
+            self._store.delete_key(session_key(rendezvous, "gloo-wire"))
         except BaseException as exc:
             try:  # receivers stop waiting for buckets that will never come
                 self._store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
@@ -194,7 +221,8 @@ class GlooReceiver(Receiver):
             stop = [session_key(rendezvous, "abort")]
             with nothing_written():
                 group = self._ensure_group(rendezvous, rank, plan, deadline_at, abort, stop)
-            store = self._store[1]
+                store = self._store[1]
+                check_wire_format(store, rendezvous, deadline_at=deadline_at, abort=abort, stop_keys=stop)
             n = plan.num_buckets
             # Ranges of bucket k staged in the buffer (copied out once k has arrived).
             # Targets are asked for when their bucket is posted, not all up front: a

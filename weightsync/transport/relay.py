@@ -26,7 +26,7 @@ from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan
 from weightsync.transport.base import TransferStats
 from weightsync.transport.collective import broadcast_from_root, retire, wait_polling
-from weightsync.transport.gloo import GlooGroup
+from weightsync.transport.gloo import GlooGroup, check_wire_format
 from weightsync.transport.shm import ShmSender
 from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
@@ -61,6 +61,7 @@ class HostRelay:
         try:
             store = self._connect(upstream, deadline_at)
             group = self._ensure_group(upstream, plan, deadline_at, abort, store, upstream_stop)
+            check_wire_format(store, upstream, deadline_at=deadline_at, abort=abort, stop_keys=upstream_stop)
             if self._shm is None:
                 self._shm = ShmSender(store)
 
