@@ -113,10 +113,17 @@ def cluster(cluster_factory) -> Cluster:
     return cluster_factory(2)
 
 
+def _in_vllm_tier(item) -> bool:
+    return item.nodeid.startswith("tests/vllm/") or "/vllm/" in str(item.path)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (``make test`` runs two workers), the vLLM tier stays on one
     worker: its tests share module-scoped vLLM servers, and two vLLMs at once on two
-    cores would only slow each other down."""
+    cores would only slow each other down. It is also scheduled first: it is the
+    longest unit (about 8 minutes), and collected last it ran alone at the end while
+    the other worker had nothing left."""
     for item in items:
-        if item.nodeid.startswith("tests/vllm/") or "/vllm/" in str(item.path):
+        if _in_vllm_tier(item):
             item.add_marker(pytest.mark.xdist_group("vllm"))
+    items.sort(key=lambda item: not _in_vllm_tier(item))  # stable: each tier keeps its order

@@ -217,3 +217,30 @@ def test_the_kernel_refuses_a_reader_of_another_user():
         os.close(read)
         os.waitpid(pid, 0)
     assert answer == "True False", answer
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "ring"])
+def test_a_round_leaves_no_key_of_its_own_in_the_store(direct):
+    """Thousands of steps must not grow the trainer's store: after each shm round (direct
+    reads or the ring) the store holds what it held before. The connections' own keys
+    (each receiver's first connection) are counted once, after a first round."""
+    kind = KINDS["shm"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    from weightsync.transport.shm import ShmReceiver
+
+    receivers = [ShmReceiver(direct=direct) for _ in range(2)]
+    sources = model_tensors()
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=4096)
+    try:
+        counts = []
+        for _ in range(3):
+            _, errors = run_round(sender, receivers, rendezvous(store, kind, 3), plan, sources)
+            assert errors == {}
+            counts.append(store.num_keys())
+        assert counts[1] == counts[0] == counts[2], counts
+        assert [r.last_mode for r in receivers] == ["direct" if direct else "ring"] * 2
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()

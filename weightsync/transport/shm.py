@@ -136,6 +136,7 @@ class ShmSender(Sender):
         ranks = range(1, rendezvous.world_size)
         errors = [session_key(rendezvous, "err", r) for r in ranks]
         self.last_direct_ranks = ()
+        ring_ranks: list[int] = []
         try:
             seg = self._ensure_segment(plan.bucket_bytes)
             if addresses is not None:
@@ -144,14 +145,13 @@ class ShmSender(Sender):
                 store.set(session_key(rendezvous, "direct"), self._beacon.describe())
                 store.set(session_key(rendezvous, "addresses"), addresses.tobytes())
             store.set(session_key(rendezvous, "segment"), f"{seg.path}|{seg.bucket_bytes}")
-            ring_ranks = list(ranks)
             if addresses is not None:
                 modes = [session_key(rendezvous, "mode", r) for r in ranks]
                 wait_for_keys(store, modes, deadline_at=deadline_at, operation="broadcast", abort=abort,
                               fail_keys=errors)
                 direct = tuple(r for r, key in zip(ranks, modes, strict=True) if store.get(key) == b"direct")
-                ring_ranks = [r for r in ranks if r not in direct]
                 self.last_direct_ranks = direct
+            ring_ranks = [r for r in ranks if r not in self.last_direct_ranks]
             if ring_ranks:
                 self._run_ring(rendezvous, plan, seg, fill, ring_ranks, errors, deadline_at, abort)
             if self.last_direct_ranks:
@@ -164,7 +164,7 @@ class ShmSender(Sender):
                 pass
             raise
         finally:
-            self._forget_keys(rendezvous, plan.num_buckets)
+            self._forget_keys(rendezvous, plan.num_buckets, offered=addresses is not None, ring_ranks=ring_ranks)
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
     def _run_ring(self, rendezvous, plan, seg: _Segment, fill, ring_ranks, errors, deadline_at, abort) -> None:
@@ -184,14 +184,19 @@ class ShmSender(Sender):
             wait_for_keys(store, [session_key(rendezvous, "ack", bucket, r) for r in ring_ranks],
                           deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
 
-    def _forget_keys(self, rendezvous, n: int) -> None:
-        # Bounded store growth across thousands of steps; a missing key is fine.
-        receivers = range(1, rendezvous.world_size)
-        keys = [session_key(rendezvous, name) for name in ("direct", "addresses")]
-        keys += [session_key(rendezvous, name, r) for r in receivers for name in ("mode", "done")]
-        for bucket in range(n):
-            keys.append(session_key(rendezvous, "ready", bucket))
-            keys += [session_key(rendezvous, "ack", bucket, r) for r in receivers]
+    def _forget_keys(self, rendezvous, n: int, *, offered: bool, ring_ranks: list[int]) -> None:
+        """Deletes the round's keys (bounded store growth across thousands of steps): only
+        those this round can have set, because each delete is a round trip to the store
+        inside the timed send (a missing key is fine)."""
+        keys = [session_key(rendezvous, "segment")]
+        if offered:
+            keys += [session_key(rendezvous, name) for name in ("direct", "addresses")]
+            keys += [session_key(rendezvous, name, r) for r in range(1, rendezvous.world_size)
+                     for name in ("mode", "done")]
+        if ring_ranks:
+            for bucket in range(n):
+                keys.append(session_key(rendezvous, "ready", bucket))
+                keys += [session_key(rendezvous, "ack", bucket, r) for r in ring_ranks]
         for key in keys:
             try:
                 self._store.delete_key(key)
