@@ -162,9 +162,14 @@ class ShmSender(Sender):
                 store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
             except Exception:
                 pass
+            # The keys stay: a receiver may be between checking a key and reading it, and
+            # a store read of a deleted key blocks until the store's timeout (seen: an
+            # engine waited out a 60 s round for "addresses"). A failed round's few keys
+            # are all it leaves.
             raise
-        finally:
-            self._forget_keys(rendezvous, plan.num_buckets, offered=addresses is not None, ring_ranks=ring_ranks)
+        # Every receiver has said it is done (or acknowledged every ring bucket): none
+        # reads a key of this round again.
+        self._forget_keys(rendezvous, plan.num_buckets, offered=addresses is not None, ring_ranks=ring_ranks)
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
     def _run_ring(self, rendezvous, plan, seg: _Segment, fill, ring_ranks, errors, deadline_at, abort) -> None:
