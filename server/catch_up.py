@@ -26,8 +26,9 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from weightsync import transport as transports
-from weightsync.errors import TransferError, WeightSyncError, from_rpc_error
+from weightsync.errors import EngineUnavailable, TransferError, WeightSyncError, from_rpc_error
 from weightsync.idempotency import derive_key
+from weightsync.server.agent_calls import call_agent
 from weightsync.server.coordinator import OPERATION_KEY
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.server.round import RPC_MARGIN_S, SyncRound
@@ -129,23 +130,28 @@ class CatchUp:
         await self.emit("catch_up_started", joiner.engine_id, source=source.engine_id, version=fleet,
                         transport=transports.KIND_NAMES[kind])
         started = time.monotonic()
-        export = source.stub.Export(agent_pb2.ExportRequest(
-            idempotency_key=derive_key(key, source.engine_id), version=fleet, rendezvous=rendezvous,
-            timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes), timeout=self.timeout_s + RPC_MARGIN_S)
+        export = None
         try:
-            ready = await export.read()
+            try:
+                export = source.stub.Export(agent_pb2.ExportRequest(
+                    idempotency_key=derive_key(key, source.engine_id), version=fleet, rendezvous=rendezvous,
+                    timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes), timeout=self.timeout_s + RPC_MARGIN_S)
+            except grpc.aio.UsageError:  # the source deregistered a moment ago
+                raise EngineUnavailable(f"source {source.engine_id} went away (its channel closed)") from None
+            ready = await call_agent(source, export.read, "catch-up")
             if ready is grpc.aio.EOF or not ready.HasField("ready"):
                 raise TransferError(f"source {source.engine_id} ended its export without a rendezvous")
-            outcome = await joiner.stub.Receive(agent_pb2.ReceiveRequest(
+            outcome = await call_agent(joiner, lambda: joiner.stub.Receive(agent_pb2.ReceiveRequest(
                 idempotency_key=derive_key(key, joiner.engine_id), version=fleet, plan=ready.ready.plan,
                 rendezvous=ready.ready.rendezvous, rank=1, timeout_s=self.timeout_s),
-                timeout=self.timeout_s + RPC_MARGIN_S)
-            result = await export.read()
+                timeout=self.timeout_s + RPC_MARGIN_S), "catch-up")
+            result = await call_agent(source, export.read, "catch-up")
             if result is grpc.aio.EOF or not result.HasField("result") or not result.result.ok:
                 raise TransferError(f"source {source.engine_id} did not confirm the export")
         except (grpc.aio.AioRpcError, WeightSyncError) as exc:
             error = from_rpc_error(exc) if isinstance(exc, grpc.aio.AioRpcError) else exc
-            export.cancel()  # a source still waiting for the joiner stops sending
+            if export is not None:
+                export.cancel()  # a source still waiting for the joiner stops sending
             await self.emit("catch_up_failed", joiner.engine_id, source=source.engine_id, version=fleet,
                             reason=error.reason, message=error.message)
             return False

@@ -32,6 +32,7 @@ from weightsync.event_log import EventLog
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore, validate_key
 from weightsync.security import INSECURE, Security
+from weightsync.server.agent_calls import call_agent
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry, unreachable_reason
 from weightsync.server.round import SyncRound
@@ -317,8 +318,12 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 return
             probe_s = 30.0 if request.include_digests else 2.0
             try:
-                fresh = await record.stub.GetState(
-                    agent_pb2.AgentStateRequest(include_digest=request.include_digests), timeout=probe_s)
+                fresh = await call_agent(record, lambda: record.stub.GetState(
+                    agent_pb2.AgentStateRequest(include_digest=request.include_digests), timeout=probe_s), "get_state")
+            except EngineUnavailable as exc:  # it deregistered while we asked
+                view.available = False
+                view.fault = exc.message
+                return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and record.heartbeat_age() < probe_s:
                     # Slow, not gone: a heartbeat arrived while we waited (our channel to

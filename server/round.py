@@ -47,6 +47,7 @@ from weightsync.faults import FaultInjector
 from weightsync.idempotency import derive_key
 from weightsync.plan import BucketPlan, is_reference
 from weightsync.retry import RetryPolicy, retry
+from weightsync.server.agent_calls import call_agent, engine_error
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.sharding import Owners
@@ -81,49 +82,19 @@ def failed_outcome(engine_id: str, error: WeightSyncError) -> common_pb2.EngineO
     return outcome
 
 
-def _channel_closed(record: EngineRecord, operation: str) -> EngineUnavailable | None:
-    """The engine's failure when grpc.aio cancelled its call because the channel closed.
-
-    Closing a channel (the engine deregistered, or re-registered at a new address)
-    raises ``CancelledError`` in every call on it, not an ``AioRpcError``. That is this
-    engine's failure, not a cancellation of the round: the caller must hear at once,
-    not wait out its deadline. Returns None when our own task is being cancelled.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        return None
-    error = EngineUnavailable(f"engine {record.engine_id} went away during {operation} (its channel closed: "
-                              "it deregistered or re-registered)")
-    error.metadata["engine_id"] = record.engine_id
-    return error
-
-
-def _engine_error(record: EngineRecord, exc: grpc.aio.AioRpcError, operation: str) -> WeightSyncError:
-    """The typed error of a failed agent call; an unreachable agent is ENGINE_UNAVAILABLE."""
-    error = from_rpc_error(exc, operation=operation)
-    if exc.code() == grpc.StatusCode.UNAVAILABLE and error.reason == "UNAVAILABLE":
-        error = EngineUnavailable(f"engine {record.engine_id} unreachable during {operation}: {exc.details()}")
-    error.metadata["engine_id"] = record.engine_id
-    return error
-
-
 async def fan_out(records: list[EngineRecord], call: Callable[[EngineRecord], Awaitable], *, operation: str,
                   retry: bool = True) -> list[common_pb2.EngineOutcome]:
     """Calls every engine concurrently; each failure becomes that engine's outcome."""
     async def one(record: EngineRecord) -> common_pb2.EngineOutcome:
         try:
-            outcome = await (call_with_retry(record, call) if retry else call(record))
+            outcome = await call_agent(record, lambda: call_with_retry(record, call) if retry else call(record),
+                                       operation)
             outcome.engine_id = record.engine_id
             return outcome
         except grpc.aio.AioRpcError as exc:
-            return failed_outcome(record.engine_id, _engine_error(record, exc, operation))
+            return failed_outcome(record.engine_id, engine_error(record, exc, operation))
         except WeightSyncError as exc:
             return failed_outcome(record.engine_id, exc)
-        except asyncio.CancelledError:
-            closed = _channel_closed(record, operation)
-            if closed is None:
-                raise
-            return failed_outcome(record.engine_id, closed)
     return list(await asyncio.gather(*(one(r) for r in records)))
 
 
@@ -549,24 +520,18 @@ class SyncRound:
 
         async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
             try:
-                return await self._unless_it_lapses(record, call_with_retry(record, lambda r: self._call_receive(
-                    request, setup, r, False, setup.timeout_s + RPC_MARGIN_S)))
-            except EngineUnavailable as exc:  # its heartbeats stopped mid-transfer
+                return await self._unless_it_lapses(record, call_agent(record, lambda: call_with_retry(
+                    record, lambda r: self._call_receive(request, setup, r, False, setup.timeout_s + RPC_MARGIN_S)),
+                    "broadcast"))
+            except EngineUnavailable as exc:  # its heartbeats stopped mid-transfer, or its channel closed
                 progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id, exc)))
                 raise
             except grpc.aio.AioRpcError as exc:
                 # Tell the trainer now, so it stops sending instead of waiting out its
                 # deadline for an engine that will never acknowledge.
-                error = _engine_error(record, exc, "broadcast")
+                error = engine_error(record, exc, "broadcast")
                 progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id, error)))
                 raise
-            except asyncio.CancelledError:
-                closed = _channel_closed(record, "broadcast")
-                if closed is None:
-                    raise
-                progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id,
-                                                                                             closed)))
-                raise closed from None
 
         try:
             outcomes = await fan_out(setup.members, receive, operation="broadcast", retry=False)

@@ -59,6 +59,37 @@ async def test_agent_that_deregisters_during_a_pause_fails_that_engine_at_once(c
         stop_process(stuck.proc, grace_s=10)
 
 
+async def test_a_get_state_that_asks_an_engine_as_it_deregisters_answers_at_once(cluster_factory):
+    # The coordinator's GetState asks every engine; engine-1 answers 30 s late, and
+    # SIGTERM makes it deregister meanwhile, which closes the coordinator's channel
+    # under that question. Before the fix the handler ended without an answer and the
+    # trainer waited out its own 60 s deadline (seen in CI right after a failed round).
+    cluster = cluster_factory(1)
+    slow_state = [{"op": "rpc", "action": "delay", "method": "GetState", "seconds": 30, "times": 0}]
+    stuck = start_agent(cluster.tmp, cluster.address, "engine-1", "--enable-fault-injection",
+                        "--shutdown-grace", "1", env={"WEIGHTSYNC_FAULTS": json.dumps(slow_state)})
+    try:
+        await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
+        async with TrainerClient(cluster.address) as client:
+            # With digests the coordinator waits up to 30 s for each engine's answer.
+            asking = asyncio.create_task(client.get_state(include_digests=True))
+            await asyncio.sleep(1.0)
+            started = time.monotonic()
+            stuck.proc.send_signal(signal.SIGTERM)
+            state = await asyncio.wait_for(asking, timeout=45)
+            waited = time.monotonic() - started
+            assert waited < 15, f"GetState took {waited:.1f}s after engine-1 deregistered"
+            views = {e.engine_id: e for e in state.engines}
+            assert views["engine-0"].available and views["engine-0"].weights_digest
+            assert not views["engine-1"].available
+            assert "went away" in views["engine-1"].fault, views["engine-1"]
+            after = await client.get_state()
+            assert [e.engine_id for e in after.engines] == ["engine-0"]
+        assert await asyncio.to_thread(stuck.proc.wait, 30) == 0
+    finally:
+        stop_process(stuck.proc, grace_s=10)
+
+
 @pytest.mark.parametrize("transport", ["gloo", "shm"])
 async def test_agent_that_deregisters_during_a_receive_fails_the_round_promptly(cluster_factory, transport):
     cluster = cluster_factory(1)
