@@ -2,7 +2,8 @@
 
 ``auto`` is not a backend: the coordinator turns it into lanes of shm and gloo.
 ``available(kind)`` says whether a backend can run here; a missing library makes a
-backend unavailable, never an import error. nccl and cuda-ipc need cupy and a GPU.
+backend unavailable, never an import error. nccl and cuda-ipc need cupy and a GPU
+(nccl: one GPU per rank; cuda-ipc: engines on the trainer's host).
 ``group`` (SGLang's update-group protocol) needs gloo; its nccl backend needs CUDA,
 checked when a group with that backend is opened.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
 import torch.distributed as dist
 
 from weightsync.errors import FailedPrecondition, InvalidArgument
@@ -47,21 +49,31 @@ def unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
         from weightsync.transport.shm import SHM_DIR
         return None if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else f"{SHM_DIR} is not writable"
     if kind in (common_pb2.TRANSPORT_KIND_NCCL, common_pb2.TRANSPORT_KIND_CUDA_IPC):
-        if importlib.util.find_spec("cupy") is None:
-            return "cupy is not installed (pip install 'weightsync[cuda]')"
-        try:
-            import cupy
-            if cupy.cuda.runtime.getDeviceCount() < 1:
-                return "no CUDA device"
-        except Exception as exc:
-            return f"CUDA unavailable: {exc}"
-        return (f"{KIND_NAMES[kind]} transport is not implemented in this release; to move CUDA tensors "
-                "over NCCL use the group transport")
+        return _gpu_unavailable_reason(kind)
     if kind == common_pb2.TRANSPORT_KIND_AUTO:
         return unavailable_reason(common_pb2.TRANSPORT_KIND_GLOO)
     if kind == common_pb2.TRANSPORT_KIND_UNSPECIFIED:
         return "transport not specified"
     return f"unknown transport kind {kind}"
+
+
+def _gpu_unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
+    """nccl and cuda-ipc need torch with CUDA, a GPU, and cupy (any CUDA build of it:
+    ``weightsync[cuda12]``, ``weightsync[cuda13]`` or one preinstalled); nccl also
+    cupy's NCCL bindings."""
+    if importlib.util.find_spec("cupy") is None:
+        return "cupy is not installed (pip install 'weightsync[cuda12]' or 'weightsync[cuda13]', to match CUDA)"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+        if kind == common_pb2.TRANSPORT_KIND_NCCL and not cupy.cuda.nccl.available:
+            return "cupy was built without NCCL"
+    except Exception as exc:
+        return f"CUDA unavailable: {exc}"
+    return None
 
 
 def available(kind: common_pb2.TransportKind.ValueType) -> bool:
@@ -91,6 +103,12 @@ def make_sender(kind: common_pb2.TransportKind.ValueType, store: dist.Store, *,
     if kind == common_pb2.TRANSPORT_KIND_GROUP:
         from weightsync.transport.group import GroupSender
         return GroupSender(store, data_host)
+    if kind == common_pb2.TRANSPORT_KIND_NCCL:
+        from weightsync.transport.nccl import NcclSender
+        return NcclSender(store)
+    if kind == common_pb2.TRANSPORT_KIND_CUDA_IPC:
+        from weightsync.transport.cuda_ipc import CudaIpcSender
+        return CudaIpcSender(store)
     from weightsync.transport.shm import ShmSender
     return ShmSender(store)
 
@@ -105,6 +123,12 @@ def make_receiver(kind: common_pb2.TransportKind.ValueType, *, data_host: str = 
     if kind == common_pb2.TRANSPORT_KIND_GROUP:
         from weightsync.transport.group import GroupReceiver
         return GroupReceiver(data_host)
+    if kind == common_pb2.TRANSPORT_KIND_NCCL:
+        from weightsync.transport.nccl import NcclReceiver
+        return NcclReceiver()
+    if kind == common_pb2.TRANSPORT_KIND_CUDA_IPC:
+        from weightsync.transport.cuda_ipc import CudaIpcReceiver
+        return CudaIpcReceiver()
     from weightsync.transport.shm import ShmReceiver
     return ShmReceiver()
 

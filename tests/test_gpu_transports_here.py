@@ -1,0 +1,105 @@
+"""The GPU transports' parts that need no GPU: their wire formats (the cuda-ipc table,
+NCCL's unique id) and what a machine without CUDA answers. The transfers themselves
+are in tests/gpu (marker ``gpu``), run on a GPU machine by tests/gpu/device_kit.sh."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync import transport as transports
+from weightsync.client import TrainerClient
+from weightsync.engine.model import PRESETS, ReferenceLM
+from weightsync.errors import FailedPrecondition, TransferError
+from weightsync.transport.cuda_ipc import decode_table, encode_table
+from weightsync.transport.nccl import decode_unique_id, encode_unique_id
+
+HANDLE = bytes(range(64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=5),
+       st.lists(st.tuples(st.integers(0, 4), st.integers(0, 1 << 20), st.integers(0, 4096)), max_size=40))
+def test_an_ipc_table_round_trips_and_every_tensor_lies_inside_its_block(block_sizes, tensors):
+    n = len(block_sizes)
+    placed = [(b % n, min(off, block_sizes[b % n]), size) for b, off, size in tensors]
+    placed = [(b, off, min(size, block_sizes[b] - off)) for b, off, size in placed]
+    sizes = [size for _, _, size in placed]
+    blocks = np.array([b if size else -1 for b, _, size in placed], dtype=np.int32)
+    offsets = np.array([off for _, off, _ in placed], dtype=np.uint64)
+    handles = [bytes([i]) * 64 for i in range(n)]
+    table = decode_table(encode_table(handles, block_sizes, blocks, offsets), sizes)
+    assert table.handles == handles
+    assert table.block_sizes.tolist() == block_sizes
+    assert table.blocks.tolist() == blocks.tolist() and table.offsets.tolist() == offsets.tolist()
+
+
+def _one_block_table(offset: int, block: int = 0, block_size: int = 1024) -> bytes:
+    return encode_table([HANDLE], [block_size], np.array([block], np.int32), np.array([offset], np.uint64))
+
+
+@pytest.mark.parametrize("blob, sizes, why", [
+    (b"", [8], "malformed"),
+    (b"pickle" + bytes(20), [8], "malformed"),
+    (_one_block_table(0), [8, 8], "lists 1 tensors for a plan of 2"),
+    (_one_block_table(0)[:-1], [8], "bytes, .* expected"),
+    (_one_block_table(0, block=1), [8], "block that does not exist"),
+    (_one_block_table(0, block=-1), [8], "block that does not exist"),
+    (_one_block_table(1020), [8], "outside its block"),
+    (_one_block_table(2000), [8], "outside its block"),
+    (_one_block_table((1 << 64) - 4), [8], "outside its block"),
+])
+def test_a_bad_ipc_table_is_refused_before_anything_is_mapped(blob, sizes, why):
+    with pytest.raises(TransferError, match=why):
+        decode_table(blob, sizes)
+
+
+@given(st.lists(st.integers(-128, 127), min_size=128, max_size=128))
+def test_an_nccl_unique_id_survives_the_store(unique_id):
+    blob = encode_unique_id(unique_id)
+    assert len(blob) == 128 and decode_unique_id(blob) == tuple(unique_id)
+
+
+def test_an_nccl_unique_id_of_another_length_is_refused():
+    with pytest.raises(TransferError, match="127 bytes, 128 expected"):
+        decode_unique_id(bytes(127))
+
+
+@pytest.mark.parametrize("name", ["nccl", "cuda-ipc"])
+def test_without_cuda_the_gpu_transports_say_why(name):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: tests/gpu covers it")
+    reason = transports.unavailable_reason(transports.kind_from_name(name))
+    assert reason is not None and ("cupy" in reason or "CUDA" in reason), reason
+
+
+@pytest.mark.parametrize("name", ["nccl", "cuda-ipc"])
+async def test_a_round_over_a_gpu_transport_on_a_machine_without_one_fails_typed_and_changes_nothing(
+        cluster_factory, name):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: tests/gpu covers it")
+    cluster = cluster_factory(2)
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address, transport=name) as client:
+        await client.pause()
+        digests = {e.engine_id: e.weights_digest for e in (await client.get_state(include_digests=True)).engines}
+        # Every agent refuses in the Broadcast's check phase, before any byte moves.
+        with pytest.raises(FailedPrecondition) as failure:
+            await client.broadcast(model.named_parameters(), version=1, timeout_s=60)
+        assert failure.value.reason == "TRANSPORT_UNAVAILABLE", failure.value
+        assert f"transport {name} unavailable" in str(failure.value)
+        assert "engine-0" in str(failure.value) and "engine-1" in str(failure.value)
+        state = await client.get_state(include_digests=True)
+        assert state.weight_version == 0 and state.round.phase == "paused"
+        for engine in state.engines:
+            assert not engine.torn and engine.paused and engine.weight_version == 0
+            assert engine.weights_digest == digests[engine.engine_id]
+        # The same paused round then syncs over gloo.
+        result = await client.broadcast(model.named_parameters(), version=1, transport="gloo", timeout_s=60)
+        assert {e.engine_id for e in result.engines if e.ok} == {"engine-0", "engine-1"}
+        await client.resume()
+

@@ -1,0 +1,145 @@
+"""What the GPU transports (nccl, cuda-ipc) share: cupy, bounded waits on CUDA work,
+the device a list of tensors lives on, and allocations other processes can map.
+
+cupy is imported lazily, never at module import: this module is imported on machines
+without a GPU (the CPU suite checks the parts that need none). Every wait on the GPU
+is a poll of a CUDA event with the round's deadline, the abort flag and the peers'
+failure keys (``collective.wait_polling``), never a blocking synchronize: a kernel
+queued behind a peer that died would otherwise hold the transfer thread forever.
+
+An allocation that another process maps through CUDA IPC must be a whole
+``cudaMalloc`` block: ``cudaIpcGetMemHandle`` names the block, and the importer gets
+the block's first byte. torch's caching allocator carves many tensors out of one
+block, so a tensor is exported as (its block's handle, its offset in that block),
+the block found with the driver's ``cuMemGetAddressRange``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from weightsync.errors import TransferError
+
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def cupy_module():
+    """cupy, or TransferError saying how to get it (``weightsync[cuda12]`` or
+    ``weightsync[cuda13]``, or a preinstalled cupy build for the machine's CUDA)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise TransferError(f"cupy is not importable ({exc}): install weightsync[cuda12] or weightsync[cuda13] "
+                            "to match the machine's CUDA") from None
+    return cupy
+
+
+def tensors_device(tensors: Sequence[torch.Tensor], what: str) -> torch.device:
+    """The one CUDA device of ``tensors`` (CPU tensors among them are allowed: they are
+    copied in or out through the device), or the current device when none is on a GPU.
+    TransferError when they span several GPUs: one transfer runs on one device."""
+    devices = {t.device for t in tensors if t.is_cuda}
+    if len(devices) > 1:
+        raise TransferError(f"the {what} span several GPUs ({sorted(map(str, devices))}): one transfer uses one")
+    if devices:
+        return devices.pop()
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class EventDone:
+    """A recorded CUDA event as a piece of work for ``collective.wait_polling``; ``check``
+    (e.g. an NCCL communicator's asynchronous error check) runs at every poll."""
+
+    def __init__(self, event: torch.cuda.Event, check: Callable[[], None] | None = None) -> None:
+        self._event = event
+        self._check = check
+
+    def is_completed(self) -> bool:
+        if self._check is not None:
+            self._check()
+        return self._event.query()
+
+    def wait(self) -> None:
+        """Completed: nothing left to wait for."""
+
+
+class _Driver:
+    """The few CUDA driver calls cupy does not expose, through ctypes."""
+
+    _lock = threading.Lock()
+    _lib: ctypes.CDLL | None = None
+
+    @classmethod
+    def lib(cls) -> ctypes.CDLL:
+        with cls._lock:
+            if cls._lib is None:
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                except OSError as exc:
+                    raise TransferError(f"the CUDA driver library cannot be loaded: {exc}") from None
+                fn = lib.cuMemGetAddressRange_v2
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+                cls._lib = lib
+            return cls._lib
+
+
+def allocation_range(address: int) -> tuple[int, int]:
+    """(first byte, size) of the ``cudaMalloc`` block holding device ``address``."""
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    status = _Driver.lib().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
+    if status != 0:
+        raise TransferError(f"cuMemGetAddressRange failed for a tensor at {address:#x} (CUDA driver error {status})")
+    return base.value, size.value
+
+
+def export_handle(base: int) -> bytes:
+    """The IPC handle (64 bytes) of the block starting at ``base``. TransferError where
+    the block cannot be exported (memory from a virtual-memory allocator, e.g. torch's
+    ``expandable_segments``)."""
+    cupy = cupy_module()
+    try:
+        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base))
+    except Exception as exc:
+        raise TransferError(f"this GPU memory cannot be shared through CUDA IPC ({exc}); a trainer running with "
+                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot use cuda-ipc") from None
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise TransferError(f"unexpected CUDA IPC handle of {len(handle)} bytes")
+    return handle
+
+
+class MappedBlock:
+    """Another process's exported block, mapped into this one (closed by ``close``)."""
+
+    def __init__(self, handle: bytes, size: int, device: torch.device) -> None:
+        cupy = cupy_module()
+        self.handle, self.size, self.device = handle, size, device
+        with cupy.cuda.Device(device.index):
+            try:
+                self.address = int(cupy.cuda.runtime.ipcOpenMemHandle(handle))
+            except Exception as exc:
+                raise TransferError(f"cannot map the trainer's GPU memory through CUDA IPC ({exc}): cuda-ipc needs "
+                                    "the engine on the trainer's host, in another process") from None
+            memory = cupy.cuda.UnownedMemory(self.address, size, None, device.index)
+            array = cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        # One uint8 tensor over the whole block: tensors are views of it (no copy).
+        self.bytes = torch.as_tensor(array, device=device)
+
+    def close(self) -> None:
+        """Unmaps the block; its tensor views must not be used after."""
+        if self.address:
+            cupy = cupy_module()
+            self.bytes = None  # type: ignore[assignment]
+            try:
+                with cupy.cuda.Device(self.device.index):
+                    cupy.cuda.runtime.ipcCloseMemHandle(self.address)
+            finally:
+                self.address = 0
+
+
+__all__ = ["IPC_HANDLE_BYTES", "cupy_module", "tensors_device", "EventDone", "allocation_range", "export_handle",
+           "MappedBlock"]

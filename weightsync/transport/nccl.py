@@ -1,0 +1,271 @@
+"""nccl transport: NCCL broadcasts between GPUs through cupy's bindings
+(``cupy.cuda.nccl.NcclCommunicator``), buckets packed and unpacked on the device.
+
+Group. One communicator per group id, reused from round to round and destroyed when
+the group id changes or after any failure. Rank 0 (the trainer) draws NCCL's unique
+id and publishes it under the round's session key (``nccl-id``, 128 bytes); every
+rank builds the communicator on its transfer device. Building blocks inside NCCL
+until every rank has joined, so it runs on a side thread while the caller polls the
+deadline and the peers' failure keys (``collective.join_in_background``); a build
+abandoned that way stays blocked in its thread until its peers come or the process
+ends (NCCL's blocking init has no timeout of its own).
+
+Data. Two device buffers per side alternate: the sender packs bucket k+1 (on a copy
+stream) while bucket k is broadcast (on a communication stream); each receiver
+unpacks bucket k while k+1 arrives. The streams are ordered by CUDA events, never by
+the host; the host keeps at most two buckets in flight and waits only by polling an
+event (``cuda.EventDone``), with the round's deadline, the abort flag, NCCL's
+asynchronous error check and the peers' failure keys. A side that fails sets
+``abort`` (sender) or ``err/<rank>`` (receiver) in the store and aborts its
+communicator (``ncclCommAbort``): a broadcast that can no longer finish is never left
+to hang, and the others stop at their next poll.
+
+NCCL refuses two ranks on one GPU: every engine needs a GPU of its own, and so does
+the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from weightsync.errors import TransferError
+from weightsync.plan import BucketPlan, pack_bucket, unpack_bucket
+from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
+from weightsync.transport.collective import join_in_background, wait_polling
+from weightsync.transport.cuda import EventDone, cupy_module, tensors_device
+from weightsync.transport.store import connect_store, session_key
+from weightsync.v1 import common_pb2
+
+log = logging.getLogger("weightsync.transport.nccl")
+
+UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+
+
+def encode_unique_id(unique_id: Sequence[int]) -> bytes:
+    """cupy's unique id (128 C ``char`` values, signed) as 128 bytes."""
+    if len(unique_id) != UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+    return bytes(value % 256 for value in unique_id)
+
+
+def decode_unique_id(blob: bytes) -> tuple[int, ...]:
+    """The inverse of ``encode_unique_id``; TransferError for anything but 128 bytes."""
+    if len(blob) != UNIQUE_ID_BYTES:
+        raise TransferError(f"the trainer's NCCL id has {len(blob)} bytes, {UNIQUE_ID_BYTES} expected")
+    return tuple(b - 256 if b > 127 else b for b in blob)
+
+
+class NcclGroup:
+    """A communicator on one device, its two bucket buffers, streams and events."""
+
+    def __init__(self, rendezvous: common_pb2.Rendezvous, rank: int, device: torch.device, bucket_bytes: int, *,
+                 deadline_at: float, abort: threading.Event, watch: dist.Store, stop_keys: Sequence[str]) -> None:
+        self.group_id = rendezvous.group_id
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.comm = join_in_background(lambda store: _communicator(store, rendezvous, rank, device),
+                                       rendezvous, operation="nccl group setup", deadline_at=deadline_at,
+                                       abort=abort, watch=watch, stop_keys=stop_keys)
+        with torch.cuda.device(device):
+            self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+            self.copy_stream = torch.cuda.Stream(device)
+            self.comm_stream = torch.cuda.Stream(device)
+        self.on_wire = [torch.cuda.Event(), torch.cuda.Event()]  # each slot's last broadcast
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]   # each slot's last pack or unpack
+
+    def fit(self, bucket_bytes: int) -> None:
+        """Reallocates the buffers only when the plan's bucket size changed (the
+        streams are idle between rounds)."""
+        if bucket_bytes != self.bucket_bytes:
+            self.bucket_bytes = bucket_bytes
+            self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+
+    def broadcast(self, slot: int, nbytes: int) -> None:
+        """Posts the broadcast of the first ``nbytes`` of buffer ``slot`` from rank 0,
+        after that slot's last pack or unpack, on the communication stream."""
+        nccl = cupy_module().cuda.nccl
+        self.comm_stream.wait_event(self.copied[slot])
+        self.comm.bcast(self.buffers[slot].data_ptr(), nbytes, nccl.NCCL_UINT8, 0, self.comm_stream.cuda_stream)
+        self.on_wire[slot].record(self.comm_stream)
+
+    def check(self) -> None:
+        """TransferError when NCCL reports an asynchronous error (a peer went away)."""
+        try:
+            self.comm.check_async_error()
+        except Exception as exc:
+            raise TransferError(f"NCCL failed: {exc}") from exc
+
+    def wait(self, event: torch.cuda.Event, operation: str, *, deadline_at: float, abort: threading.Event,
+             store: dist.Store, stop_keys: Sequence[str]) -> None:
+        wait_polling(EventDone(event, self.check), deadline_at, operation, abort=abort, store=store,
+                     stop_keys=stop_keys)
+
+    def abort(self) -> None:
+        """ncclCommAbort: ends whatever is still queued on this communicator."""
+        comm, self.comm = self.comm, None
+        self.buffers = []
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception as exc:  # already broken: nothing more to end
+                log.warning("ncclCommAbort failed: %s", exc)
+
+    def close(self) -> None:
+        """Destroys an idle communicator (the orderly end of a group)."""
+        comm, self.comm = self.comm, None
+        self.buffers = []
+        if comm is not None:
+            try:
+                comm.destroy()
+            except Exception as exc:
+                log.warning("ncclCommDestroy failed: %s", exc)
+
+
+def _communicator(store: dist.Store, rendezvous: common_pb2.Rendezvous, rank: int, device: torch.device):
+    """Builds this rank's communicator (blocks until every rank joins); rank 0 draws the
+    unique id and publishes it first."""
+    cupy = cupy_module()
+    key = session_key(rendezvous, "nccl-id")
+    with cupy.cuda.Device(device.index):
+        if rank == 0:
+            unique_id = cupy.cuda.nccl.get_unique_id()
+            store.set(key, encode_unique_id(unique_id))
+        else:
+            unique_id = decode_unique_id(store.get(key))
+        return cupy.cuda.nccl.NcclCommunicator(rendezvous.world_size, unique_id, rank)
+
+
+class NcclSender(Sender):
+    """Rank 0 on the trainer's GPU."""
+
+    kind = common_pb2.TRANSPORT_KIND_NCCL
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self._group: NcclGroup | None = None
+
+    def send(self, rendezvous, plan, sources, *, deadline_at, abort):
+        start = time.monotonic()
+        stop = [session_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
+        try:
+            device = tensors_device(sources, "trainer's tensors")
+            group = self._ensure_group(rendezvous, plan, device, deadline_at, abort, stop)
+            waits = {"deadline_at": deadline_at, "abort": abort, "store": self._store, "stop_keys": stop}
+            with torch.cuda.device(device):
+                group.copy_stream.wait_stream(torch.cuda.current_stream(device))  # the trainer's writes first
+                for bucket in range(plan.num_buckets):
+                    if abort.is_set():
+                        raise TransferError("send aborted")
+                    slot = bucket % 2
+                    if bucket >= 2:  # at most two buckets in flight; a failed peer stops the send here
+                        group.wait(group.on_wire[slot], "broadcast", **waits)
+                    with torch.cuda.stream(group.copy_stream):
+                        group.copy_stream.wait_event(group.on_wire[slot])
+                        pack_bucket(plan, bucket, sources, group.buffers[slot])
+                        group.copied[slot].record(group.copy_stream)
+                    group.broadcast(slot, plan.bucket_size(bucket))
+                for bucket in range(max(0, plan.num_buckets - 2), plan.num_buckets):
+                    group.wait(group.on_wire[bucket % 2], "broadcast", **waits)
+        except BaseException as exc:
+            try:  # receivers stop waiting for buckets that will never come
+                self._store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
+            except Exception:
+                pass
+            self._drop(abort_comm=True)
+            raise
+        return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _ensure_group(self, rendezvous, plan: BucketPlan, device: torch.device, deadline_at: float,
+                      abort: threading.Event, stop: Sequence[str]) -> NcclGroup:
+        g = self._group
+        if g is None or g.group_id != rendezvous.group_id or g.device != device:
+            self.close()
+            self._group = NcclGroup(rendezvous, 0, device, plan.bucket_bytes, deadline_at=deadline_at, abort=abort,
+                                    watch=self._store, stop_keys=stop)
+        self._group.fit(plan.bucket_bytes)
+        return self._group
+
+    def _drop(self, *, abort_comm: bool) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.abort() if abort_comm else group.close()
+
+    def close(self) -> None:
+        self._drop(abort_comm=False)
+
+
+class NcclReceiver(Receiver):
+    """Rank >= 1 on this process's current GPU."""
+
+    kind = common_pb2.TRANSPORT_KIND_NCCL
+
+    def __init__(self) -> None:
+        self._store: tuple[tuple[str, int], dist.Store] | None = None
+        self._group: NcclGroup | None = None
+
+    def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
+        start = time.monotonic()
+        stop = [session_key(rendezvous, "abort")]
+        try:
+            with nothing_written():
+                where = (rendezvous.store_host, rendezvous.store_port)
+                if self._store is None or self._store[0] != where:
+                    self._store = (where, connect_store(*where, deadline_at=deadline_at,
+                                                        secret=rendezvous.store_secret))
+                device = torch.device("cuda", torch.cuda.current_device())
+                group = self._ensure_group(rendezvous, rank, plan, device, deadline_at, abort, stop)
+            store = self._store[1]
+            waits = {"deadline_at": deadline_at, "abort": abort, "store": store, "stop_keys": stop}
+            n = plan.num_buckets
+            with torch.cuda.device(device):
+                group.copy_stream.wait_stream(torch.cuda.current_stream(device))  # the engine's own work first
+                group.broadcast(0, plan.bucket_size(0))
+                for bucket in range(n):
+                    if abort.is_set():
+                        raise TransferError("receive aborted")
+                    if bucket + 1 < n:  # its slot's last bucket was unpacked (waited below)
+                        group.broadcast((bucket + 1) % 2, plan.bucket_size(bucket + 1))
+                    slot = bucket % 2
+                    group.wait(group.on_wire[slot], "receive", **waits)
+                    with torch.cuda.stream(group.copy_stream):
+                        group.copy_stream.wait_event(group.on_wire[slot])
+                        unpack_bucket(plan, bucket, group.buffers[slot], targets)
+                        group.copied[slot].record(group.copy_stream)
+                    group.wait(group.copied[slot], "receive", **waits)
+                    if on_bucket is not None:
+                        on_bucket(bucket)
+        except BaseException as exc:
+            if self._store is not None:
+                try:
+                    self._store[1].set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
+                except Exception:
+                    pass
+            group, self._group = self._group, None
+            if group is not None:
+                group.abort()
+            raise
+        return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _ensure_group(self, rendezvous, rank: int, plan: BucketPlan, device: torch.device, deadline_at: float,
+                      abort: threading.Event, stop: Sequence[str]) -> NcclGroup:
+        g = self._group
+        if g is None or g.group_id != rendezvous.group_id or g.device != device:
+            self.close()
+            self._group = NcclGroup(rendezvous, rank, device, plan.bucket_bytes, deadline_at=deadline_at,
+                                    abort=abort, watch=self._store[1], stop_keys=stop)
+        self._group.fit(plan.bucket_bytes)
+        return self._group
+
+    def close(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
+
+
+__all__ = ["NcclSender", "NcclReceiver", "NcclGroup", "encode_unique_id", "decode_unique_id", "UNIQUE_ID_BYTES"]
