@@ -42,10 +42,15 @@ demo: setup
 test: setup $(if $(SKIP_VLLM),,vllm-setup)
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
-# On a machine with an NVIDIA GPU: the gpu-marked tests (skipped everywhere else).
-# SGLang against a real server: python tests/gpu/check_sglang.py --model-path DIR
+# On a machine with an NVIDIA GPU and a package registry: the gpu-marked tests
+# (skipped everywhere else); cupy comes from the extra matching the machine's CUDA
+# (CUDA_EXTRA=cuda12 or cuda13). Offline (the project's GPU machine):
+# tests/gpu/device_kit.sh. SGLang against a real server:
+# python tests/gpu/check_sglang.py --model-path DIR
+CUDA_EXTRA ?= cuda13
 test-gpu: setup
-	$(VENV)/bin/pytest -q -m gpu tests/gpu
+	$(PY) -c "import cupy" 2>/dev/null || $(PY) -m pip install -q -e ".[$(CUDA_EXTRA)]"
+	$(VENV)/bin/pytest -q -m gpu tests/gpu -rs
 
 lint: setup
 	$(VENV)/bin/ruff check weightsync server client tests benchmarks
