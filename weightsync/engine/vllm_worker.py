@@ -9,8 +9,8 @@ with string arguments (JSON), never pickle:
   parameters do not show checkpoint shapes.
 - ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host])``: every
   worker joins at its own rank (``rank`` plus the worker's rank in vLLM's parallel world), joins
-  the weightsync transport (shm, gloo or group), and receives into checkpoint-shaped
-  tensors (host memory; the worker's GPU when the group backend is nccl) that go to
+  the weightsync transport (shm, gloo, group, nccl or cuda-ipc), and receives into checkpoint-shaped
+  tensors (host memory; the worker's GPU for nccl and cuda-ipc, and when the group backend is nccl) that go to
   vLLM's in-place reload, tied layers included (``vllm_reload.py``), as each one
   completes (``streamed_load.py``: the worker's extra memory is a few buckets and the
   tensors being filled, not a second model). Returns the digest of what it loaded and
@@ -57,8 +57,11 @@ class WeightsyncWorkerExtension:
             if receiver is None:
                 receiver = receivers[rendezvous.transport] = transports.make_receiver(rendezvous.transport,
                                                                                       data_host=data_host)
-            # nccl lands the bytes in the worker's GPU; gloo and shm in host memory.
-            device = self.device if rendezvous.group_backend == "nccl" else torch.device("cpu")
+            # nccl (the transport, or the group's backend) and cuda-ipc land the bytes in
+            # the worker's GPU, bucket by bucket; gloo and shm in host memory.
+            on_gpu = (rendezvous.group_backend == "nccl"
+                      or rendezvous.transport in (common_pb2.TRANSPORT_KIND_NCCL, common_pb2.TRANSPORT_KIND_CUDA_IPC))
+            device = self.device if on_gpu else torch.device("cpu")
             # The engine's ranks are rank .. rank + workers - 1: each worker takes its own
             # (vLLM's rank of this worker in its tensor x pipeline parallel world).
             # Each tensor goes to vLLM's loader as soon as its last byte is in, and is let

@@ -2,8 +2,9 @@
 
 ``auto`` is not a backend: the coordinator turns it into lanes of shm and gloo.
 ``available(kind)`` says whether a backend can run here; a missing library makes a
-backend unavailable, never an import error. nccl and cuda-ipc need cupy and a GPU
-(nccl: one GPU per rank; cuda-ipc: engines on the trainer's host).
+backend unavailable, never an import error. nccl and cuda-ipc need a GPU (nccl:
+NCCL's library and one GPU per rank; cuda-ipc: cupy and engines on the trainer's
+host).
 ``group`` (SGLang's update-group protocol) needs gloo; its nccl backend needs CUDA,
 checked when a group with that backend is opened.
 """
@@ -58,19 +59,25 @@ def unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
 
 
 def _gpu_unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
-    """nccl and cuda-ipc need torch with CUDA, a GPU, and cupy (any CUDA build of it:
-    ``weightsync[cuda12]``, ``weightsync[cuda13]`` or one preinstalled); nccl also
-    cupy's NCCL bindings."""
-    if importlib.util.find_spec("cupy") is None:
-        return "cupy is not installed (pip install 'weightsync[cuda12]' or 'weightsync[cuda13]', to match CUDA)"
+    """Both need torch with CUDA and a GPU. nccl needs NCCL's library (torch's CUDA
+    builds bring it); cuda-ipc needs cupy (any CUDA build of it: ``weightsync[cuda12]``,
+    ``weightsync[cuda13]`` or one preinstalled)."""
     if not torch.cuda.is_available():
         return "no CUDA device visible to torch"
+    if kind == common_pb2.TRANSPORT_KIND_NCCL:
+        from weightsync.errors import TransferError
+        from weightsync.transport.nccl_lib import library
+        try:
+            library()
+        except TransferError as exc:
+            return exc.message
+        return None
+    if importlib.util.find_spec("cupy") is None:
+        return "cupy is not installed (pip install 'weightsync[cuda12]' or 'weightsync[cuda13]', to match CUDA)"
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return "no CUDA device"
-        if kind == common_pb2.TRANSPORT_KIND_NCCL and not cupy.cuda.nccl.available:
-            return "cupy was built without NCCL"
     except Exception as exc:
         return f"CUDA unavailable: {exc}"
     return None

@@ -7,6 +7,8 @@ is a poll of a CUDA event with the round's deadline, the abort flag and the peer
 failure keys (``collective.wait_polling``), never a blocking synchronize: a kernel
 queued behind a peer that died would otherwise hold the transfer thread forever.
 
+NCCL itself is called through ``nccl_lib`` (ctypes), not through cupy.
+
 An allocation that another process maps through CUDA IPC must be a whole
 ``cudaMalloc`` block: ``cudaIpcGetMemHandle`` names the block, and the importer gets
 the block's first byte. torch's caching allocator carves many tensors out of one
@@ -88,8 +90,19 @@ class _Driver:
             return cls._lib
 
 
+def make_current(device: torch.device) -> None:
+    """Makes ``device``'s primary context current on this thread: driver calls
+    (``allocation_range``) need one, and a transfer thread may not have made any CUDA
+    runtime call yet (torch skips ``cudaSetDevice`` when the device is already its
+    current one, which binds no context)."""
+    cupy = cupy_module()
+    cupy.cuda.runtime.setDevice(device.index)
+    cupy.cuda.runtime.free(0)  # cudaFree(NULL): initialises and binds the context, frees nothing
+
+
 def allocation_range(address: int) -> tuple[int, int]:
-    """(first byte, size) of the ``cudaMalloc`` block holding device ``address``."""
+    """(first byte, size) of the ``cudaMalloc`` block holding device ``address``; the
+    device's context must be current on this thread (``make_current``)."""
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
     status = _Driver.lib().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
     if status != 0:
@@ -141,5 +154,5 @@ class MappedBlock:
                 self.address = 0
 
 
-__all__ = ["IPC_HANDLE_BYTES", "cupy_module", "tensors_device", "EventDone", "allocation_range", "export_handle",
-           "MappedBlock"]
+__all__ = ["IPC_HANDLE_BYTES", "cupy_module", "tensors_device", "EventDone", "make_current", "allocation_range",
+           "export_handle", "MappedBlock"]

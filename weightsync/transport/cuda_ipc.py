@@ -39,6 +39,7 @@ from weightsync.transport.cuda import (
     MappedBlock,
     allocation_range,
     export_handle,
+    make_current,
     tensors_device,
 )
 from weightsync.transport.store import connect_store, session_key, wait_for_keys
@@ -141,6 +142,7 @@ class CudaIpcSender(Sender):
         errors = [session_key(rendezvous, "err", r) for r in ranks]
         try:
             device = tensors_device(sources, "trainer's tensors")
+            make_current(device)
             shared = _shareable(plan, sources, device)  # held until every engine is done
             # A staged copy lives for this round only: its block may be freed and another
             # allocated at the same address, so only the trainer's own tensors are remembered.

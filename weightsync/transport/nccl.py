@@ -1,5 +1,6 @@
-"""nccl transport: NCCL broadcasts between GPUs through cupy's bindings
-(``cupy.cuda.nccl.NcclCommunicator``), buckets packed and unpacked on the device.
+"""nccl transport: NCCL broadcasts between GPUs, buckets packed and unpacked on the
+device. NCCL is called through ``nccl_lib`` (ctypes, GIL released), not cupy's
+communicator, whose constructor blocks with the GIL held (see ``nccl_lib``).
 
 Group. One communicator per group id, reused from round to round and destroyed when
 the group id changes or after any failure. Rank 0 (the trainer) draws NCCL's unique
@@ -7,8 +8,8 @@ id and publishes it under the round's session key (``nccl-id``, 128 bytes); ever
 rank builds the communicator on its transfer device. Building blocks inside NCCL
 until every rank has joined, so it runs on a side thread while the caller polls the
 deadline and the peers' failure keys (``collective.join_in_background``); a build
-abandoned that way stays blocked in its thread until its peers come or the process
-ends (NCCL's blocking init has no timeout of its own).
+abandoned that way stays blocked in its thread (without the GIL) until its peers come
+or the process ends: NCCL's blocking init has no timeout of its own.
 
 Data. Two device buffers per side alternate: the sender packs bucket k+1 (on a copy
 stream) while bucket k is broadcast (on a communication stream); each receiver
@@ -38,28 +39,12 @@ from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan, pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.collective import join_in_background, wait_polling
-from weightsync.transport.cuda import EventDone, cupy_module, tensors_device
+from weightsync.transport.cuda import EventDone, tensors_device
+from weightsync.transport.nccl_lib import Communicator, new_unique_id
 from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
 
 log = logging.getLogger("weightsync.transport.nccl")
-
-UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
-
-
-def encode_unique_id(unique_id: Sequence[int]) -> bytes:
-    """cupy's unique id (128 C ``char`` values, signed) as 128 bytes."""
-    if len(unique_id) != UNIQUE_ID_BYTES:
-        raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
-    return bytes(value % 256 for value in unique_id)
-
-
-def decode_unique_id(blob: bytes) -> tuple[int, ...]:
-    """The inverse of ``encode_unique_id``; TransferError for anything but 128 bytes."""
-    if len(blob) != UNIQUE_ID_BYTES:
-        raise TransferError(f"the trainer's NCCL id has {len(blob)} bytes, {UNIQUE_ID_BYTES} expected")
-    return tuple(b - 256 if b > 127 else b for b in blob)
-
 
 class NcclGroup:
     """A communicator on one device, its two bucket buffers, streams and events."""
@@ -89,17 +74,13 @@ class NcclGroup:
     def broadcast(self, slot: int, nbytes: int) -> None:
         """Posts the broadcast of the first ``nbytes`` of buffer ``slot`` from rank 0,
         after that slot's last pack or unpack, on the communication stream."""
-        nccl = cupy_module().cuda.nccl
         self.comm_stream.wait_event(self.copied[slot])
-        self.comm.bcast(self.buffers[slot].data_ptr(), nbytes, nccl.NCCL_UINT8, 0, self.comm_stream.cuda_stream)
+        self.comm.broadcast(self.buffers[slot].data_ptr(), nbytes, self.comm_stream.cuda_stream)
         self.on_wire[slot].record(self.comm_stream)
 
     def check(self) -> None:
         """TransferError when NCCL reports an asynchronous error (a peer went away)."""
-        try:
-            self.comm.check_async_error()
-        except Exception as exc:
-            raise TransferError(f"NCCL failed: {exc}") from exc
+        self.comm.check()
 
     def wait(self, event: torch.cuda.Event, operation: str, *, deadline_at: float, abort: threading.Event,
              store: dist.Store, stop_keys: Sequence[str]) -> None:
@@ -127,18 +108,18 @@ class NcclGroup:
                 log.warning("ncclCommDestroy failed: %s", exc)
 
 
-def _communicator(store: dist.Store, rendezvous: common_pb2.Rendezvous, rank: int, device: torch.device):
-    """Builds this rank's communicator (blocks until every rank joins); rank 0 draws the
-    unique id and publishes it first."""
-    cupy = cupy_module()
+def _communicator(store: dist.Store, rendezvous: common_pb2.Rendezvous, rank: int,
+                  device: torch.device) -> Communicator:
+    """Builds this rank's communicator on ``device`` (blocks, GIL released, until every
+    rank joins); rank 0 draws the unique id and publishes it first."""
+    torch.cuda.set_device(device)  # NCCL takes the rank's GPU from this thread's current device
     key = session_key(rendezvous, "nccl-id")
-    with cupy.cuda.Device(device.index):
-        if rank == 0:
-            unique_id = cupy.cuda.nccl.get_unique_id()
-            store.set(key, encode_unique_id(unique_id))
-        else:
-            unique_id = decode_unique_id(store.get(key))
-        return cupy.cuda.nccl.NcclCommunicator(rendezvous.world_size, unique_id, rank)
+    if rank == 0:
+        unique_id = new_unique_id()
+        store.set(key, unique_id)
+    else:
+        unique_id = store.get(key)
+    return Communicator(rendezvous.world_size, unique_id, rank)
 
 
 class NcclSender(Sender):
@@ -268,4 +249,4 @@ class NcclReceiver(Receiver):
             group.close()
 
 
-__all__ = ["NcclSender", "NcclReceiver", "NcclGroup", "encode_unique_id", "decode_unique_id", "UNIQUE_ID_BYTES"]
+__all__ = ["NcclSender", "NcclReceiver", "NcclGroup"]

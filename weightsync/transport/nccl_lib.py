@@ -1,0 +1,152 @@
+"""The few NCCL calls the nccl transport makes, through ctypes.
+
+Why not cupy's ``NcclCommunicator``: its constructor calls ``ncclCommInitRank`` and its
+``destroy``/``abort`` call ``ncclCommDestroy``/``ncclCommAbort`` while holding the GIL.
+``ncclCommInitRank`` blocks until every rank has joined, so a peer that is late (or
+dead) would freeze every thread of the process with it -- an agent's event loop and
+heartbeats, a trainer's asyncio loop -- beyond any deadline: the seed bug, inside a
+library. A ctypes foreign call releases the GIL for its whole duration, so here a
+blocking NCCL call holds only the thread that made it.
+
+The library is the one the process already uses where it is loaded (torch's CUDA
+builds and cupy load ``libnccl.so.2``), else the ``nvidia-nccl-cu*`` wheel's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+
+from weightsync.errors import TransferError
+
+UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+NCCL_UINT8 = 1         # ncclUint8 in ncclDataType_t
+_MAX_COUNT = (1 << 31) - 1
+
+
+class UniqueId(ctypes.Structure):
+    """ncclUniqueId: 128 opaque bytes, passed by value."""
+
+    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def _candidates() -> list[str]:
+    paths = ["libnccl.so.2", "libnccl.so"]
+    for package in ("nvidia.nccl", "nvidia"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        for root in (spec.submodule_search_locations or []) if spec is not None else []:
+            for sub in ("lib", os.path.join("nccl", "lib")):
+                paths.append(os.path.join(root, sub, "libnccl.so.2"))
+    return paths
+
+
+def library() -> ctypes.CDLL:
+    """libnccl, with the signatures used here; TransferError when none can be loaded."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        errors = []
+        for path in _candidates():
+            try:
+                lib = ctypes.CDLL(path)
+                break
+            except OSError as exc:
+                errors.append(str(exc))
+        else:
+            raise TransferError("NCCL cannot be loaded (install nvidia-nccl-cu12 or -cu13, or torch with CUDA): "
+                                + "; ".join(errors[:2]))
+        c_int, c_void_p, c_size_t = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+        signatures = {
+            "ncclGetVersion": [ctypes.POINTER(c_int)],
+            "ncclGetUniqueId": [ctypes.POINTER(UniqueId)],
+            "ncclCommInitRank": [ctypes.POINTER(c_void_p), c_int, UniqueId, c_int],
+            "ncclBroadcast": [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p],
+            "ncclCommGetAsyncError": [c_void_p, ctypes.POINTER(c_int)],
+            "ncclCommAbort": [c_void_p],
+            "ncclCommDestroy": [c_void_p],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, c_int
+        lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [c_int], ctypes.c_char_p
+        _lib = lib
+        return lib
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        text = library().ncclGetErrorString(status)
+        raise TransferError(f"{call} failed: {text.decode(errors='replace') if text else status} (NCCL error {status})")
+
+
+def version() -> int:
+    """NCCL's version code (e.g. 22703 for 2.27.3)."""
+    value = ctypes.c_int(0)
+    _check(library().ncclGetVersion(ctypes.byref(value)), "ncclGetVersion")
+    return value.value
+
+
+def new_unique_id() -> bytes:
+    """A fresh unique id (rank 0 draws it; the others get it through the store)."""
+    uid = UniqueId()
+    _check(library().ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+    return ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES)
+
+
+class Communicator:
+    """One rank's communicator. Every call releases the GIL while NCCL runs."""
+
+    def __init__(self, world_size: int, unique_id: bytes, rank: int) -> None:
+        """Blocks (GIL released) until all ``world_size`` ranks have joined; the CUDA
+        device current on this thread is the rank's."""
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise TransferError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        uid = UniqueId()
+        ctypes.memmove(ctypes.addressof(uid), unique_id, UNIQUE_ID_BYTES)
+        comm = ctypes.c_void_p(0)
+        _check(library().ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank), "ncclCommInitRank")
+        self._comm = comm
+
+    def broadcast(self, address: int, nbytes: int, stream: int) -> None:
+        """Queues a broadcast of ``nbytes`` at device ``address`` from rank 0 on
+        ``stream`` (in place: rank 0 sends it, the others receive into it)."""
+        lib = library()
+        done = 0
+        while done < nbytes:  # NCCL counts in int on some builds: chunks every side cuts alike
+            count = min(nbytes - done, _MAX_COUNT)
+            _check(lib.ncclBroadcast(address + done, address + done, count, NCCL_UINT8, 0, self._comm, stream),
+                   "ncclBroadcast")
+            done += count
+
+    def check(self) -> None:
+        """TransferError when NCCL reports an asynchronous error (a peer went away)."""
+        if not self._comm:
+            raise TransferError("the NCCL communicator was aborted")
+        result = ctypes.c_int(0)
+        _check(library().ncclCommGetAsyncError(self._comm, ctypes.byref(result)), "ncclCommGetAsyncError")
+        _check(result.value, "an NCCL operation")
+
+    def abort(self) -> None:
+        """ncclCommAbort: ends whatever is queued and frees the communicator."""
+        comm, self._comm = self._comm, ctypes.c_void_p(0)
+        if comm:
+            _check(library().ncclCommAbort(comm), "ncclCommAbort")
+
+    def destroy(self) -> None:
+        """ncclCommDestroy of an idle communicator (the orderly end of a group)."""
+        comm, self._comm = self._comm, ctypes.c_void_p(0)
+        if comm:
+            _check(library().ncclCommDestroy(comm), "ncclCommDestroy")
+
+
+__all__ = ["Communicator", "UniqueId", "UNIQUE_ID_BYTES", "library", "new_unique_id", "version"]
