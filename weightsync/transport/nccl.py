@@ -58,9 +58,9 @@ class NcclGroup:
                                        rendezvous, operation="nccl group setup", deadline_at=deadline_at,
                                        abort=abort, watch=watch, stop_keys=stop_keys)
         with torch.cuda.device(device):
-            self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
             self.copy_stream = torch.cuda.Stream(device)
             self.comm_stream = torch.cuda.Stream(device)
+        self.buffers = self._new_buffers(bucket_bytes)
         self.on_wire = [torch.cuda.Event(), torch.cuda.Event()]  # each slot's last broadcast
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]   # each slot's last pack or unpack
 
@@ -69,7 +69,17 @@ class NcclGroup:
         streams are idle between rounds)."""
         if bucket_bytes != self.bucket_bytes:
             self.bucket_bytes = bucket_bytes
-            self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self.buffers = self._new_buffers(bucket_bytes)
+
+    def _new_buffers(self, bucket_bytes: int) -> list[torch.Tensor]:
+        """Two bucket buffers, marked as used by both side streams: dropped after a
+        failure while a kernel may still touch them, their memory is not handed to
+        another tensor until the work queued on those streams has ended."""
+        buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        for buffer in buffers:
+            buffer.record_stream(self.copy_stream)
+            buffer.record_stream(self.comm_stream)
+        return buffers
 
     def broadcast(self, slot: int, nbytes: int) -> None:
         """Posts the broadcast of the first ``nbytes`` of buffer ``slot`` from rank 0,
