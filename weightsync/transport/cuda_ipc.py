@@ -46,6 +46,9 @@ from weightsync.transport.store import connect_store, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
 _MAGIC = b"wsipc1"
+# How often the trainer polls for the engines' done keys, and an engine for the table:
+# the copies take about a millisecond per GiB, so the store's usual 5 ms would dominate.
+_POLL_S = 0.0005
 _HEADER = struct.Struct("<II")
 
 
@@ -154,7 +157,7 @@ class CudaIpcSender(Sender):
             wait_polling(EventDone(written), deadline_at, "broadcast", abort=abort, store=store, stop_keys=errors)
             store.set(session_key(rendezvous, "ipc-table"), table)
             wait_for_keys(store, [session_key(rendezvous, "done", r) for r in ranks], deadline_at=deadline_at,
-                          operation="broadcast", abort=abort, fail_keys=errors)
+                          operation="broadcast", abort=abort, fail_keys=errors, max_poll_s=_POLL_S)
         except BaseException as exc:
             try:  # engines stop waiting, or copying
                 store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
@@ -235,7 +238,8 @@ class CudaIpcReceiver(Receiver):
                     self.close()  # handles are opened once per group
                     self._group_id = rendezvous.group_id
                 key = session_key(rendezvous, "ipc-table")
-                wait_for_keys(store, [key], deadline_at=deadline_at, operation="receive", abort=abort, fail_keys=stop)
+                wait_for_keys(store, [key], deadline_at=deadline_at, operation="receive", abort=abort, fail_keys=stop,
+                              max_poll_s=_POLL_S)
                 table = decode_table(store.get(key), plan.sizes)
                 device = torch.device("cuda", torch.cuda.current_device())
                 sources = self._views(table, plan, device)
@@ -244,13 +248,24 @@ class CudaIpcReceiver(Receiver):
             stream = self._stream
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 stream.wait_stream(torch.cuda.default_stream(device))  # the engine's own work on its tensors
+                copied: dict[int, torch.cuda.Event] = {}
+
+                def queue_copy(bucket: int) -> None:
+                    copy_bucket(plan, bucket, sources, targets)
+                    copied[bucket] = torch.cuda.Event()
+                    copied[bucket].record(stream)
+
+                # Bucket k+1's copies are queued before bucket k is waited for: the GPU
+                # never idles on the host's poll, and no more than two buckets' targets
+                # are being filled at once (a streamed load makes them as they are used).
+                queue_copy(0)
                 for bucket in range(plan.num_buckets):
                     if abort.is_set():
                         raise TransferError("receive aborted")
-                    copy_bucket(plan, bucket, sources, targets)
-                    copied = torch.cuda.Event()
-                    copied.record(stream)
-                    wait_polling(EventDone(copied), deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
+                    if bucket + 1 < plan.num_buckets:
+                        queue_copy(bucket + 1)
+                    wait_polling(EventDone(copied.pop(bucket)), deadline_at, "receive", abort=abort, store=store,
+                                 stop_keys=stop)
                     if on_bucket is not None:
                         on_bucket(bucket)
             store.set(session_key(rendezvous, "done", rank), b"1")

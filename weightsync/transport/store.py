@@ -121,8 +121,10 @@ def prefixed(store: dist.Store, prefix: str) -> dist.Store:
 
 
 def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float, operation: str,
-                  abort: threading.Event | None = None, fail_keys: Sequence[str] = ()) -> None:
-    """Waits until every key in ``keys`` is set.
+                  abort: threading.Event | None = None, fail_keys: Sequence[str] = (),
+                  max_poll_s: float = _POLL_MAX_S) -> None:
+    """Waits until every key in ``keys`` is set, polling at most every ``max_poll_s``
+    (a transfer that ends in about a millisecond, cuda-ipc's, polls more often).
 
     Raises:
         TransferError: a key of ``fail_keys`` was set (a peer reported failure), the
@@ -150,7 +152,7 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float,
             raise StepTimeoutError(f"deadline exceeded during {operation} waiting for {keys[:3]}",
                                    operation=operation)
         time.sleep(delay)
-        delay = min(_POLL_MAX_S, delay * 2)
+        delay = min(max_poll_s, delay * 2)
 
 
 __all__ = ["session_key", "host_store", "connect_store", "prefixed", "wait_for_keys"]
