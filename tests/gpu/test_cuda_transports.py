@@ -175,3 +175,61 @@ def test_a_trainer_round_over_cuda_ipc_through_the_coordinator(cluster_factory):
             assert [e.weights_digest for e in state.engines] == [trainer, trainer]
 
     asyncio.run(sync())
+
+
+def _receive_then_die(plan_bytes: bytes, rendezvous_bytes: bytes) -> None:
+    """A spawned engine that maps the trainer's memory, copies one bucket and dies."""
+    import os
+
+    torch.cuda.set_device(0)
+    plan = BucketPlan.from_proto(common_pb2.WeightPlan.FromString(plan_bytes))
+    targets = [torch.zeros(s, dtype=d, device="cuda") for d, s in zip(plan.dtypes, plan.shapes, strict=True)]
+
+    def die(bucket: int) -> None:
+        os._exit(17)
+
+    transports.make_receiver(IPC).receive(common_pb2.Rendezvous.FromString(rendezvous_bytes), 1, plan, targets,
+                                          deadline_at=time.monotonic() + 60, abort=threading.Event(), on_bucket=die)
+
+
+def test_a_cuda_ipc_send_whose_engine_died_ends_when_the_round_aborts_it():
+    """An engine killed mid-copy sets no key; the trainer's send ends as soon as its
+    abort flag is set (the client sets it when the coordinator reports the engine
+    failed), long before its deadline."""
+    named = model_like("cuda")
+    store = host_store("127.0.0.1", timeout_s=60)
+    plan = BucketPlan.from_tensors(named, bucket_bytes=BUCKET)
+    rdzv = rendezvous(store, IPC, f"gpu-{uuid.uuid4().hex[:8]}")
+    spawn = multiprocessing.get_context("spawn")
+    engine = spawn.Process(target=_receive_then_die, args=(plan.to_proto().SerializeToString(),
+                                                          rdzv.SerializeToString()))
+    engine.start()
+    sender = transports.make_sender(IPC, store)
+    abort = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def send() -> None:
+        try:
+            sender.send(rdzv, plan, [t for _, t in named], deadline_at=time.monotonic() + 60, abort=abort)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    sending = threading.Thread(target=send)
+    sending.start()
+    try:
+        engine.join(60)
+        assert engine.exitcode == 17  # it mapped the table, copied a bucket, and died
+        time.sleep(0.5)
+        assert sending.is_alive()  # nobody told the trainer yet: it still waits
+        abort.set()
+        started = time.monotonic()
+        sending.join(10)
+        assert not sending.is_alive() and time.monotonic() - started < 5
+        assert outcome and outcome[0] is not None and "aborted" in str(outcome[0]), outcome
+    finally:
+        abort.set()
+        sending.join(70)
+        sender.close()
+        if engine.is_alive():
+            engine.kill()
