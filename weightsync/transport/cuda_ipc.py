@@ -42,7 +42,7 @@ from weightsync.transport.cuda import (
     make_current,
     tensors_device,
 )
-from weightsync.transport.store import connect_store, session_key, wait_for_keys
+from weightsync.transport.store import StoreLink, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
 _MAGIC = b"wsipc1"
@@ -218,7 +218,7 @@ class CudaIpcReceiver(Receiver):
     kind = common_pb2.TRANSPORT_KIND_CUDA_IPC
 
     def __init__(self) -> None:
-        self._store: tuple[tuple[str, int], dist.Store] | None = None
+        self._store = StoreLink()
         self._group_id = ""
         self._blocks: dict[bytes, MappedBlock] = {}
         self._sources: tuple[bytes, list[torch.Tensor]] | None = None  # (table digest, views)
@@ -226,11 +226,8 @@ class CudaIpcReceiver(Receiver):
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
-        where = (rendezvous.store_host, rendezvous.store_port)
         with nothing_written():
-            if self._store is None or self._store[0] != where:
-                self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
-        store = self._store[1]
+            store = self._store.connect(rendezvous, deadline_at=deadline_at)
         stop = [session_key(rendezvous, "abort")]
         try:
             with nothing_written():

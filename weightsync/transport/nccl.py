@@ -41,7 +41,7 @@ from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_w
 from weightsync.transport.collective import join_in_background, wait_polling
 from weightsync.transport.cuda import EventDone, tensors_device
 from weightsync.transport.nccl_lib import Communicator, new_unique_id
-from weightsync.transport.store import connect_store, session_key
+from weightsync.transport.store import StoreLink, session_key
 from weightsync.v1 import common_pb2
 
 log = logging.getLogger("weightsync.transport.nccl")
@@ -197,7 +197,7 @@ class NcclReceiver(Receiver):
     kind = common_pb2.TRANSPORT_KIND_NCCL
 
     def __init__(self) -> None:
-        self._store: tuple[tuple[str, int], dist.Store] | None = None
+        self._store = StoreLink()
         self._group: NcclGroup | None = None
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
@@ -205,13 +205,9 @@ class NcclReceiver(Receiver):
         stop = [session_key(rendezvous, "abort")]
         try:
             with nothing_written():
-                where = (rendezvous.store_host, rendezvous.store_port)
-                if self._store is None or self._store[0] != where:
-                    self._store = (where, connect_store(*where, deadline_at=deadline_at,
-                                                        secret=rendezvous.store_secret))
+                store = self._store.connect(rendezvous, deadline_at=deadline_at)
                 device = torch.device("cuda", torch.cuda.current_device())
                 group = self._ensure_group(rendezvous, rank, plan, device, deadline_at, abort, stop)
-            store = self._store[1]
             waits = {"deadline_at": deadline_at, "abort": abort, "store": store, "stop_keys": stop}
             n = plan.num_buckets
             with torch.cuda.device(device):
@@ -232,9 +228,9 @@ class NcclReceiver(Receiver):
                     if on_bucket is not None:
                         on_bucket(bucket)
         except BaseException as exc:
-            if self._store is not None:
+            if self._store.store is not None:
                 try:
-                    self._store[1].set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
+                    self._store.store.set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
                 except Exception:
                     pass
             group, self._group = self._group, None
@@ -249,7 +245,7 @@ class NcclReceiver(Receiver):
         if g is None or g.group_id != rendezvous.group_id or g.device != device:
             self.close()
             self._group = NcclGroup(rendezvous, rank, device, plan.bucket_bytes, deadline_at=deadline_at,
-                                    abort=abort, watch=self._store[1], stop_keys=stop)
+                                    abort=abort, watch=self._store.store, stop_keys=stop)
         self._group.fit(plan.bucket_bytes)
         return self._group
 

@@ -38,7 +38,7 @@ from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.plan import byte_view, pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.cross_memory import Beacon, RemoteMemory, direct_enabled, tensor_addresses
-from weightsync.transport.store import connect_store, session_key, wait_for_keys
+from weightsync.transport.store import StoreLink, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
 SHM_DIR = os.environ.get("WEIGHTSYNC_SHM_DIR", "/dev/shm")
@@ -229,7 +229,7 @@ class ShmReceiver(Receiver):
     def __init__(self, *, direct: bool | None = None) -> None:
         """``direct``: whether to read the trainer's memory when offered (default: unless
         ``WEIGHTSYNC_SHM_DIRECT=0``)."""
-        self._store: tuple[tuple[str, int], dist.Store] | None = None
+        self._store = StoreLink()
         self._segment: _Segment | None = None
         self._remote: RemoteMemory | None = None
         self._direct = direct
@@ -237,11 +237,8 @@ class ShmReceiver(Receiver):
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
-        where = (rendezvous.store_host, rendezvous.store_port)
         with nothing_written():
-            if self._store is None or self._store[0] != where:
-                self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
-        store = self._store[1]
+            store = self._store.connect(rendezvous, deadline_at=deadline_at)
         stop = [session_key(rendezvous, "abort")]
         try:
             with nothing_written():
@@ -381,7 +378,7 @@ class ShmReceiver(Receiver):
         if self._segment is not None:
             self._segment.close()
             self._segment = None
-        self._store = None
+        self._store.forget()
         self._remote = None
 
 

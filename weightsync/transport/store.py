@@ -155,4 +155,24 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float,
         delay = min(max_poll_s, delay * 2)
 
 
-__all__ = ["session_key", "host_store", "connect_store", "prefixed", "wait_for_keys"]
+class StoreLink:
+    """A receiver's connection to the trainer's store, kept from round to round while the
+    trainer's store stays at the same address."""
+
+    def __init__(self) -> None:
+        self._where: tuple[str, int] | None = None
+        self.store: dist.Store | None = None  # the last connection (None before the first)
+
+    def connect(self, rendezvous, *, deadline_at: float) -> dist.Store:
+        """The connection to ``rendezvous``'s store (a new one when it moved)."""
+        where = (rendezvous.store_host, rendezvous.store_port)
+        if self.store is None or self._where != where:
+            self.store = connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret)
+            self._where = where
+        return self.store
+
+    def forget(self) -> None:
+        self._where, self.store = None, None
+
+
+__all__ = ["session_key", "host_store", "connect_store", "prefixed", "wait_for_keys", "StoreLink"]
