@@ -99,23 +99,20 @@ class NcclGroup:
 
     def abort(self) -> None:
         """ncclCommAbort: ends whatever is still queued on this communicator."""
-        comm, self.comm = self.comm, None
-        self.buffers = []
-        if comm is not None:
-            try:
-                comm.abort()
-            except Exception as exc:  # already broken: nothing more to end
-                log.warning("ncclCommAbort failed: %s", exc)
+        self._end(abort=True)
 
     def close(self) -> None:
         """Destroys an idle communicator (the orderly end of a group)."""
+        self._end(abort=False)
+
+    def _end(self, *, abort: bool) -> None:
         comm, self.comm = self.comm, None
         self.buffers = []
         if comm is not None:
             try:
-                comm.destroy()
-            except Exception as exc:
-                log.warning("ncclCommDestroy failed: %s", exc)
+                comm.abort() if abort else comm.destroy()
+            except Exception as exc:  # already broken: nothing more to end
+                log.warning("ending the NCCL communicator failed: %s", exc)
 
 
 def _communicator(store: dist.Store, rendezvous: common_pb2.Rendezvous, rank: int,
