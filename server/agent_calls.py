@@ -51,12 +51,7 @@ async def call_agent(record: EngineRecord, call: Callable[[], Awaitable[T]], ope
     which knows what each status means for its operation."""
     try:
         return await call()
-    except grpc.aio.UsageError:
-        closed = channel_closed(record, operation)
-        if closed is None:
-            raise
-        raise closed from None
-    except asyncio.CancelledError:
+    except (grpc.aio.UsageError, asyncio.CancelledError):
         closed = channel_closed(record, operation)
         if closed is None:
             raise
