@@ -35,6 +35,7 @@ from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
 from weightsync.engine.adapter import Delivery, EngineAdapter, validate_tags
 from weightsync.errors import (
+    AFTER_TRANSFER,
     MAX_MESSAGE_BYTES,
     EngineFault,
     EngineOutputMismatch,
@@ -114,6 +115,7 @@ class _ReceiveJob:
     error: BaseException | None = None
     cancelled: bool = False             # a cancellation arrived: re-raised once settled
     attest_max_diff: float | None = None
+    bytes_in: bool = False              # the transfer itself ended well (later checks may still fail)
 
     async def wait(self, step: asyncio.Future):
         """The step's result; a step that failed sets ``error`` (and returns None). A
@@ -135,9 +137,16 @@ class _ReceiveJob:
         if self.cancelled:
             raise asyncio.CancelledError() from self.error
         if self.error is not None:
-            if isinstance(self.error, WeightSyncError):
-                raise self.error
-            raise TransferError(f"receive failed: {self.error!r}") from self.error
+            error = self.error
+            if not isinstance(error, WeightSyncError):
+                error = TransferError(f"receive failed: {error!r}")
+            if self.bytes_in:
+                # The data plane is done with this engine: the sender need not stop for it
+                # (it would tear the engines still reading the same lane).
+                error.metadata[AFTER_TRANSFER] = "true"
+            if error is self.error:
+                raise error
+            raise error from self.error
         attested = {} if self.attest_max_diff is None else {"attested": True, "attest_max_diff": self.attest_max_diff}
         return make_outcome(bytes=self.plan.total_bytes, seconds=self.seconds(), rank=self.request.rank, **attested)
 
@@ -536,6 +545,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         request, plan = job.request, job.plan
         restore_stale = self._inject_stale_tensor(plan, request.version)
         await job.wait(self._start_transfer(job))
+        job.bytes_in = job.error is None
         if job.error is None and restore_stale is not None:
             restore_stale()
         if job.error is None and request.weights_digest:

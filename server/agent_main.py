@@ -138,7 +138,7 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     check_engine_id(agent.engine_id)  # before anything starts, not at registration
     options.security.require_server_mode()
     options.security.require_role("agent", agent.engine_id)
-    agent.faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
+    agent.faults = FaultInjector.from_env(enabled=options.enable_fault_injection, engine_id=agent.engine_id)
     if options.launch:
         agent.launcher = EngineLauncher(options.launch, health_url=options.health_url,
                                         ready_timeout_s=options.launch_timeout_s, grace_s=options.shutdown_grace_s,

@@ -35,6 +35,7 @@ from weightsync import metrics
 from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.errors import (
+    AFTER_TRANSFER,
     EngineUnavailable,
     FailedPrecondition,
     InvalidArgument,
@@ -528,9 +529,13 @@ class SyncRound:
                 raise
             except grpc.aio.AioRpcError as exc:
                 # Tell the trainer now, so it stops sending instead of waiting out its
-                # deadline for an engine that will never acknowledge.
+                # deadline for an engine that will never acknowledge. Not when the engine
+                # had all its bytes and a later check failed: its lane's other engines
+                # may still be reading, and stopping it would tear them too.
                 error = engine_error(record, exc, "broadcast")
-                progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id, error)))
+                if error.metadata.get(AFTER_TRANSFER) != "true":
+                    progress.publish(coordinator_pb2.BroadcastEvent(
+                        engine_failed=failed_outcome(record.engine_id, error)))
                 raise
 
         try:

@@ -113,17 +113,33 @@ def cluster(cluster_factory) -> Cluster:
     return cluster_factory(2)
 
 
+VLLM_TIER = "tests/vllm/"
+
+
 def _in_vllm_tier(item) -> bool:
-    return item.nodeid.startswith("tests/vllm/") or "/vllm/" in str(item.path)
+    return item.nodeid.startswith(VLLM_TIER) or "/vllm/" in str(item.path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``), the
+    vLLM tier is one unit of work on one worker: its tests share module-scoped vLLM
+    servers (a test split off to the other worker would boot its own, without what the
+    earlier tests synced), and two vLLMs at once on two cores only slow each other
+    down. Every other test is a unit of its own. The scheduler groups by node id itself:
+    xdist's ``xdist_group`` marker works by rewriting a private pytest attribute that
+    pytest 9.2 no longer reads, so the marker silently grouped nothing."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmTierOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return VLLM_TIER if nodeid.startswith(VLLM_TIER) else nodeid
+
+    return VllmTierOnOneWorker(config, log)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (``make test`` runs two workers), the vLLM tier stays on one
-    worker: its tests share module-scoped vLLM servers, and two vLLMs at once on two
-    cores would only slow each other down. It is also scheduled first: it is the
-    longest unit (about 8 minutes), and collected last it ran alone at the end while
-    the other worker had nothing left."""
-    for item in items:
-        if _in_vllm_tier(item):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
+    """The vLLM tier is scheduled first: it is the longest unit (about 8 minutes), and
+    collected last it ran alone at the end while the other worker had nothing left."""
     items.sort(key=lambda item: not _in_vllm_tier(item))  # stable: each tier keeps its order

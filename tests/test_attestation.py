@@ -132,6 +132,35 @@ async def test_an_engine_that_does_not_compute_with_the_new_weights_is_torn_and_
         assert all(e.attest_max_diff < 1e-5 for e in result.engines)
 
 
+async def test_an_engine_that_fails_its_checks_does_not_stop_a_slower_engine_on_the_same_lane(cluster_factory):
+    """Both engines read one shm lane. engine-1 gets every byte, then fails its
+    attestation while engine-0 (delayed after its first bucket) is still reading. The
+    trainer's send is not the cause, so it must go on: engine-0 ends with version 2,
+    trusted; only engine-1 is torn. (Before the fix the coordinator told the trainer to
+    stop the lane, and engine-0 was torn by a failure that was not its own.)"""
+    rules = [{"op": "receive", "action": "stale_tensor", "version": 2, "tensor": "head.weight", "engine": "engine-1"},
+             {"op": "receive", "action": "delay", "version": 2, "bucket": 0, "seconds": 3.0, "engine": "engine-0"}]
+    cluster = cluster_factory(2, agent_args=("--enable-fault-injection",),
+                              agent_env={"WEIGHTSYNC_FAULTS": json.dumps(rules)})
+    first, second = perturbed(1), perturbed(2)
+    async with TrainerClient(cluster.address, bucket_bytes=16 * 1024) as client:
+        await client.update_weights(first.named_parameters(), version=1, timeout_s=60, attest=probe_of(first))
+        with pytest.raises(EngineOutputMismatch) as caught:
+            await client.update_weights(second.named_parameters(), version=2, timeout_s=60, transport="shm",
+                                        verify_digest=False, attest=probe_of(second))
+        by_id = {e.engine_id: e for e in caught.value.result.engines}
+        assert caught.value.result.bytes > 4 * 16 * 1024, "the plan must have several buckets"
+        assert not by_id["engine-1"].ok and by_id["engine-1"].error_reason == "ENGINE_OUTPUT_MISMATCH"
+        assert by_id["engine-0"].ok, by_id["engine-0"]
+        assert by_id["engine-0"].attest_max_diff < 1e-5
+        state = {e.engine_id: e for e in (await client.get_state()).engines}
+        assert not state["engine-0"].torn and state["engine-0"].weight_version == 2
+        assert state["engine-1"].torn and state["engine-1"].torn_version == 2 and state["engine-1"].paused
+    async with EngineClient(cluster.agents[0].address) as engine:
+        events = [e.kind for e in await engine.events()]
+    assert "transfer_done" in events and "transfer_failed" not in events
+
+
 async def test_a_probe_the_engines_cannot_run_is_refused_before_anything_changes(cluster: Cluster):
     model = perturbed(1)
     outside_vocab = Probe(((1, 2, 300),), ((-1.0, -1.0),), 1e-3)  # the tiny model has 256 tokens

@@ -57,6 +57,10 @@ class WeightSyncError(Exception):
 # that echoes a 10k-character field made grpc answer RESOURCE_EXHAUSTED ("metadata size
 # exceeds hard limit") instead of the real error. Every error is bounded when made.
 MAX_MESSAGE_BYTES = 1024
+# Metadata of a Receive's error when every byte had arrived and a later step failed (the
+# digest, the attestation probe, the version commit): the trainer's send is not the
+# cause, so the coordinator does not stop the lane, which other engines may still read.
+AFTER_TRANSFER = "after_transfer"
 MAX_METADATA_BYTES = 256
 MAX_METADATA_ENTRIES = 16
 
@@ -268,7 +272,7 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 
 
 __all__ = [
-    "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
+    "AFTER_TRANSFER", "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
     "PermissionDenied", "PlanUnknown", "Unsupported", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
     "StepTimeoutError", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

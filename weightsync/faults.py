@@ -7,7 +7,8 @@ with a warning, and an enabled injector logs loudly at start. Rules are keyed by
 counted so tests can check what actually happened.
 
 Rule fields: ``op``, ``action``, optional matchers, ``seconds`` for delays, and
-``times`` (how often it may fire; default 1, 0 = always).
+``times`` (how often it may fire; default 1, 0 = always), ``engine`` (only the agent
+of that engine id honours the rule; the others drop it).
 
 - ``op: "receive"`` (agents' data plane), matched by ``version`` and ``bucket``:
   ``delay`` or ``fail`` after that bucket is loaded; ``stale_tensor`` keeps the
@@ -50,6 +51,7 @@ class FaultRule:
     method: str | None = None
     seconds: float = 0.0
     tensor: str | None = None   # stale_tensor: which tensor keeps its old contents
+    engine: str | None = None   # only this engine's agent applies the rule
     times: int = 1
     fired: int = 0
 
@@ -68,8 +70,10 @@ class FaultInjector:
         self.rules = rules
 
     @classmethod
-    def from_env(cls, *, enabled: bool) -> FaultInjector | None:
-        """The injector described by ``WEIGHTSYNC_FAULTS``, or None.
+    def from_env(cls, *, enabled: bool, engine_id: str | None = None) -> FaultInjector | None:
+        """The injector described by ``WEIGHTSYNC_FAULTS``, or None. ``engine_id``: the
+        agent's engine (rules naming another engine are dropped; a process that is no
+        agent drops every rule that names one).
 
         Raises:
             InvalidArgument: the variable is set, enabled, and malformed.
@@ -90,6 +94,7 @@ class FaultInjector:
                        "shutdown": ("fail",), "round": ("fail",)}
             if rule.action not in allowed.get(rule.op, ()):
                 raise InvalidArgument(f"unsupported fault rule {rule}")
+        rules = [r for r in rules if r.engine is None or r.engine == engine_id]
         log.warning("FAULT INJECTION ENABLED: %s", rules)
         return cls(rules)
 
