@@ -106,6 +106,17 @@ def _signature(described: dict) -> str:
     return hashlib.blake2b(json.dumps(described, separators=(",", ":")).encode(), digest_size=16).hexdigest()
 
 
+def acknowledge_read(store: SecureStore, key: str) -> None:
+    """A rank > 0 tells rank 0 it has read the round's end: rank 0 may then close its
+    store. Rank 0 sees the key as soon as its store holds it, before the store answers,
+    so it may close the connection under the answer: the round's end is already read,
+    and that lost answer is no failure of the round."""
+    try:
+        store.set(key, "1")
+    except RuntimeError:
+        pass
+
+
 def _error_record(exc: BaseException) -> dict:
     if isinstance(exc, asyncio.CancelledError):
         return {"type": "CancelledError", "reason": "CANCELLED",
@@ -444,7 +455,7 @@ class DistributedTrainerClient(AsyncClient):
                 self._send_lane(prefix, held, deadline_at, cancel)
             self._wait_any(prefix, [f"{prefix}/result"], deadline_at, None)
             record = json.loads(store.get(f"{prefix}/result"))
-            store.set(f"{prefix}/read/{rank}", "1")  # rank 0 may close its store once all have read it
+            acknowledge_read(store, f"{prefix}/read/{rank}")
         except RuntimeError as exc:  # SecureStore: the connection to rank 0's store failed
             raise TransferError(f"trainer rank 0 (which drives the round) went away: {exc}") from exc
         finally:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -282,3 +283,39 @@ def test_engines_that_take_one_sender_refuse_a_sharded_round_before_anything_cha
         VllmAdapter("http://127.0.0.1:9").check_receive(request)
     assert info.value.reason == "SHARDED_UNSUPPORTED"
     VllmAdapter("http://127.0.0.1:9").check_receive(agent_pb2.ReceiveRequest(plan=plan.to_proto()))  # one sender: fine
+
+
+
+def test_a_rank_whose_read_ack_loses_its_answer_to_rank_0_closing_still_has_the_round():
+    """Rank 0 sees a rank's ``read`` key as soon as its store holds it, then closes its
+    store: the store may drop the connection before the SET's answer is sent. The rank
+    has read the round's end already, so the ack must not turn into 'rank 0 went away'
+    (seen under load in CI). Here the host closes right after storing the key, every
+    time, before it answers."""
+    from client.distributed import acknowledge_read
+    from weightsync.transport.secure_store import _SET, SecureStore, StoreHost
+
+    def ack_with(set_key: Callable[[SecureStore, str], None]) -> bytes | None:
+        host = StoreHost("127.0.0.1", timeout_s=5)
+        answer = host._answer
+
+        def store_then_close(fields):
+            reply = answer(fields)
+            if fields[0][0] == _SET:
+                threading.Thread(target=host.close).start()
+                time.sleep(0.5)  # the host is closed before this answer goes out
+            return reply
+
+        host._answer = store_then_close
+        store = SecureStore("127.0.0.1", host.port, host.owner_secret, deadline_at=time.monotonic() + 5,
+                            timeout_s=5)
+        try:
+            set_key(store, "ws-dist/s/1/read/1")
+            return host.get("ws-dist/s/1/read/1")
+        finally:
+            store.close()
+            host.close()
+
+    with pytest.raises(RuntimeError):  # the store call itself fails ...
+        ack_with(lambda store, key: store.set(key, "1"))
+    assert ack_with(acknowledge_read) == b"1"  # ... the ack does not, and rank 0 has it
