@@ -158,40 +158,57 @@ def stream_tokens(url: str, model: str, max_tokens: int, arrivals: list[float], 
         done.set()
 
 
+class _Stream:
+    """One streamed completion on its own thread: its chunks' arrival times."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.arrivals: list[float] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=stream_tokens, args=(url, model, 240, self.arrivals, self.done))
+        self.thread.start()
+
+
 async def test_keep_pause_holds_a_running_completion_until_resume(vllm_stack, tiny_model):
     """A completion already generating when a KEEP pause lands gets no token while
     paused, and finishes after resume."""
     address, url, _, _ = vllm_stack
     async with TrainerClient(address) as client:
-        # The tiny model streams 240 tokens in about 0.75 s and the pause takes about
-        # 0.2 s to land: on a loaded machine the completion can end first. That attempt
-        # proves nothing either way, so it is run again (at most 3 times).
-        for _ in range(3):
-            arrivals: list[float] = []
-            done = threading.Event()
-            thread = threading.Thread(target=stream_tokens, args=(url, tiny_model, 240, arrivals, done))
-            thread.start()
+        # The tiny model streams 240 tokens (its length limit is 256) in about 0.75 s, and
+        # the pause takes about 0.2 s to land: on a loaded machine a completion can end
+        # first, which proves nothing. So three completions start 0.2 s apart, and the
+        # ones still generating once the pause has landed are the test; an attempt with
+        # none is run again (at most 5 times).
+        for _ in range(5):
+            streams = [_Stream(url, tiny_model)]
             end = time.monotonic() + 60
-            while not arrivals and time.monotonic() < end:
+            while not streams[0].arrivals and time.monotonic() < end:
                 await asyncio.sleep(0.005)
-            assert arrivals, "the completion never started"
+            assert streams[0].arrivals, "the completion never started"
+            for _ in range(2):
+                await asyncio.sleep(0.2)
+                streams.append(_Stream(url, tiny_model))
             await client.pause(mode="keep")
             paused_at = time.monotonic()
-            if not done.is_set():
+            live = [s for s in streams if s.arrivals and not s.done.is_set()]
+            if live:
                 break
             await client.resume()
-            thread.join(5)
+            for stream in streams:
+                await asyncio.to_thread(stream.thread.join, 120)
+        assert live, "every completion ended before the pause landed, 5 times"
         assert get(url, "/is_paused")["is_paused"] is True
         await asyncio.sleep(2.0)
-        assert not done.is_set(), "the completion finished before or during the pause: make it longer"
+        assert not any(s.done.is_set() for s in live), "a running completion finished during the pause"
         resumed_at = time.monotonic()
         await client.resume()
-        await asyncio.to_thread(done.wait, 120)
-        thread.join(5)
-    held = [t for t in arrivals if paused_at + 0.5 < t < resumed_at]
-    assert held == [], f"{len(held)} tokens arrived while paused"
-    assert any(t > resumed_at for t in arrivals), "the completion must finish after resume"
-    assert len(arrivals) >= 200
+        for stream in streams:
+            await asyncio.to_thread(stream.done.wait, 120)
+            await asyncio.to_thread(stream.thread.join, 5)
+    for stream in live:
+        held = [t for t in stream.arrivals if paused_at + 0.5 < t < resumed_at]
+        assert held == [], f"{len(held)} tokens arrived while paused"
+        assert any(t > resumed_at for t in stream.arrivals), "the completion must finish after resume"
+        assert len(stream.arrivals) >= 200
 
 
 async def test_offload_kv_sync_wakes_before_resume(vllm_stack, tiny_model):
