@@ -140,13 +140,12 @@ class _ReceiveJob:
             error = self.error
             if not isinstance(error, WeightSyncError):
                 error = TransferError(f"receive failed: {error!r}")
+                error.__cause__ = self.error
             if self.bytes_in:
                 # The data plane is done with this engine: the sender need not stop for it
                 # (it would tear the engines still reading the same lane).
                 error.metadata[AFTER_TRANSFER] = "true"
-            if error is self.error:
-                raise error
-            raise error from self.error
+            raise error
         attested = {} if self.attest_max_diff is None else {"attested": True, "attest_max_diff": self.attest_max_diff}
         return make_outcome(bytes=self.plan.total_bytes, seconds=self.seconds(), rank=self.request.rank, **attested)
 
