@@ -147,7 +147,8 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
         await agent.launcher.wait_ready()
         agent.tasks.append(asyncio.create_task(agent.launcher.monitor()))
     adapter = make_adapter(options.engine, url=options.engine_url, checkpoint_dir=options.checkpoint_dir,
-                           model=options.model, step_delay_s=options.step_delay_s)
+                           model=options.model, step_delay_s=options.step_delay_s,
+                           sglang_flattened=options.sglang_flattened)
     core = agent.core = AgentCore(engine_id=agent.engine_id, adapter=adapter, faults=agent.faults,
                                   launcher=agent.launcher)
     if agent.launcher is not None:

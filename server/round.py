@@ -53,6 +53,7 @@ from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.sharding import Owners
 from weightsync.statedb import StateDB, get_meta, set_meta
+from weightsync.transport.flattened import LAYOUTS
 from weightsync.transport.relay import is_relay_upstream
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2
 from weightsync.validate import check_pause_mode, check_port, check_timeout
@@ -373,6 +374,10 @@ class SyncRound:
             raise InvalidArgument(f"group_backend must be gloo or nccl, got {request.group_backend!r}")
         if request.group_backend and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
             raise InvalidArgument("group_backend applies to the group transport only")
+        if request.group_layout not in ("", *LAYOUTS):
+            raise InvalidArgument(f"group_layout must be one of {LAYOUTS}, got {request.group_layout!r}")
+        if request.group_layout and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
+            raise InvalidArgument("group_layout applies to the group transport only")
         if not request.store_host:
             raise InvalidArgument("store_host is required")
         check_port(request.store_port, "store_port")
@@ -418,6 +423,7 @@ class SyncRound:
             # a relay's upstream lane: the trainer and the relay (one process, whatever its engine's workers)
             world_size=2 if lane.serves else 1 + sum(widths[e] for e in lane.receivers),
             session_id=session if len(layout) == 1 else f"{session}-{i}", group_backend=request.group_backend,
+            group_layout=request.group_layout,
             store_secret=request.store_secret, lane=lane.name, engine_ids=lane.serves or lane.receivers,
             relayed_by=lane.relayed_by, sender=lane.sender)
             for i, lane in enumerate(layout)]

@@ -10,7 +10,9 @@ contract, failure modes included, so the adapter is tested against them:
   trainer's group the way SGLang does (torch's rendezvous at ``tcp://master``, a
   ``PrefixStore(group_name)``, torch's group helper), and
   ``/update_weights_from_distributed`` receives every tensor by a real broadcast from
-  rank 0 (gloo on this machine, nccl in SGLang on a GPU), then loads them by name:
+  rank 0 (gloo on this machine, nccl in SGLang on a GPU), or with ``load_format``
+  ``"flattened_bucket"`` all of them as one broadcast of their bytes end to end, then
+  loads them by name:
   an unknown name fails mid-way and leaves the weights partly updated, as SGLang's
   ``load_weights`` does;
 - an update with ``flush_cache`` while requests are held by an in-place pause fails
@@ -121,12 +123,32 @@ def receive(names, dtypes, shapes, pg) -> list[tuple[str, torch.Tensor]]:
     return received
 
 
-def receive_and_load(names, dtypes, shapes, pgs) -> None:
+def receive_flattened(names, dtypes, shapes, pg) -> list[tuple[str, torch.Tensor]]:
+    """One worker's part of update_weights_from_distributed with load_format
+    "flattened_bucket", as SGLang's FlattenedTensorBucket does it: empty tensors, their
+    bytes end to end (no padding) in one uint8 tensor, one broadcast of it, then each
+    tensor cut back out by byte offsets and viewed as its dtype (which fails, as in
+    SGLang, for a tensor that starts at an offset its element size does not divide)."""
+    empties = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(dtypes, shapes, strict=True)]
+    flat = torch.cat([t.flatten().view(torch.uint8) for t in empties])
+    _broadcast_from_0(flat, pg).wait()
+    if ARGS.die_during_update:
+        os._exit(72)
+    received, start = [], 0
+    for name, t in zip(names, empties, strict=True):
+        end = start + t.nbytes
+        received.append((name, flat[start:end].view(t.dtype).reshape(t.shape)))
+        start = end
+    return received
+
+
+def receive_and_load(names, dtypes, shapes, pgs, load_format=None) -> None:
     """SGLang's update_weights_from_distributed on every tp worker (each receives the
     full tensors and would load its own shards), then load by name. Here the workers
     share one copy of the model: worker 0's tensors are loaded, and every other worker
     must have received the same bytes."""
-    per_worker = on_every_worker(lambda w: receive(names, dtypes, shapes, pgs[w]), len(pgs))
+    how = receive_flattened if load_format == "flattened_bucket" else receive
+    per_worker = on_every_worker(lambda w: how(names, dtypes, shapes, pgs[w]), len(pgs))
     for other in per_worker[1:]:
         if any(not torch.equal(a, b) for (_, a), (_, b) in zip(per_worker[0], other, strict=True)):
             raise RuntimeError("tp workers received different bytes")
@@ -235,7 +257,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._reply(400, {"success": False, "message": f"Group {name} not in {sorted(groups)}"})
         with weights_lock:
             try:
-                receive_and_load(body["names"], body["dtypes"], body["shapes"], groups[name])
+                receive_and_load(body["names"], body["dtypes"], body["shapes"], groups[name],
+                                 body.get("load_format"))
             except Exception as exc:
                 return self._reply(400, {"success": False, "message": f"Failed to update parameter online: "
                                          f"{type(exc).__name__}: {exc}. The full weights of the ModelRunner "

@@ -277,6 +277,126 @@ def test_group_sender_speaks_the_recipe_sglang_joins_with():
         assert torch.equal(params[name], source)
 
 
+def _mixed_sources():
+    """Tensors whose bytes end to end put some at offsets their element size does not
+    divide (an odd count of bfloat16 before float32 and int64), one larger than the
+    test's bucket, an empty one and a bool one."""
+    return [torch.randn(33, 17), torch.randn(1001).to(torch.bfloat16), torch.arange(77, dtype=torch.int64),
+            torch.randn(3).to(torch.bfloat16), torch.randn(5), torch.randn(700), torch.empty(0),
+            torch.tensor([True, False, True]), torch.randn(2, 3)]
+
+
+def test_the_flattened_layout_cuts_runs_sglang_can_view():
+    """Calls are runs of consecutive tensors of at most a bucket (a larger tensor alone),
+    and every tensor starts in its call at a multiple of its element size."""
+    from weightsync.plan import ITEMSIZE
+    from weightsync.transport.flattened import flattened_calls
+
+    sources = _mixed_sources()
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=1024)
+    calls = flattened_calls(plan)
+    assert [i for first, end in calls.bounds for i in range(first, end)] == list(range(len(sources)))
+    assert len(calls.bounds) < len(sources)
+    for call, (first, end) in enumerate(calls.bounds):
+        assert end - first == 1 or calls.nbytes(call) <= plan.bucket_bytes
+        for i in range(first, end):
+            assert (calls.starts[i] - calls.starts[first]) % ITEMSIZE[plan.dtypes[i]] == 0
+    assert any(end - first == 1 and calls.nbytes(c) > 1024 for c, (first, end) in enumerate(calls.bounds))
+    # cut for alignment, not size: t1 (2002 bytes) leaves t2 (int64) misaligned
+    assert (2, 3) in calls.bounds or any(first == 2 for first, _ in calls.bounds)
+
+
+def test_the_flattened_layout_is_bitwise_with_casts_and_staged_targets():
+    """The group transport's flattened layout: three rounds on one group to two
+    receivers, bitwise; one receiver's targets include a transposed tensor (staged,
+    copied after); then the same plan cast on the wire (fp32 -> bf16)."""
+    kind = KINDS["group"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    receivers = [transports.make_receiver(kind) for _ in range(2)]
+    sources = _mixed_sources()
+    named = [(f"t{i}", t) for i, t in enumerate(sources)]
+    plan = BucketPlan.from_tensors(named, bucket_bytes=1024)
+    try:
+        for step in range(3):
+            for s in sources:
+                if s.is_floating_point():
+                    s.add_(1)
+            rdzv = rendezvous(store, kind, 3, group="flat")
+            rdzv.group_layout = "flattened"
+            targets = [[torch.zeros(sl.shape, dtype=sl.dtype) for sl in plan.slots] for _ in receivers]
+            targets[1][0] = torch.zeros(17, 33).t()  # cannot take the wire's bytes: staged
+            got, errors = run_round(sender, receivers, rdzv, plan, sources, targets=targets)
+            assert errors == {}
+            for out in got:
+                for a, b in zip(out, sources, strict=True):
+                    assert torch.equal(a, b)
+        cast = BucketPlan.from_tensors(named, bucket_bytes=1024, wire_dtype=torch.bfloat16)
+        rdzv = rendezvous(store, kind, 3, group="flat")
+        rdzv.group_layout = "flattened"
+        got, errors = run_round(sender, receivers, rdzv, cast, sources)
+        assert errors == {}
+        for out in got:
+            for a, b in zip(out, sources, strict=True):
+                assert torch.equal(a, b.to(torch.bfloat16) if b.is_floating_point() else b)
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()
+
+
+def test_the_flattened_layout_is_what_sglangs_flattened_bucket_receives():
+    """The sender's flattened layout against a receiver that does what SGLang's
+    ``load_format="flattened_bucket"`` does (tests/sglang_standin.py: its bytes end to
+    end in one uint8 broadcast per call, each tensor viewed back as its dtype), one call
+    after another as the SGLang agent posts them: two rounds, bitwise, mixed dtypes."""
+    from tests.sglang_standin import join_update_group, params, receive_and_load
+    from weightsync.transport.flattened import flattened_calls
+    from weightsync.transport.group import group_name
+
+    kind = KINDS["group"]
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(kind, store)
+    sources = _mixed_sources()
+    named = [(f"flat{i}", t) for i, t in enumerate(sources)]
+    plan = BucketPlan.from_tensors(named, bucket_bytes=1024)
+    rdzv = rendezvous(store, kind, 2, group=f"flat-recipe-{uuid.uuid4().hex[:6]}")
+    rdzv.group_layout = "flattened"
+    for name, t in named:
+        params[name] = torch.zeros_like(t)
+    errors: list[BaseException] = []
+    steps = threading.Semaphore(0)
+
+    def engine():
+        try:
+            pg = join_update_group("127.0.0.1", store.port, 1, 2, group_name(rdzv), "gloo")
+            for _ in range(2):
+                steps.acquire(timeout=20)
+                for first, end in flattened_calls(plan).bounds:
+                    slots = plan.slots[first:end]
+                    receive_and_load([s.name for s in slots], [str(s.dtype).removeprefix("torch.") for s in slots],
+                                     [list(s.shape) for s in slots], [pg], "flattened_bucket")
+        except BaseException as exc:
+            errors.append(exc)
+            store.set(f"ws/{rdzv.group_id}/{rdzv.session_id}/err/1", repr(exc))  # the sender stops at once
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        for _ in range(2):
+            for s in sources:
+                if s.is_floating_point():
+                    s.add_(1)
+            steps.release()
+            sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + 20, abort=threading.Event())
+    finally:
+        thread.join(30)
+        sender.close()
+    assert errors == []
+    for name, source in named:
+        assert torch.equal(params[name], source)
+
+
 @pytest.mark.parametrize("name", ["gloo", "group"])
 def test_failure_before_joining_stops_the_sender_and_peers_at_once(name):
     """A receiver that fails before joining reports it in the store (as an agent's

@@ -202,7 +202,7 @@ _BY_REASON: dict[str, type[WeightSyncError]] = {
 # back to a client as ``Unsupported`` with the reason kept.
 UNSUPPORTED_REASONS = frozenset({"UNSUPPORTED", "PAUSE_MODE_UNSUPPORTED", "GENERATION_UNSUPPORTED",
                                  "ATTESTATION_UNSUPPORTED", "TRANSPORT_UNSUPPORTED", "DIGEST_UNSUPPORTED",
-                                 "ENGINE_CANNOT_RECEIVE"})
+                                 "ENGINE_CANNOT_RECEIVE", "GROUP_LAYOUT_UNSUPPORTED"})
 
 _BY_CODE: dict[grpc.StatusCode, type[WeightSyncError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,

@@ -49,6 +49,7 @@ class AgentOptions:
     launch_timeout_s: float = 120.0
     engine_url: str = ""
     checkpoint_dir: str = ""
+    sglang_flattened: bool = False  # the SGLang engine takes the group transport's flattened layout
     security: Security = field(default_factory=Security)
     metrics_port: int = 0
     ready_port: int = 0

@@ -79,6 +79,10 @@ def _add_agent(sub) -> None:
     p.add_argument("--checkpoint-dir", default="",
                    help="sglang: the served model's local safetensors folder, when /model_info's model_path is "
                         "not one (plans are checked against it)")
+    p.add_argument("--sglang-flattened-bucket", action="store_true",
+                   help="sglang: this SGLang takes load_format='flattened_bucket' in its distributed weight "
+                        "updates (releases from late 2025 on), so rounds with the group layout 'flattened' "
+                        "are accepted (refused otherwise)")
     p.add_argument("--model", default=A.model, help="reference model preset (tiny|small|medium) or JSON config")
     p.add_argument("--listen", default=A.listen, help="HOST:PORT to serve on (port 0 = ephemeral)")
     p.add_argument("--advertise", default=A.advertise,
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                 launch=tuple(launch),
                 health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
                 engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port,
+                sglang_flattened=args.sglang_flattened_bucket,
                 ready_port=args.ready_port, restart=args.restart, max_restarts=args.max_restarts))))
         if args.command == "demo":
             from weightsync.apps.demo import run_demo

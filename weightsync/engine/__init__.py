@@ -26,17 +26,18 @@ def check_engine_choice(engine: str, url: str) -> None:
 
 
 def make_adapter(engine: str, *, url: str = "", checkpoint_dir: str = "", model: str = "tiny",
-                 step_delay_s: float = 0.0) -> EngineAdapter:
+                 step_delay_s: float = 0.0, sglang_flattened: bool = False) -> EngineAdapter:
     """The adapter for ``engine``: the reference engine in this process (``model``,
     ``step_delay_s``), or a vLLM or SGLang server at ``url`` (SGLang also reads its
-    checkpoint's tensor specs from ``checkpoint_dir``)."""
+    checkpoint's tensor specs from ``checkpoint_dir``; ``sglang_flattened``: it takes
+    the group transport's flattened layout)."""
     check_engine_choice(engine, url)
     if engine == "vllm":
         from weightsync.engine.vllm import VllmAdapter
         return VllmAdapter(url)
     if engine == "sglang":
         from weightsync.engine.sglang import SglangAdapter
-        return SglangAdapter(url, checkpoint_dir=checkpoint_dir)
+        return SglangAdapter(url, checkpoint_dir=checkpoint_dir, flattened=sglang_flattened)
     from weightsync.engine.model import resolve_config
     from weightsync.engine.reference import ReferenceAdapter
     return ReferenceAdapter(resolve_config(model), step_delay_s=step_delay_s)

@@ -41,7 +41,8 @@ from weightsync.errors import (
     Unsupported,
 )
 from weightsync.plan import dtype_from_name, dtype_name
-from weightsync.transport.group import group_backend, group_name
+from weightsync.transport.flattened import FLATTENED, flattened_calls
+from weightsync.transport.group import group_backend, group_layout, group_name
 from weightsync.v1 import common_pb2
 
 log = logging.getLogger("weightsync.sglang")
@@ -56,9 +57,15 @@ class SglangAdapter(HttpEngineAdapter):
     name = "sglang"
     engine_label = "SGLang"
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0, checkpoint_dir: str = "") -> None:
+    def __init__(self, url: str, *, timeout_s: float = 30.0, checkpoint_dir: str = "",
+                 flattened: bool = False) -> None:
+        """``flattened``: this SGLang takes ``load_format="flattened_bucket"`` in
+        ``/update_weights_from_distributed`` (the group transport's flattened layout);
+        an SGLang without it ignores the field and would expect a broadcast per tensor,
+        so rounds with that layout are refused unless the operator says so."""
         super().__init__(url, timeout_s=timeout_s)
         self.checkpoint_dir = checkpoint_dir
+        self.flattened = flattened
         self._released: set[str] = set()
         self._pause_mode = ""
         self._group = ""        # the update group SGLang has joined, reused while the rendezvous' stays
@@ -121,6 +128,11 @@ class SglangAdapter(HttpEngineAdapter):
             raise Unsupported("SGLang receives weights only through its update group: broadcast with "
                               "transport='group'", reason="TRANSPORT_UNSUPPORTED")
         group_backend(request.rendezvous)
+        if group_layout(request.rendezvous) == FLATTENED and not self.flattened:
+            raise Unsupported("this agent's SGLang is not known to take the flattened group layout: start the "
+                              "agent with --sglang-flattened-bucket (SGLang releases that accept "
+                              "load_format='flattened_bucket'), or broadcast with group_layout='tensors'",
+                              reason="GROUP_LAYOUT_UNSUPPORTED")
         if request.weights_digest:
             raise Unsupported("SGLang cannot attest a digest of its weights: broadcast without "
                               "verify_digest", reason="DIGEST_UNSUPPORTED")
@@ -151,15 +163,33 @@ class SglangAdapter(HttpEngineAdapter):
                     "rank_offset": rank, "world_size": rendezvous.world_size, "group_name": name,
                     "backend": group_backend(rendezvous)}, deadline_at)
                 self._group = name
-            self._post_timed("/update_weights_from_distributed", {
-                "names": list(plan.names), "dtypes": [dtype_name(d) for d in plan.dtypes],
-                "shapes": [list(s) for s in plan.shapes], "group_name": name,
-                # A cache flush with requests held in place fails SGLang's scheduler.
-                "flush_cache": self._pause_mode != "in_place"}, deadline_at)
+            # A cache flush with requests held in place fails SGLang's scheduler.
+            flush = self._pause_mode != "in_place"
+            if group_layout(rendezvous) == FLATTENED:
+                self._receive_flattened(plan, name, flush, deadline_at)
+            else:
+                self._post_timed("/update_weights_from_distributed", {
+                    "names": list(plan.names), "dtypes": [dtype_name(d) for d in plan.dtypes],
+                    "shapes": [list(s) for s in plan.shapes], "group_name": name, "flush_cache": flush},
+                    deadline_at)
         except BaseException:
             # SGLang's side of a failed group may still wait for tensors: never reuse it.
             self._leave_group()
             raise
+
+    def _receive_flattened(self, plan, name: str, flush: bool, deadline_at: float) -> None:
+        """One ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``
+        per flattened call, in order (each answers once its broadcast has landed), so
+        SGLang holds one call's bytes at a time, never a second copy of the model. The
+        cache is flushed after the last call only."""
+        names, dtypes, shapes = plan.names, plan.dtypes, plan.shapes
+        bounds = flattened_calls(plan).bounds
+        for call, (first, end) in enumerate(bounds):
+            self._post_timed("/update_weights_from_distributed", {
+                "names": list(names[first:end]), "dtypes": [dtype_name(d) for d in dtypes[first:end]],
+                "shapes": [list(s) for s in shapes[first:end]], "group_name": name,
+                "load_format": "flattened_bucket", "flush_cache": flush and call == len(bounds) - 1},
+                deadline_at)
 
     def _post_timed(self, path: str, body: dict, deadline_at: float) -> dict:
         """POST within what is left of the deadline; SGLang's refusal (HTTP 400 or

@@ -39,6 +39,15 @@ from weightsync.transport.collective import (
     retire,
     wait_polling,
 )
+from weightsync.transport.flattened import (
+    FLATTENED,
+    LAYOUTS,
+    TENSORS,
+    Staging,
+    byte_flat,
+    copy_all,
+    flattened_calls,
+)
 from weightsync.transport.gloo import data_device
 from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
@@ -60,6 +69,16 @@ def group_backend(rendezvous: common_pb2.Rendezvous) -> str:
     if backend not in BACKENDS:
         raise InvalidArgument(f"group backend must be one of {BACKENDS}, got {backend!r}")
     return backend
+
+
+def group_layout(rendezvous: common_pb2.Rendezvous) -> str:
+    """``tensors`` (the default: a broadcast per tensor) or ``flattened`` (runs of
+    tensors, SGLang's ``flattened_bucket``; ``weightsync.transport.flattened``);
+    InvalidArgument for anything else."""
+    layout = rendezvous.group_layout or TENSORS
+    if layout not in LAYOUTS:
+        raise InvalidArgument(f"group layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
 
 
 def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Store, deadline_at: float,
@@ -126,18 +145,28 @@ def _fail(store: dist.Store | None, key: str, message: str, joined: _Joined | No
 class _InFlight:
     """Posted broadcasts not yet waited for, at most ``IN_FLIGHT_BYTES`` of them (the
     oldest is finished first), so that cast copies and staging tensors stay bounded
-    without serialising the broadcasts."""
+    without serialising the broadcasts. Each posted broadcast gets a number, in order."""
 
     def __init__(self, finish: Callable[[dist.Work, object], None]) -> None:
         self._pending: deque[tuple[dist.Work, torch.Tensor, object]] = deque()
         self._bytes = 0
         self._finish = finish
+        self._posted = 0
+        self._finished = 0
 
-    def add(self, work: dist.Work, tensor: torch.Tensor, item: object = None) -> None:
-        """``tensor`` is kept alive until ``work`` is finished; ``item`` goes to ``finish``."""
+    def add(self, work: dist.Work, tensor: torch.Tensor, item: object = None) -> int:
+        """``tensor`` is kept alive until ``work`` is finished; ``item`` goes to ``finish``.
+        Returns the broadcast's number."""
         self._pending.append((work, tensor, item))
+        self._posted += 1
         self._bytes += tensor.nbytes
         while self._bytes > IN_FLIGHT_BYTES and len(self._pending) > 1:
+            self._pop()
+        return self._posted
+
+    def finish_through(self, number: int) -> None:
+        """Finishes every broadcast up to number ``number`` (0: none)."""
+        while self._finished < number:
             self._pop()
 
     def drain(self) -> None:
@@ -148,6 +177,13 @@ class _InFlight:
         work, tensor, item = self._pending.popleft()
         self._finish(work, item)
         self._bytes -= tensor.nbytes
+        self._finished += 1
+
+
+def _takes_wire(target: torch.Tensor, dtype: torch.dtype, wire_device: torch.device) -> bool:
+    """Whether ``target`` can receive the wire's bytes itself: the plan's dtype,
+    contiguous, on the device the backend moves."""
+    return target.dtype == dtype and target.is_contiguous() and target.device.type == wire_device.type
 
 
 class GroupSender(Sender):
@@ -159,6 +195,7 @@ class GroupSender(Sender):
         self._store = store
         self._bind_host = bind_host
         self._joined: _Joined | None = None
+        self._staging = Staging()  # the flattened layout's two buffers
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
         start = time.monotonic()
@@ -169,18 +206,40 @@ class GroupSender(Sender):
             device = _device_for(backend)
             in_flight = _InFlight(lambda work, _: wait_polling(work, deadline_at, "broadcast", abort=abort,
                                                         store=self._store, stop_keys=stop))
-            for slot, source in zip(plan.slots, sources, strict=True):
-                if abort.is_set():
-                    raise TransferError("send aborted")
-                wire = source.to(device=device, dtype=slot.dtype).contiguous()
-                in_flight.add(broadcast_from_root(pg, wire), wire)
+            if group_layout(rendezvous) == FLATTENED:
+                self._send_flattened(pg, plan, sources, device, in_flight, abort)
+            else:
+                for slot, source in zip(plan.slots, sources, strict=True):
+                    if abort.is_set():
+                        raise TransferError("send aborted")
+                    wire = source.to(device=device, dtype=slot.dtype).contiguous()
+                    in_flight.add(broadcast_from_root(pg, wire), wire)
             in_flight.drain()
         except BaseException as exc:
             # our receivers stop waiting for tensors that will never come
             _fail(self._store, session_key(rendezvous, "abort"), str(exc) or type(exc).__name__, self._joined)
             self._joined = None
+            self._staging.release()  # the retired group's pending ops may still use the buffers
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _send_flattened(self, pg, plan, sources, device: torch.device, in_flight: _InFlight,
+                        abort: threading.Event) -> None:
+        """A broadcast per flattened call: a call of one tensor straight from the tensor
+        (cast or moved first where the wire needs it), a call of several packed into a
+        staging buffer while the previous one is on the wire."""
+        calls = flattened_calls(plan)
+        self._staging.fit(plan.bucket_bytes, device)
+        for call, (first, end) in enumerate(calls.bounds):
+            if abort.is_set():
+                raise TransferError("send aborted")
+            if end - first == 1:
+                wire = byte_flat(sources[first].to(device=device, dtype=plan.dtypes[first]).contiguous())
+                in_flight.add(broadcast_from_root(pg, wire), wire)
+                continue
+            slot, buffer = self._staging.take(calls.nbytes(call), in_flight.finish_through)
+            copy_all(calls.views(buffer, call, plan), sources[first:end])
+            self._staging.used(slot, in_flight.add(broadcast_from_root(pg, buffer), buffer))
 
     def _ensure(self, rendezvous, deadline_at: float, abort: threading.Event,
                 stop: Sequence[str]) -> dist.ProcessGroup:
@@ -194,6 +253,7 @@ class GroupSender(Sender):
 
     def close(self) -> None:
         self._joined = None  # idle group: dropping it is immediate
+        self._staging.release()
 
 
 class GroupReceiver(Receiver):
@@ -206,6 +266,7 @@ class GroupReceiver(Receiver):
         self._bind_host = bind_host
         self._store: tuple[tuple[str, int], dist.Store] | None = None
         self._joined: _Joined | None = None
+        self._staging = Staging()  # the flattened layout's two buffers
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
@@ -217,39 +278,74 @@ class GroupReceiver(Receiver):
             store = self._store[1]
             buckets_done = 0
 
-            def land(work: dist.Work, item: object) -> None:
+            def progress(last: int) -> None:
+                """on_bucket for every bucket whose bytes all landed, tensor ``last`` being
+                the last landed (tensors land in plan order)."""
                 nonlocal buckets_done
-                index, into = item
-                wait_polling(work, deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
-                if into is not targets[index]:
-                    targets[index].copy_(into)
-                slot = plan.slots[index]
-                last = index == len(plan.slots) - 1
-                done = plan.num_buckets if last else min(plan.num_buckets, (slot.offset + slot.nbytes)
-                                                        // plan.bucket_bytes)
+                slot = plan.slots[last]
+                done = plan.num_buckets if last == len(plan.slots) - 1 else min(
+                    plan.num_buckets, (slot.offset + slot.nbytes) // plan.bucket_bytes)
                 while on_bucket is not None and buckets_done < done:
                     on_bucket(buckets_done)
                     buckets_done += 1
 
+            def land(work: dist.Work, item: object) -> None:
+                wait_polling(work, deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
+                first, end, into, views = item
+                if views is not None:  # a flattened call of several tensors, in a staging buffer
+                    copy_all([targets[i] for i in range(first, end)], views)
+                elif into is not None:  # one tensor, staged
+                    targets[first].copy_(into.view(plan.dtypes[first]).view(plan.shapes[first]))
+                progress(end - 1)
+
             in_flight = _InFlight(land)
-            for index, slot in enumerate(plan.slots):
-                if abort.is_set():
-                    raise TransferError("receive aborted")
-                target = targets[index]
-                # Straight into the engine's tensor when it is what the wire carries, where
-                # the backend moves it; else through a staging tensor, copied after.
-                direct = (target.dtype == slot.dtype and target.is_contiguous()
-                          and target.device.type == wire_device.type)
-                into = target if direct else torch.empty(slot.shape, dtype=slot.dtype, device=wire_device)
-                in_flight.add(broadcast_from_root(pg, into), into, (index, into))
+            if group_layout(rendezvous) == FLATTENED:
+                self._receive_flattened(pg, plan, targets, wire_device, in_flight, abort)
+            else:
+                for index, slot in enumerate(plan.slots):
+                    if abort.is_set():
+                        raise TransferError("receive aborted")
+                    target = targets[index]
+                    # Straight into the engine's tensor when it is what the wire carries, where
+                    # the backend moves it; else through a staging tensor, copied after.
+                    if _takes_wire(target, slot.dtype, wire_device):
+                        in_flight.add(broadcast_from_root(pg, target), target, (index, index + 1, None, None))
+                    else:
+                        into = torch.empty(slot.shape, dtype=slot.dtype, device=wire_device)
+                        in_flight.add(broadcast_from_root(pg, into), into, (index, index + 1, byte_flat(into), None))
             in_flight.drain()
         except BaseException as exc:
             # the sender stops at once instead of waiting out its deadline
             _fail(self._store[1] if self._store else None, session_key(rendezvous, "err", rank),
                   f"rank {rank}: {exc}", self._joined)
             self._joined = None
+            self._staging.release()  # the retired group's pending ops may still write into them
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    def _receive_flattened(self, pg, plan, targets, wire_device: torch.device, in_flight: _InFlight,
+                           abort: threading.Event) -> None:
+        """A broadcast per flattened call: a call of one tensor straight into the target
+        where it can take the wire's bytes, a call of several into a staging buffer,
+        copied out once it has arrived (while the next call arrives in the other)."""
+        calls = flattened_calls(plan)
+        self._staging.fit(plan.bucket_bytes, wire_device)
+        for call, (first, end) in enumerate(calls.bounds):
+            if abort.is_set():
+                raise TransferError("receive aborted")
+            if end - first == 1:
+                target = targets[first]
+                if _takes_wire(target, plan.dtypes[first], wire_device):
+                    into = byte_flat(target)
+                    in_flight.add(broadcast_from_root(pg, into), into, (first, end, None, None))
+                else:
+                    into = torch.empty(calls.nbytes(call), dtype=torch.uint8, device=wire_device)
+                    in_flight.add(broadcast_from_root(pg, into), into, (first, end, into, None))
+                continue
+            slot, buffer = self._staging.take(calls.nbytes(call), in_flight.finish_through)
+            number = in_flight.add(broadcast_from_root(pg, buffer), buffer,
+                                   (first, end, buffer, calls.views(buffer, call, plan)))
+            self._staging.used(slot, number)
 
     def _ensure(self, rendezvous, rank: int, deadline_at: float, abort: threading.Event,
                 stop: Sequence[str]) -> dist.ProcessGroup:
@@ -268,6 +364,7 @@ class GroupReceiver(Receiver):
     def close(self) -> None:
         self._joined = None
         self._store = None
+        self._staging.release()
 
 
-__all__ = ["GroupSender", "GroupReceiver", "group_name", "group_backend", "open_group", "BACKENDS"]
+__all__ = ["GroupSender", "GroupReceiver", "group_name", "group_backend", "group_layout", "open_group", "BACKENDS"]

@@ -155,6 +155,7 @@ class Rendezvous(_message.Message):
     ENGINE_IDS_FIELD_NUMBER: _builtins.int
     RELAYED_BY_FIELD_NUMBER: _builtins.int
     SENDER_FIELD_NUMBER: _builtins.int
+    GROUP_LAYOUT_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """same id = reuse the existing group and buffers"""
     transport: Global___TransportKind.ValueType
@@ -184,6 +185,12 @@ class Rendezvous(_message.Message):
     """A round from a sharded trainer: the trainer rank that sends this lane (rank 0 of
     it). Every engine receives in every sender's lane at the same rank.
     """
+    group_layout: _builtins.str
+    """group transport only: how the tensors go on the wire. "tensors" (or empty): one
+    broadcast per tensor, SGLang's default. "flattened": runs of whole tensors, each
+    run's bytes end to end (no padding) in one uint8 broadcast, SGLang's
+    load_format "flattened_bucket" (see weightsync.transport.group.flattened_calls).
+    """
     @_builtins.property
     def engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -201,10 +208,11 @@ class Rendezvous(_message.Message):
         engine_ids: _abc.Iterable[_builtins.str] | None = ...,
         relayed_by: _builtins.str = ...,
         sender: _builtins.int = ...,
+        group_layout: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_ids", b"engine_ids", "group_backend", b"group_backend", "group_id", b"group_id", "lane", b"lane", "relayed_by", b"relayed_by", "sender", b"sender", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_ids", b"engine_ids", "group_backend", b"group_backend", "group_id", b"group_id", "group_layout", b"group_layout", "lane", b"lane", "relayed_by", b"relayed_by", "sender", b"sender", "session_id", b"session_id", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "transport", b"transport", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -101,6 +101,7 @@ class BroadcastRequest(_message.Message):
     STORE_SECRET_FIELD_NUMBER: _builtins.int
     TRAINER_HOST_ID_FIELD_NUMBER: _builtins.int
     OWNERS_FIELD_NUMBER: _builtins.int
+    GROUP_LAYOUT_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     transport: _common_pb2.TransportKind.ValueType
@@ -117,6 +118,8 @@ class BroadcastRequest(_message.Message):
     """gloo, shm: the secret that admits a connection to the store (hex)"""
     trainer_host_id: _builtins.str
     """auto: the trainer's host id (engines with the same one get shm)"""
+    group_layout: _builtins.str
+    """group transport only: "tensors" (default) or "flattened" """
     @_builtins.property
     def plan(self) -> _common_pb2.WeightPlan: ...
     @_builtins.property
@@ -143,10 +146,11 @@ class BroadcastRequest(_message.Message):
         store_secret: _builtins.str = ...,
         trainer_host_id: _builtins.str = ...,
         owners: _common_pb2.Owners | None = ...,
+        group_layout: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["owners", b"owners", "plan", b"plan", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "idempotency_key", b"idempotency_key", "owners", b"owners", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_layout", b"group_layout", "idempotency_key", b"idempotency_key", "owners", b"owners", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

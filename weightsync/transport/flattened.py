@@ -1,0 +1,124 @@
+"""The group transport's "flattened" layout: SGLang's ``load_format="flattened_bucket"``.
+
+With SGLang's default protocol every tensor is a broadcast of its own, and a broadcast
+costs about as much as a few hundred kilobytes of copying whatever its size: at 20k
+tensors that is most of a round (one broadcast per tensor, 9x the time per byte of 89
+tensors in ``docs/benchmarks.md``). SGLang also receives a run of tensors as one
+broadcast (its ``FlattenedTensorBucket``): each tensor's bytes end to end, no padding,
+as one ``uint8`` tensor, cut back into the named tensors by byte offsets (each viewed
+as its dtype, so each must start at a multiple of its element size).
+
+``flattened_calls`` cuts a plan into such runs ("calls": one
+``/update_weights_from_distributed`` each on SGLang's side) from the plan alone, so the
+trainer, weightsync's receivers and the SGLang agent cut alike: consecutive tensors in
+plan order, at most the plan's bucket size of bytes per call (a larger tensor is a call
+of its own), and a new call wherever a tensor would start at an offset that is not a
+multiple of its element size. A call of one tensor goes straight from and into the
+tensor where it can; a call of several is packed into, and unpacked from, one of two
+staging buffers, used alternately (``Staging``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from weightsync.plan import ITEMSIZE, BucketPlan
+from weightsync.serial_copy import serial_copies
+
+TENSORS = "tensors"
+FLATTENED = "flattened"
+LAYOUTS = (TENSORS, FLATTENED)
+
+
+@dataclass(frozen=True)
+class FlatCalls:
+    """A plan cut into flattened calls: call ``c`` is tensors ``bounds[c][0]`` up to
+    ``bounds[c][1]`` (exclusive); tensor ``i`` starts ``starts[i] - starts[first]`` bytes
+    into its call's buffer."""
+
+    bounds: tuple[tuple[int, int], ...]
+    starts: np.ndarray  # int64, one per tensor and one past the last: bytes end to end, no padding
+
+    def nbytes(self, call: int) -> int:
+        first, end = self.bounds[call]
+        return int(self.starts[end] - self.starts[first])
+
+    def views(self, buffer: torch.Tensor, call: int, plan: BucketPlan) -> list[torch.Tensor]:
+        """The call's tensors as views of ``buffer`` (uint8, the call's bytes), each in
+        the plan's dtype and shape."""
+        first, end = self.bounds[call]
+        base, starts = int(self.starts[first]), self.starts[first:end + 1].tolist()
+        return [buffer[starts[k] - base:starts[k + 1] - base].view(plan.dtypes[i]).view(plan.shapes[i])
+                for k, i in enumerate(range(first, end))]
+
+
+@functools.lru_cache(maxsize=8)
+def flattened_calls(plan: BucketPlan) -> FlatCalls:
+    """``plan`` cut into flattened calls (see the module docstring); cached per plan."""
+    sizes = plan._nbytes.astype(np.int64)
+    itemsizes = [ITEMSIZE[d] for d in plan.dtypes]
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    limit = plan.bucket_bytes
+    bounds: list[tuple[int, int]] = []
+    first, used = 0, 0
+    for i, (size, itemsize) in enumerate(zip(sizes.tolist(), itemsizes, strict=True)):
+        if i > first and (used + size > limit or used % itemsize):
+            bounds.append((first, i))
+            first, used = i, 0
+        used += size
+    if len(sizes):
+        bounds.append((first, len(sizes)))
+    return FlatCalls(tuple(bounds), starts)
+
+
+def byte_flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """One call for a run's tensors (casting where dtypes differ), without OpenMP regions
+    per small copy (``weightsync.serial_copy``)."""
+    with torch.no_grad(), serial_copies():
+        torch._foreach_copy_(list(dsts), list(srcs))
+
+
+class Staging:
+    """Two byte buffers of the plan's bucket size on the wire's device, handed out in
+    turn to calls of several tensors. A buffer is handed out again only after the call
+    that used it last has been finished by ``finish_through`` (its broadcast completed
+    and, on a receiver, its bytes copied into the targets)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._last_use = [0, 0]
+        self._next = 0
+
+    def fit(self, nbytes: int, device: torch.device) -> None:
+        """Reallocates only when the bucket size or the device changed."""
+        if not self._buffers or self._buffers[0].numel() != nbytes or self._buffers[0].device != device:
+            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._last_use = [0, 0]
+
+    def take(self, nbytes: int, finish_through) -> tuple[int, torch.Tensor]:
+        """The next buffer's first ``nbytes``, once its previous call is finished."""
+        slot, self._next = self._next, self._next ^ 1
+        finish_through(self._last_use[slot])
+        return slot, self._buffers[slot][:nbytes]
+
+    def used(self, slot: int, number: int) -> None:
+        """Buffer ``slot`` carries in-flight call ``number`` (``InFlight.add``'s answer)."""
+        self._last_use[slot] = number
+
+    def release(self) -> None:
+        self._buffers = []
+
+
+__all__ = ["LAYOUTS", "TENSORS", "FLATTENED", "FlatCalls", "flattened_calls", "byte_flat", "copy_all", "Staging"]
