@@ -198,6 +198,60 @@ async def test_one_broadcast_feeds_sglang_and_a_reference_engine_together(sglang
         stop_process(ref.proc, grace_s=10)
 
 
+@pytest.mark.parametrize("sglang", [{"agent": ["--sglang-flattened-bucket"]}], indirect=True)
+async def test_the_flattened_layout_feeds_sglang_a_run_of_tensors_per_call(sglang, tmp_path):
+    """SGLang's ``load_format="flattened_bucket"``: one update call per run of tensors
+    (at most a bucket), each run one broadcast of its bytes end to end. Two rounds into
+    the SGLang stand-in and a reference engine together (weightsync's own receiver
+    takes the same layout), bitwise; under an ABORT pause the cache is flushed after
+    the last call only, under KEEP with requests held in place never."""
+    address, _, url, calls, standin = sglang
+    ref = start_agent(str(tmp_path), address, "ref-0", "--model", "tiny")
+    try:
+        wait_available(address, ["sglang-0", "ref-0"])
+        async with TrainerClient(address, transport="group", group_layout="flattened",
+                                 bucket_bytes=128 << 10) as client:
+            for version, mode in ((1, "abort"), (2, "keep")):
+                if mode == "keep":
+                    post(url, "/start_requests", {"n": 2})
+                weights = tiny_weights(seed=version)
+                result = await client.update_weights(weights, version=version, mode=mode, timeout_s=60)
+                assert result.ok and {e.weight_version for e in result.engines} == {version}
+                assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))
+                state = await client.get_state(include_digests=True)
+                digests = {e.engine_id: e.weights_digest for e in state.engines}
+                assert digests["ref-0"] == weights_digest(weights)
+    finally:
+        stop_process(ref.proc, grace_s=10)
+    assert standin.poll() is None
+    updates = [b for p, b in calls_of(calls) if p == "/update_weights_from_distributed"]
+    assert all(b["load_format"] == "flattened_bucket" for b in updates)
+    names = [n for n, _ in tiny_weights()]
+    per_round = len(updates) // 2
+    assert 1 < per_round < len(names) and len(updates) == 2 * per_round
+    for round_updates in (updates[:per_round], updates[per_round:]):
+        assert [n for b in round_updates for n in b["names"]] == names  # every tensor once, in plan order
+    assert [b["flush_cache"] for b in updates[:per_round]] == [False] * (per_round - 1) + [True]
+    assert not any(b["flush_cache"] for b in updates[per_round:])
+
+
+async def test_the_flattened_layout_is_refused_unless_the_agent_says_its_sglang_takes_it(sglang):
+    """An SGLang without ``flattened_bucket`` ignores ``load_format`` and would wait for a
+    broadcast per tensor: so the agent takes the layout only when started with
+    ``--sglang-flattened-bucket``, and otherwise refuses it up front, typed, before
+    SGLang is touched."""
+    address, _, url, calls, _ = sglang
+    before = get(url, "/standin/weights")["digest"]
+    async with TrainerClient(address, transport="group", group_layout="flattened") as client:
+        await client.pause()
+        with pytest.raises(FailedPrecondition) as info:
+            await client.broadcast(tiny_weights(seed=1), version=1, timeout_s=30)
+        assert info.value.reason == "GROUP_LAYOUT_UNSUPPORTED" and "--sglang-flattened-bucket" in info.value.message
+        await client.resume()
+    assert [p for p, _ in calls_of(calls)] == ["/pause_generation", "/continue_generation"]
+    assert get(url, "/standin/weights")["digest"] == before
+
+
 async def test_bad_plans_are_refused_before_sglang_is_touched(sglang):
     address, _, url, calls, _ = sglang
     before = get(url, "/standin/weights")["digest"]

@@ -82,6 +82,34 @@ async def test_missing_or_malformed_idempotency_key_is_invalid_argument(cluster)
         assert state.round.phase == "idle" and not any(e.paused for e in state.engines)
 
 
+async def test_a_bad_group_layout_is_refused_and_changes_nothing(cluster):
+    """group_layout: one of tensors/flattened, and only with the group transport; the
+    client refuses a bad one before any call."""
+    plan = BucketPlan.from_tensors(named(ReferenceLM(PRESETS["tiny"])))
+    with pytest.raises(InvalidArgument, match="group_layout"):
+        TrainerClient(cluster.address, group_layout="packed")
+    async with TrainerClient(cluster.address) as client:
+        before = await client.get_state(include_digests=True)
+        await client.pause()
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for transport, layout, expected in ((common_pb2.TRANSPORT_KIND_GROUP, "packed", "one of"),
+                                                (common_pb2.TRANSPORT_KIND_GLOO, "flattened", "group transport only")):
+                call = stub.Broadcast(coordinator_pb2.BroadcastRequest(
+                    idempotency_key=f"layout-{layout}", version=1, plan=plan.to_proto(), transport=transport,
+                    store_host="127.0.0.1", store_port=1234, group_layout=layout), timeout=10)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in call:
+                        pass
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert expected in info.value.details() and "group_layout" in info.value.details()
+        await client.resume()
+        after = await client.get_state(include_digests=True)
+    assert after.weight_version == 0
+    assert [e.weights_digest for e in after.engines] == [e.weights_digest for e in before.engines]
+    assert not any(e.paused or e.torn for e in after.engines)
+
+
 async def test_version_must_increase(cluster):
     model = ReferenceLM(PRESETS["tiny"])
     async with TrainerClient(cluster.address) as client:

@@ -94,31 +94,53 @@ class Staging:
     """Two byte buffers of the plan's bucket size on the wire's device, handed out in
     turn to calls of several tensors. A buffer is handed out again only after the call
     that used it last has been finished by ``finish_through`` (its broadcast completed
-    and, on a receiver, its bytes copied into the targets)."""
+    and, on a receiver, its bytes copied into the targets).
+
+    The n-th staged call of every round of a plan takes the same buffer, so each call's
+    tensor views are made once and replayed every step (as ``BucketPlan.bucket_views``
+    does for the bucket buffers): at 20k tensors, making them anew cost each side tens
+    of milliseconds per round."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
         self._last_use = [0, 0]
         self._next = 0
+        self._views: tuple[str, dict[int, list[torch.Tensor]]] = ("", {})  # plan id, views by call
 
-    def fit(self, nbytes: int, device: torch.device) -> None:
-        """Reallocates only when the bucket size or the device changed."""
+    def fit(self, plan: BucketPlan, device: torch.device) -> None:
+        """Starts a round of ``plan``; reallocates only when the bucket size or the device
+        changed."""
+        nbytes = plan.bucket_bytes
         if not self._buffers or self._buffers[0].numel() != nbytes or self._buffers[0].device != device:
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+            self._views = ("", {})
+        if self._views[0] != plan.plan_id:
+            self._views = (plan.plan_id, {})
         self._last_use = [0, 0]
+        self._next = 0
 
-    def take(self, nbytes: int, finish_through) -> tuple[int, torch.Tensor]:
-        """The next buffer's first ``nbytes``, once its previous call is finished."""
+    def take(self, calls: FlatCalls, call: int, plan: BucketPlan, finish_through) -> tuple[int, list[torch.Tensor]]:
+        """The next buffer, once its previous call is finished: its slot and the call's
+        tensors as views of it."""
         slot, self._next = self._next, self._next ^ 1
         finish_through(self._last_use[slot])
-        return slot, self._buffers[slot][:nbytes]
+        views = self._views[1].get(call)
+        if views is None or views[0].untyped_storage().data_ptr() != self._buffers[slot].data_ptr():
+            views = self._views[1][call] = calls.views(self._buffers[slot][:calls.nbytes(call)], call, plan)
+        return slot, views
+
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Buffer ``slot``'s first ``nbytes``: what goes on the wire."""
+        return self._buffers[slot][:nbytes]
 
     def used(self, slot: int, number: int) -> None:
         """Buffer ``slot`` carries in-flight call ``number`` (``InFlight.add``'s answer)."""
         self._last_use[slot] = number
 
     def release(self) -> None:
+        """Drops the buffers (and their views): the next round allocates new ones."""
         self._buffers = []
+        self._views = ("", {})
 
 
 __all__ = ["LAYOUTS", "TENSORS", "FLATTENED", "FlatCalls", "flattened_calls", "byte_flat", "copy_all", "Staging"]

@@ -229,7 +229,7 @@ class GroupSender(Sender):
         (cast or moved first where the wire needs it), a call of several packed into a
         staging buffer while the previous one is on the wire."""
         calls = flattened_calls(plan)
-        self._staging.fit(plan.bucket_bytes, device)
+        self._staging.fit(plan, device)
         for call, (first, end) in enumerate(calls.bounds):
             if abort.is_set():
                 raise TransferError("send aborted")
@@ -237,8 +237,9 @@ class GroupSender(Sender):
                 wire = byte_flat(sources[first].to(device=device, dtype=plan.dtypes[first]).contiguous())
                 in_flight.add(broadcast_from_root(pg, wire), wire)
                 continue
-            slot, buffer = self._staging.take(calls.nbytes(call), in_flight.finish_through)
-            copy_all(calls.views(buffer, call, plan), sources[first:end])
+            slot, views = self._staging.take(calls, call, plan, in_flight.finish_through)
+            copy_all(views, sources[first:end])
+            buffer = self._staging.buffer(slot, calls.nbytes(call))
             self._staging.used(slot, in_flight.add(broadcast_from_root(pg, buffer), buffer))
 
     def _ensure(self, rendezvous, deadline_at: float, abort: threading.Event,
@@ -329,7 +330,7 @@ class GroupReceiver(Receiver):
         where it can take the wire's bytes, a call of several into a staging buffer,
         copied out once it has arrived (while the next call arrives in the other)."""
         calls = flattened_calls(plan)
-        self._staging.fit(plan.bucket_bytes, wire_device)
+        self._staging.fit(plan, wire_device)
         for call, (first, end) in enumerate(calls.bounds):
             if abort.is_set():
                 raise TransferError("receive aborted")
@@ -342,10 +343,10 @@ class GroupReceiver(Receiver):
                     into = torch.empty(calls.nbytes(call), dtype=torch.uint8, device=wire_device)
                     in_flight.add(broadcast_from_root(pg, into), into, (first, end, into, None))
                 continue
-            slot, buffer = self._staging.take(calls.nbytes(call), in_flight.finish_through)
-            number = in_flight.add(broadcast_from_root(pg, buffer), buffer,
-                                   (first, end, buffer, calls.views(buffer, call, plan)))
-            self._staging.used(slot, number)
+            slot, views = self._staging.take(calls, call, plan, in_flight.finish_through)
+            buffer = self._staging.buffer(slot, calls.nbytes(call))
+            self._staging.used(slot, in_flight.add(broadcast_from_root(pg, buffer), buffer,
+                                                   (first, end, buffer, views)))
 
     def _ensure(self, rendezvous, rank: int, deadline_at: float, abort: threading.Event,
                 stop: Sequence[str]) -> dist.ProcessGroup:

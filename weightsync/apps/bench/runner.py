@@ -121,8 +121,10 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
     # (torch's named_parameters) costs ~10 us per tensor, outside weightsync.
     named = list(model.named_parameters())
     for transport in transports:
-        async with _shm_variant(transport) as name, TrainerClient(address, transport=name,
-                                                                  bucket_bytes=bucket_bytes) as client:
+        layout = "flattened" if transport == "group-flat" else "tensors"
+        async with _shm_variant(transport) as name, TrainerClient(
+                address, transport="group" if transport == "group-flat" else name, bucket_bytes=bucket_bytes,
+                group_layout=layout) as client:
             version += 1
             await client.update_weights(named, version=version, timeout_s=600)  # warm-up
             progress.step(f"weightsync/{transport} warm-up")
