@@ -318,7 +318,7 @@ def test_the_flattened_layout_is_bitwise_with_casts_and_staged_targets():
     named = [(f"t{i}", t) for i, t in enumerate(sources)]
     plan = BucketPlan.from_tensors(named, bucket_bytes=1024)
     try:
-        for step in range(3):
+        for _ in range(3):
             for s in sources:
                 if s.is_floating_point():
                     s.add_(1)
