@@ -81,12 +81,13 @@ async def _ready(tied, request):
     await ready_for_a_test(address, url)
 
 async def test_tied_rounds_match_a_fresh_boot_and_the_trainer(tied):
-    """shm, gloo and group: after each round vLLM's greedy tokens and log-probs equal a
-    vLLM booted fresh on the round's checkpoint and the trainer's model, and the
-    attestation probe passes within the fp32 tolerance."""
+    """shm, gloo and group (its flattened layout: runs of tensors in one broadcast each;
+    test_vllm_e2e has a broadcast per tensor): after each round vLLM's greedy tokens and
+    log-probs equal a vLLM booted fresh on the round's checkpoint and the trainer's
+    model, and the attestation probe passes within the fp32 tolerance."""
     stack, fresh_urls, base_dir, rounds = tied
     previous = greedy_all(stack.url)
-    async with TrainerClient(stack.address) as client:
+    async with TrainerClient(stack.address, group_layout="flattened") as client:
         for r, transport in enumerate(TRANSPORTS):
             model, attest = probe_for(base_dir, rounds[r])
             result = await client.update_weights(rounds[r], version=r + 1, transport=transport, timeout_s=180,
