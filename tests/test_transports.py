@@ -280,10 +280,12 @@ def test_group_sender_speaks_the_recipe_sglang_joins_with():
 def _mixed_sources():
     """Tensors whose bytes end to end put some at offsets their element size does not
     divide (an odd count of bfloat16 before float32 and int64), one larger than the
-    test's bucket, an empty one and a bool one."""
+    test's bucket, empty ones, a bool one; the last call is one empty tensor (a
+    broadcast of no bytes)."""
     return [torch.randn(33, 17), torch.randn(1001).to(torch.bfloat16), torch.arange(77, dtype=torch.int64),
             torch.randn(3).to(torch.bfloat16), torch.randn(5), torch.randn(700), torch.empty(0),
-            torch.tensor([True, False, True]), torch.randn(2, 3)]
+            torch.tensor([True, False, True]), torch.randn(2, 3), torch.randn(3).to(torch.bfloat16),
+            torch.empty(0, 4)]
 
 
 def test_the_flattened_layout_cuts_runs_sglang_can_view():
@@ -302,6 +304,7 @@ def test_the_flattened_layout_cuts_runs_sglang_can_view():
         for i in range(first, end):
             assert (calls.starts[i] - calls.starts[first]) % ITEMSIZE[plan.dtypes[i]] == 0
     assert any(end - first == 1 and calls.nbytes(c) > 1024 for c, (first, end) in enumerate(calls.bounds))
+    assert calls.bounds[-1] == (len(sources) - 1, len(sources)) and calls.nbytes(len(calls.bounds) - 1) == 0
     # cut for alignment, not size: t1 (2002 bytes) leaves t2 (int64) misaligned
     assert (2, 3) in calls.bounds or any(first == 2 for first, _ in calls.bounds)
 
