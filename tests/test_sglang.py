@@ -319,12 +319,15 @@ async def test_offload_kv_sync_wakes_sglangs_kv_before_it_continues(sglang):
     assert standin.poll() is None
 
 
-@pytest.mark.parametrize("sglang", [("--die-during-update",)], indirect=True)
-async def test_sglang_dying_mid_update_fails_the_round_at_once(sglang):
-    """SGLang crashes with the first tensor in: the round fails well before its 60 s
-    deadline (the trainer stops sending), and the engine is reported dead, not synced."""
+@pytest.mark.parametrize("layout", ["tensors", "flattened"])
+@pytest.mark.parametrize("sglang", [{"standin": ["--die-during-update"], "agent": ["--sglang-flattened-bucket"]}],
+                         indirect=True)
+async def test_sglang_dying_mid_update_fails_the_round_at_once(sglang, layout):
+    """SGLang crashes with the first tensor (or, flattened, the first run of them) in:
+    the round fails well before its 60 s deadline (the trainer stops sending), and the
+    engine is reported dead, not synced."""
     address, _, _, _, standin = sglang
-    async with TrainerClient(address, transport="group") as client:
+    async with TrainerClient(address, transport="group", group_layout=layout, bucket_bytes=128 << 10) as client:
         await client.pause()
         started = time.monotonic()
         with pytest.raises(SyncFailed) as info:
@@ -358,12 +361,15 @@ async def test_plans_are_checked_against_a_local_checkpoint(sglang, request):
             assert [p for p, _ in calls_of(calls)] == ["/pause_generation", "/continue_generation"]
 
 
-@pytest.mark.parametrize("sglang", [("--tp-size", "2")], indirect=True)
-async def test_sglang_with_two_tensor_parallel_workers_joins_at_two_ranks_and_syncs(sglang):
+@pytest.mark.parametrize("layout", ["tensors", "flattened"])
+@pytest.mark.parametrize("sglang", [{"standin": ["--tp-size", "2"], "agent": ["--sglang-flattened-bucket"]}],
+                         indirect=True)
+async def test_sglang_with_two_tensor_parallel_workers_joins_at_two_ranks_and_syncs(sglang, layout):
     # SGLang's tp workers each join the update group (rank_offset + tp rank) and each
-    # receive the full tensors: the engine takes two ranks of the round's group.
+    # receive the full tensors (the stand-in checks both got the same bytes): the engine
+    # takes two ranks of the round's group, in either layout.
     address, _, url, calls, _ = sglang
-    async with TrainerClient(address, transport="group") as client:
+    async with TrainerClient(address, transport="group", group_layout=layout, bucket_bytes=128 << 10) as client:
         state = await client.get_state()
         assert [e.workers for e in state.engines] == [2]
         for version in (1, 2):
@@ -371,6 +377,8 @@ async def test_sglang_with_two_tensor_parallel_workers_joins_at_two_ranks_and_sy
             assert get(url, "/standin/weights")["digest"] == weights_digest(tiny_weights(seed=version))
     joins = [body for path, body in calls_of(calls) if path == "/init_weights_update_group"]
     assert joins and all(j["rank_offset"] == 1 and j["world_size"] == 3 for j in joins), joins
+    updates = [body for path, body in calls_of(calls) if path == "/update_weights_from_distributed"]
+    assert (len(updates) > 2) == (layout == "flattened")
 
 
 async def test_what_sglang_cannot_do_is_refused_with_one_typed_error(sglang):
