@@ -230,20 +230,21 @@ def test_a_trainer_that_cuts_buckets_differently_is_refused_before_any_byte(monk
     assert all(torch.all(t == 5.0) for t in targets[0])
 
 
-def test_group_sender_speaks_the_recipe_sglang_joins_with():
-    """The group transport's sender against a receiver that joins the way SGLang does
-    (torch's rendezvous and group helper, see tests/sglang_standin.py): two rounds on
-    one group, bitwise, with a bfloat16 tensor among them."""
-    from tests.sglang_standin import join_update_group, params, receive_and_load
+def _two_rounds_against_the_sglang_recipe(prefix: str, sources, layout: str, receive_round) -> None:
+    """The group sender, two rounds (every source changed each time) against a
+    receiver that joins as SGLang does (torch's rendezvous and group helper, see
+    tests/sglang_standin.py) and runs ``receive_round(plan, pg)`` per round; then every
+    tensor the stand-in loaded must equal the trainer's."""
+    from tests.sglang_standin import join_update_group, params
     from weightsync.transport.group import group_name
 
     kind = KINDS["group"]
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(kind, store)
-    sources = [torch.randn(33, 17), torch.randn(1000).to(torch.bfloat16), torch.arange(77)]
-    named = [(f"recipe{i}", t) for i, t in enumerate(sources)]
+    named = [(f"{prefix}{i}", t) for i, t in enumerate(sources)]
     plan = BucketPlan.from_tensors(named, bucket_bytes=1024)
-    rdzv = rendezvous(store, kind, 2, group=f"recipe-{uuid.uuid4().hex[:6]}")
+    rdzv = rendezvous(store, kind, 2, group=f"{prefix}-{uuid.uuid4().hex[:6]}")
+    rdzv.group_layout = layout
     for name, t in named:
         params[name] = torch.zeros_like(t)
     errors: list[BaseException] = []
@@ -254,9 +255,7 @@ def test_group_sender_speaks_the_recipe_sglang_joins_with():
             pg = join_update_group("127.0.0.1", store.port, 1, 2, group_name(rdzv), "gloo")
             for _ in range(2):
                 steps.acquire(timeout=20)
-                receive_and_load([s.name for s in plan.slots], [str(s.dtype).removeprefix("torch.")
-                                                                 for s in plan.slots],
-                                 [list(s.shape) for s in plan.slots], [pg])  # one tp worker
+                receive_round(plan, pg)
         except BaseException as exc:
             errors.append(exc)
             store.set(f"ws/{rdzv.group_id}/{rdzv.session_id}/err/1", repr(exc))  # the sender stops at once
@@ -266,7 +265,7 @@ def test_group_sender_speaks_the_recipe_sglang_joins_with():
     try:
         for _ in range(2):
             for s in sources:
-                s.add_(1)
+                s.logical_not_() if s.dtype == torch.bool else s.add_(1)
             steps.release()
             sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + 20, abort=threading.Event())
     finally:
@@ -275,6 +274,21 @@ def test_group_sender_speaks_the_recipe_sglang_joins_with():
     assert errors == []
     for name, source in named:
         assert torch.equal(params[name], source)
+
+
+def _sglang_specs(slots) -> tuple[list, list, list]:
+    """What an update call names: the tensors' names, dtypes (SGLang's strings), shapes."""
+    return [s.name for s in slots], [str(s.dtype).removeprefix("torch.") for s in slots], [list(s.shape) for s in slots]
+
+
+def test_group_sender_speaks_the_recipe_sglang_joins_with():
+    """The group transport's sender against SGLang's recipe, a broadcast per tensor: two
+    rounds on one group, bitwise, with a bfloat16 tensor among them."""
+    from tests.sglang_standin import receive_and_load
+
+    _two_rounds_against_the_sglang_recipe(
+        "recipe", [torch.randn(33, 17), torch.randn(1000).to(torch.bfloat16), torch.arange(77)], "tensors",
+        lambda plan, pg: receive_and_load(*_sglang_specs(plan.slots), [pg]))  # one tp worker
 
 
 def _mixed_sources():
@@ -353,51 +367,14 @@ def test_the_flattened_layout_is_what_sglangs_flattened_bucket_receives():
     ``load_format="flattened_bucket"`` does (tests/sglang_standin.py: its bytes end to
     end in one uint8 broadcast per call, each tensor viewed back as its dtype), one call
     after another as the SGLang agent posts them: two rounds, bitwise, mixed dtypes."""
-    from tests.sglang_standin import join_update_group, params, receive_and_load
+    from tests.sglang_standin import receive_and_load
     from weightsync.transport.flattened import flattened_calls
-    from weightsync.transport.group import group_name
 
-    kind = KINDS["group"]
-    store = host_store("127.0.0.1", timeout_s=20)
-    sender = transports.make_sender(kind, store)
-    sources = _mixed_sources()
-    named = [(f"flat{i}", t) for i, t in enumerate(sources)]
-    plan = BucketPlan.from_tensors(named, bucket_bytes=1024)
-    rdzv = rendezvous(store, kind, 2, group=f"flat-recipe-{uuid.uuid4().hex[:6]}")
-    rdzv.group_layout = "flattened"
-    for name, t in named:
-        params[name] = torch.zeros_like(t)
-    errors: list[BaseException] = []
-    steps = threading.Semaphore(0)
+    def receive_round(plan, pg):
+        for first, end in flattened_calls(plan).bounds:
+            receive_and_load(*_sglang_specs(plan.slots[first:end]), [pg], "flattened_bucket")
 
-    def engine():
-        try:
-            pg = join_update_group("127.0.0.1", store.port, 1, 2, group_name(rdzv), "gloo")
-            for _ in range(2):
-                steps.acquire(timeout=20)
-                for first, end in flattened_calls(plan).bounds:
-                    slots = plan.slots[first:end]
-                    receive_and_load([s.name for s in slots], [str(s.dtype).removeprefix("torch.") for s in slots],
-                                     [list(s.shape) for s in slots], [pg], "flattened_bucket")
-        except BaseException as exc:
-            errors.append(exc)
-            store.set(f"ws/{rdzv.group_id}/{rdzv.session_id}/err/1", repr(exc))  # the sender stops at once
-
-    thread = threading.Thread(target=engine)
-    thread.start()
-    try:
-        for _ in range(2):
-            for s in sources:
-                if s.is_floating_point():
-                    s.add_(1)
-            steps.release()
-            sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + 20, abort=threading.Event())
-    finally:
-        thread.join(30)
-        sender.close()
-    assert errors == []
-    for name, source in named:
-        assert torch.equal(params[name], source)
+    _two_rounds_against_the_sglang_recipe("flat", _mixed_sources(), "flattened", receive_round)
 
 
 @pytest.mark.parametrize("name", ["gloo", "group"])
