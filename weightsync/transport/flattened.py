@@ -1,9 +1,9 @@
 """The group transport's "flattened" layout: SGLang's ``load_format="flattened_bucket"``.
 
 With SGLang's default protocol every tensor is a broadcast of its own, and a broadcast
-costs about as much as a few hundred kilobytes of copying whatever its size: at 20k
-tensors that is most of a round (one broadcast per tensor, 9x the time per byte of 89
-tensors in ``docs/benchmarks.md``). SGLang also receives a run of tensors as one
+costs a quarter of a millisecond or more whatever its size (the time to copy a few
+megabytes on the project's machine): at 20k tensors that is most of a round (8-11x the
+time per byte of 89 tensors in ``docs/benchmarks.md``). SGLang also receives a run of tensors as one
 broadcast (its ``FlattenedTensorBucket``): each tensor's bytes end to end, no padding,
 as one ``uint8`` tensor, cut back into the named tensors by byte offsets (each viewed
 as its dtype, so each must start at a multiple of its element size).
