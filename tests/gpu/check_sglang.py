@@ -4,11 +4,14 @@ The CPU suite tests the SGLang adapter against a stand-in; this script runs the 
 rounds against SGLang itself, on a machine that has it:
 
     python tests/gpu/check_sglang.py --model-path MODEL_DIR [--rounds 3] [--port 30000]
+                                     [--group-layout tensors|flattened]
 
 It starts a local coordinator and one agent that launches
 ``python -m sglang.launch_server`` (``--engine sglang --launch``), then runs
 ``--rounds`` Pause/Broadcast/Resume rounds over the ``group`` transport with the
-checkpoint's own tensors moved by seeded noise. The backend is nccl from a second
+checkpoint's own tensors moved by seeded noise, in the group transport's layout
+(``--group-layout flattened``: SGLang's ``flattened_bucket``, a broadcast per run of
+tensors; the agent is then started with ``--sglang-flattened-bucket``). The backend is nccl from a second
 GPU when there are two (trainer tensors on cuda:1, SGLang on cuda:0), else gloo
 from host memory (SGLang receives over gloo into its GPU tensors). The second round
 also offloads the KV cache (release / resume with the agent's ledger).
@@ -63,10 +66,11 @@ def served_matches(url: str, name: str, tensor: torch.Tensor) -> bool:
     return got.shape == want.shape and torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
-async def rounds(address: str, url: str, checkpoint: list[tuple[str, torch.Tensor]], n: int, device: str) -> dict:
+async def rounds(address: str, url: str, checkpoint: list[tuple[str, torch.Tensor]], n: int, device: str,
+                 layout: str) -> dict:
     report: dict = {"rounds": [], "ok": True}
     previous = generate(url)
-    async with TrainerClient(address, transport="group") as client:
+    async with TrainerClient(address, transport="group", group_layout=layout) as client:
         for i in range(n):
             version = i + 1
             g = torch.Generator().manual_seed(version)
@@ -105,6 +109,7 @@ def main() -> int:
     ap.add_argument("--model-path", required=True, help="local folder with the model's safetensors")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--group-layout", default="tensors", choices=["tensors", "flattened"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check needs a GPU with SGLang installed", file=sys.stderr)
@@ -121,10 +126,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(
             tmp, engines=1, agent_timeout_s=900,
             agent_args=["--engine", "sglang", "--engine-url", url, "--health-url", f"{url}/health",
-                        "--checkpoint-dir", args.model_path, "--launch-timeout", "900", "--launch", "--",
-                        *launch]) as cluster:
-        report = asyncio.run(rounds(cluster.address, url, checkpoint, args.rounds, device))
+                        "--checkpoint-dir", args.model_path, "--launch-timeout", "900",
+                        *(["--sglang-flattened-bucket"] if args.group_layout == "flattened" else []),
+                        "--launch", "--", *launch]) as cluster:
+        report = asyncio.run(rounds(cluster.address, url, checkpoint, args.rounds, device, args.group_layout))
     report["backend"] = "nccl" if two_gpus else "gloo"
+    report["group_layout"] = args.group_layout
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 
