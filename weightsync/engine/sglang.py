@@ -61,8 +61,10 @@ class SglangAdapter(HttpEngineAdapter):
                  flattened: bool = False) -> None:
         """``flattened``: this SGLang takes ``load_format="flattened_bucket"`` in
         ``/update_weights_from_distributed`` (the group transport's flattened layout);
-        an SGLang without it ignores the field and would expect a broadcast per tensor,
-        so rounds with that layout are refused unless the operator says so."""
+        an SGLang without it ignores the field and would expect a broadcast per tensor
+        (over gloo the first mismatched broadcast aborts its process; over NCCL the
+        result is undefined), so rounds with that layout are refused unless the
+        operator says so."""
         super().__init__(url, timeout_s=timeout_s)
         self.checkpoint_dir = checkpoint_dir
         self.flattened = flattened
