@@ -83,7 +83,10 @@ async def test_coordinator_killed_mid_broadcast_then_restarted(cluster_factory):
         await client.pause()
         broadcast = asyncio.create_task(client.broadcast(model.named_parameters(), version=1, key="crash-1",
                                                          timeout_s=30))
-        await wait_for_event(cluster.agents[0].address, "transfer_started")
+        # Both engines mid-transfer: under load the coordinator's Receive to the second
+        # can still be on its way when the first has started.
+        for agent in cluster.agents:
+            await wait_for_event(agent.address, "transfer_started")
         os.kill(cluster.coordinator.proc.pid, signal.SIGKILL)
         cluster.coordinator.proc.wait(10)
         restarted = cluster.restart_coordinator(name="coordinator-restarted").proc

@@ -182,20 +182,29 @@ async def test_keep_pause_holds_a_running_completion_until_resume(vllm_stack, ti
     address, url, _, _ = vllm_stack
     async with TrainerClient(address) as client:
         # The tiny model streams 240 tokens (its length limit is 256) in about 0.75 s, and
-        # the pause takes about 0.2 s to land: on a loaded machine a completion can end
-        # first, which proves nothing. So three completions start 0.2 s apart, and the
-        # ones still generating once the pause has landed are the test; an attempt with
-        # none is run again (at most 5 times).
+        # the pause takes 0.2 s or more to land: on a loaded machine a completion can end
+        # first, which proves nothing. So a new completion starts every 0.1 s until the
+        # pause has landed, and the ones generating (a token in, not done) once it has
+        # landed are the test; an attempt with none is run again (at most 5 times).
         for _ in range(5):
             streams = [_Stream(url, tiny_model)]
             end = time.monotonic() + 60
             while not streams[0].arrivals and time.monotonic() < end:
                 await asyncio.sleep(0.005)
             assert streams[0].arrivals, "the completion never started"
-            for _ in range(2):
-                await asyncio.sleep(0.2)
-                streams.append(_Stream(url, tiny_model))
+            landed = asyncio.Event()
+
+            async def keep_starting(landed=landed, streams=streams):
+                while not landed.is_set() and len(streams) < 20:
+                    await asyncio.sleep(0.1)
+                    if not landed.is_set():
+                        streams.append(_Stream(url, tiny_model))
+
+            starter = asyncio.ensure_future(keep_starting())
+            await asyncio.sleep(0.3)
             await client.pause(mode="keep")
+            landed.set()
+            await starter
             paused_at = time.monotonic()
             live = [s for s in streams if s.arrivals and not s.done.is_set()]
             if live:
