@@ -244,3 +244,53 @@ def test_a_round_leaves_no_key_of_its_own_in_the_store(direct):
         sender.close()
         for r in receivers:
             r.close()
+
+
+@pytest.mark.parametrize(("setting", "env", "advised"), [
+    ("always [madvise] never\n", {}, True),
+    ("always [madvise] never\n", {"THP_MEM_ALLOC_ENABLE": "0"}, True),
+    ("always [madvise] never\n", {"THP_MEM_ALLOC_ENABLE": "1"}, False),
+    ("[always] madvise never\n", {}, False),  # every large region is on huge pages already
+    ("always madvise [never]\n", {}, False),  # the machine's choice: nothing a trainer can set
+])
+def test_hugepage_advice_names_the_setting_only_where_it_would_help(tmp_path, setting, env, advised):
+    from weightsync.transport.cross_memory import hugepage_advice
+
+    path = tmp_path / "enabled"
+    path.write_text(setting)
+    advice = hugepage_advice(str(path), env)
+    assert (advice is not None) == advised
+    if advised:
+        assert "THP_MEM_ALLOC_ENABLE=1" in advice
+    assert hugepage_advice(str(tmp_path / "missing"), env) is None  # no THP in this kernel
+
+
+def test_a_trainer_offering_direct_reads_is_told_once_how_to_make_them_faster(tmp_path, monkeypatch, caplog):
+    """The advice is logged by a real direct round, once per process, not every round."""
+    import logging
+
+    from weightsync.transport import cross_memory
+    from weightsync.transport.shm import ShmReceiver
+
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    monkeypatch.setattr(cross_memory, "THP_SETTING", str(setting))
+    monkeypatch.setattr(cross_memory, "_advised", False)
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(SHM, store)
+    sources = model_tensors()
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=4096)
+    receiver = ShmReceiver()
+    try:
+        with caplog.at_level(logging.INFO, logger="weightsync.transport.shm"):
+            for _ in range(2):
+                targets = zeros_like(plan)
+                receive_all(sender, [receiver], plan, sources, [targets])
+                assert receiver.last_mode == "direct"
+                assert all(torch.equal(a, b) for a, b in zip(sources, targets, strict=True))
+    finally:
+        sender.close()
+        receiver.close()
+    advice = [r for r in caplog.records if "THP_MEM_ALLOC_ENABLE=1" in r.getMessage()]
+    assert len(advice) == 1

@@ -17,11 +17,18 @@ uses the ring instead) and again after its last bucket (the trainer, not a proce
 took its pid, was read the whole time).
 
 ``WEIGHTSYNC_SHM_DIRECT=0`` on either side turns the direct mode off.
+
+Page size matters: the kernel pins every page it reads, so a trainer whose tensors sit
+on 4 KiB pages is read at about half the speed of one on transparent huge pages (1 GiB
+per reader: 0.16 s against 0.09 s on the CI machine, memcpy 0.08 s). torch puts CPU
+tensors of 2 MiB or more on huge pages when ``THP_MEM_ALLOC_ENABLE=1`` is set before
+the trainer starts; ``hugepage_advice`` says so once where it is not.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import secrets
 import sys
@@ -45,6 +52,46 @@ def direct_enabled() -> bool:
     Linux on a 64-bit machine only)."""
     return (os.environ.get("WEIGHTSYNC_SHM_DIRECT", "1") != "0" and sys.platform == "linux"
             and ctypes.sizeof(ctypes.c_void_p) == 8)
+
+
+log = logging.getLogger("weightsync.transport.shm")
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+_advised = False
+
+
+def hugepage_advice(setting_path: str | None = None, env: dict[str, str] | None = None) -> str | None:
+    """What to set for faster direct reads of this process's tensors, or None when
+    they are on huge pages already or cannot be: the kernel puts anonymous memory on
+    transparent huge pages always, never, or where a process asks (``madvise``); in the
+    last case torch asks only with ``THP_MEM_ALLOC_ENABLE`` set (read once, at its
+    first allocation)."""
+    env = os.environ if env is None else env
+    try:
+        with open(setting_path or THP_SETTING) as f:
+            setting = f.read()
+    except OSError:
+        return None
+    if "[madvise]" not in setting:
+        return None
+    try:
+        if int(env.get("THP_MEM_ALLOC_ENABLE", "0")) != 0:
+            return None
+    except ValueError:
+        pass
+    return ("the trainer's tensors are on 4 KiB pages, which engines read at about half the speed of huge "
+            "pages: set THP_MEM_ALLOC_ENABLE=1 in the trainer's environment (before torch starts) to put "
+            "tensors of 2 MiB or more on transparent huge pages")
+
+
+def advise_hugepages_once() -> None:
+    """Logs ``hugepage_advice`` the first time this process offers direct reads."""
+    global _advised
+    if not _advised:
+        _advised = True
+        advice = hugepage_advice()
+        if advice is not None:
+            log.info("shm direct reads: %s", advice)
 
 
 _readv = None
@@ -167,4 +214,4 @@ def _split_runs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
     return local[run] + offset, remote[run] + offset, np.minimum(np.uint64(most), lengths[run] - offset)
 
 
-__all__ = ["Beacon", "RemoteMemory", "direct_enabled", "tensor_addresses"]
+__all__ = ["Beacon", "RemoteMemory", "advise_hugepages_once", "direct_enabled", "hugepage_advice", "tensor_addresses"]

@@ -37,7 +37,13 @@ import torch.distributed as dist
 from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.plan import byte_view, pack_bucket, unpack_bucket
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
-from weightsync.transport.cross_memory import Beacon, RemoteMemory, direct_enabled, tensor_addresses
+from weightsync.transport.cross_memory import (
+    Beacon,
+    RemoteMemory,
+    advise_hugepages_once,
+    direct_enabled,
+    tensor_addresses,
+)
 from weightsync.transport.store import StoreLink, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
@@ -140,6 +146,7 @@ class ShmSender(Sender):
         try:
             seg = self._ensure_segment(plan.bucket_bytes)
             if addresses is not None:
+                advise_hugepages_once()
                 if self._beacon is None:
                     self._beacon = Beacon()
                 store.set(session_key(rendezvous, "direct"), self._beacon.describe())
