@@ -127,6 +127,9 @@ def wait_polling(work: dist.Work, deadline_at: float, operation: str, *, abort: 
         if now >= next_check and stop_keys:
             next_check = now + PEER_CHECK_S
             _raise_if_a_peer_failed(store, stop_keys, operation)
+        # A sleep, not the op's future: a callback on the future runs on gloo's own
+        # thread, which then waits for the GIL before its next op (tried: 1 GiB in 509
+        # tensors took 1.36 s against 1.13 s polled, and 1.38 against 1.29 s).
         time.sleep(delay)
         delay = min(delay * 2, 0.001)
     try:
