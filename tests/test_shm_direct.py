@@ -246,22 +246,29 @@ def test_a_round_leaves_no_key_of_its_own_in_the_store(direct):
             r.close()
 
 
-@pytest.mark.parametrize(("setting", "env", "advised"), [
-    ("always [madvise] never\n", {}, True),
-    ("always [madvise] never\n", {"THP_MEM_ALLOC_ENABLE": "0"}, True),
-    ("always [madvise] never\n", {"THP_MEM_ALLOC_ENABLE": "1"}, False),
-    ("[always] madvise never\n", {}, False),  # every large region is on huge pages already
-    ("always madvise [never]\n", {}, False),  # the machine's choice: nothing a trainer can set
+GLIBC_HUGE = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+
+
+@pytest.mark.parametrize(("setting", "env", "missing"), [
+    ("always [madvise] never\n", {}, ["THP_MEM_ALLOC_ENABLE=1", "glibc.malloc.hugetlb=1"]),
+    ("always [madvise] never\n", {"THP_MEM_ALLOC_ENABLE": "0", **GLIBC_HUGE}, ["THP_MEM_ALLOC_ENABLE=1"]),
+    ("always [madvise] never\n", {"THP_MEM_ALLOC_ENABLE": "1"}, ["glibc.malloc.hugetlb=1"]),
+    ("always [madvise] never\n", {"THP_MEM_ALLOC_ENABLE": "1", **GLIBC_HUGE}, []),
+    ("[always] madvise never\n", {}, []),  # every large region is on huge pages already
+    ("always madvise [never]\n", {}, []),  # the machine's choice: nothing a trainer can set
 ])
-def test_hugepage_advice_names_the_setting_only_where_it_would_help(tmp_path, setting, env, advised):
+def test_hugepage_advice_names_what_is_missing_only_where_it_would_help(tmp_path, setting, env, missing):
     from weightsync.transport.cross_memory import hugepage_advice
 
     path = tmp_path / "enabled"
     path.write_text(setting)
     advice = hugepage_advice(str(path), env)
-    assert (advice is not None) == advised
-    if advised:
-        assert "THP_MEM_ALLOC_ENABLE=1" in advice
+    if not missing:
+        assert advice is None
+    else:
+        assert advice is not None
+        for what in ["THP_MEM_ALLOC_ENABLE=1", "glibc.malloc.hugetlb=1"]:
+            assert (what in advice) == (what in missing), advice
     assert hugepage_advice(str(tmp_path / "missing"), env) is None  # no THP in this kernel
 
 
@@ -277,6 +284,7 @@ def test_a_trainer_offering_direct_reads_is_told_once_how_to_make_them_faster(tm
     monkeypatch.setattr(cross_memory, "THP_SETTING", str(setting))
     monkeypatch.setattr(cross_memory, "_advised", False)
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(SHM, store)
     sources = model_tensors()

@@ -22,7 +22,9 @@ Page size matters: the kernel pins every page it reads, so a trainer whose tenso
 on 4 KiB pages is read at about half the speed of one on transparent huge pages (1 GiB
 per reader: 0.16 s against 0.09 s on the CI machine, memcpy 0.08 s). torch puts CPU
 tensors of 2 MiB or more on huge pages when ``THP_MEM_ALLOC_ENABLE=1`` is set before
-the trainer starts; ``hugepage_advice`` says so once where it is not.
+the trainer starts, and glibc its heap (smaller tensors) with
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``; ``hugepage_advice`` says so once where they
+are not.
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ _advised = False
 
 def hugepage_advice(setting_path: str | None = None, env: dict[str, str] | None = None) -> str | None:
     """What to set for faster direct reads of this process's tensors, or None when
-    they are on huge pages already or cannot be: the kernel puts anonymous memory on
+    they are on huge pages already or cannot be. The kernel puts anonymous memory on
     transparent huge pages always, never, or where a process asks (``madvise``); in the
-    last case torch asks only with ``THP_MEM_ALLOC_ENABLE`` set (read once, at its
-    first allocation)."""
+    last case torch asks for its tensors of 2 MiB or more only with
+    ``THP_MEM_ALLOC_ENABLE`` set, and glibc for its heap (where smaller tensors live)
+    only with the tunable ``glibc.malloc.hugetlb``; both are read once, at start."""
     env = os.environ if env is None else env
     try:
         with open(setting_path or THP_SETTING) as f:
@@ -74,14 +77,21 @@ def hugepage_advice(setting_path: str | None = None, env: dict[str, str] | None 
         return None
     if "[madvise]" not in setting:
         return None
+    missing = []
     try:
-        if int(env.get("THP_MEM_ALLOC_ENABLE", "0")) != 0:
-            return None
+        torch_asks = int(env.get("THP_MEM_ALLOC_ENABLE", "0")) != 0
     except ValueError:
-        pass
+        torch_asks = False
+    if not torch_asks:
+        missing.append("THP_MEM_ALLOC_ENABLE=1 (torch's tensors of 2 MiB or more)")
+    tunables = env.get("GLIBC_TUNABLES", "").split(":")
+    if not any(t in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables):
+        missing.append("glibc.malloc.hugetlb=1 in GLIBC_TUNABLES (smaller tensors, from glibc's heap; "
+                       "glibc 2.35 or later)")
+    if not missing:
+        return None
     return ("the trainer's tensors are on 4 KiB pages, which engines read at about half the speed of huge "
-            "pages: set THP_MEM_ALLOC_ENABLE=1 in the trainer's environment (before torch starts) to put "
-            "tensors of 2 MiB or more on transparent huge pages")
+            "pages: set " + " and ".join(missing) + " in the trainer's environment, before it starts")
 
 
 def advise_hugepages_once() -> None:

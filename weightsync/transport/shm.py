@@ -48,6 +48,7 @@ from weightsync.transport.store import StoreLink, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
 SHM_DIR = os.environ.get("WEIGHTSYNC_SHM_DIR", "/dev/shm")
+ABORT_CHECK_S = 0.05  # how often a direct reader looks at the trainer's abort key
 
 
 class _Segment:
@@ -306,11 +307,16 @@ class ShmReceiver(Receiver):
         # streamed load (targets made bucket by bucket) or a bounced target: per tensor.
         writable = (tensor_addresses(targets, dtypes, sizes) if isinstance(targets, (list, tuple)) else None)
         nbytes = plan._nbytes.astype(np.uint64)
+        next_check = 0.0
         for bucket in range(plan.num_buckets):
             if abort.is_set():
                 raise TransferError("receive aborted")
-            if store.check([abort_key]):
-                raise TransferError(f"peer reported failure: {store.get(abort_key).decode(errors='replace')}")
+            # The trainer's abort key every ABORT_CHECK_S, not every bucket: each look
+            # is a round trip that the trainer's store serves on the trainer's cores.
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + ABORT_CHECK_S
+                if store.check([abort_key]):
+                    raise TransferError(f"peer reported failure: {store.get(abort_key).decode(errors='replace')}")
             if time.monotonic() >= deadline_at:
                 raise StepTimeoutError("deadline exceeded during receive", operation="receive")
             whole, _, split = plan._whole_and_split[bucket]
