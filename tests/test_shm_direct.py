@@ -42,6 +42,14 @@ def zeros_like(plan):
     return [torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots]
 
 
+def round_into_zeros(sender, receiver, plan, sources, *, mode: str) -> None:
+    """One round to one receiver into fresh zeroed targets: read ``mode`` way, bitwise."""
+    targets = zeros_like(plan)
+    receive_all(sender, [receiver], plan, sources, [targets])
+    assert receiver.last_mode == mode
+    assert all(torch.equal(a, b) for a, b in zip(targets, sources, strict=True))
+
+
 def test_engines_read_the_trainers_tensors_directly_and_one_that_cannot_takes_the_ring():
     """Receiver 1 reads directly; one of its targets is a transposed view (not a run of
     bytes), read through a bounce buffer. Receiver 2 does not read directly (as where
@@ -140,11 +148,8 @@ def test_the_switch_turns_direct_reads_off(monkeypatch):
     receiver = transports.make_receiver(SHM)
     sources = model_tensors()
     plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=4096)
-    targets = zeros_like(plan)
     try:
-        receive_all(sender, [receiver], plan, sources, [targets])
-        assert receiver.last_mode == "ring"
-        assert all(torch.equal(a, b) for a, b in zip(targets, sources, strict=True))
+        round_into_zeros(sender, receiver, plan, sources, mode="ring")
     finally:
         sender.close()
         receiver.close()
@@ -293,10 +298,7 @@ def test_a_trainer_offering_direct_reads_is_told_once_how_to_make_them_faster(tm
     try:
         with caplog.at_level(logging.INFO, logger="weightsync.transport.shm"):
             for _ in range(2):
-                targets = zeros_like(plan)
-                receive_all(sender, [receiver], plan, sources, [targets])
-                assert receiver.last_mode == "direct"
-                assert all(torch.equal(a, b) for a, b in zip(sources, targets, strict=True))
+                round_into_zeros(sender, receiver, plan, sources, mode="direct")
     finally:
         sender.close()
         receiver.close()
