@@ -173,7 +173,7 @@ class _ShardedDriver(TrainerClient):
     def _trainer_host_id(self) -> str:
         return self.common_host  # "" when the ranks are on different hosts: auto means gloo
 
-    def _prepare(self, named_tensors, with_digest: bool, attest=None) -> _Prepared:
+    def _prepare(self, named_tensors, with_digest: bool, attest=None, *, addresses: bool = False) -> _Prepared:
         if with_digest:
             raise InvalidArgument("verify_digest needs the full tensors on one rank; a sharded trainer's round "
                                   "cannot offer it (engines still check every part's layout)")

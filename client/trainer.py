@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+import numpy as np
 import torch
 
 from weightsync import deadline, metrics
@@ -63,6 +64,7 @@ from weightsync.retry import retry
 from weightsync.security import Security
 from weightsync.sharding import Owners
 from weightsync.threads import run_in
+from weightsync.transport.cross_memory import AddressedTensors, direct_enabled
 from weightsync.transport.flattened import LAYOUTS
 from weightsync.transport.relay import is_relayed
 from weightsync.transport.secure_store import StoreHost
@@ -127,6 +129,10 @@ class SyncFailed(TransferError):
 
 
 AttestArg = Probe | Callable[[], Probe] | None
+
+# Tensor types whose data_ptr is their bytes' address (a subclass such as DTensor may
+# hold no storage of its own).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 MAX_CONCURRENT_LANES = 64  # lanes of one round sent at once (a lane per remote host)
 
@@ -417,7 +423,8 @@ class TrainerClient(AsyncClient):
         key = key or new_key("broadcast")
         with deadline.scope(timeout_s, operation="broadcast"), deadline.operation("broadcast"):
             store_port, secret = await self._in_thread(self._store_for, kind)
-            prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest)
+            direct = kind in (common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_AUTO) and direct_enabled()
+            prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest, addresses=direct)
             trainer_host = self._trainer_host_id() if kind == common_pb2.TRANSPORT_KIND_AUTO else ""
             # Built on the worker thread too: a request with the whole plan lists every tensor.
             by_reference = prepared.plan.plan_id in self._plans_sent
@@ -543,28 +550,32 @@ class TrainerClient(AsyncClient):
         return _Lane(rendezvous, run_in(self._send_pool, send), abort)
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], with_digest: bool,
-                 attest: AttestArg = None) -> _Prepared:
+                 attest: AttestArg = None, *, addresses: bool = False) -> _Prepared:
         """Worker thread: the tensors to send, the plan (cached), optional digest and probe.
 
-        Runs every step, so it stays a few cheap passes over the tensors (20k of them in a
+        Runs every step, so it stays one cheap pass over the tensors (20k of them in a
         mixture-of-experts model): no ``detach`` (the senders read under ``no_grad``), no
         copy of a tensor that is already contiguous, and the cached plan is checked
-        against the names, dtypes and shapes with whole-list comparisons, not rebuilt.
+        against the names, dtypes and shapes, not rebuilt. ``addresses``: also take each
+        tensor's address in that pass (for shm's direct reads).
         """
         pairs = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
         if not pairs:
             raise InvalidArgument("no tensors to send")
         try:
-            plan = self._cached_plan(pairs)
-            if plan is None:  # plan once, replay every step
+            replayed = self._replay_plan(pairs, addresses)
+            if replayed is not None:
+                plan, sources = replayed
+            else:  # plan once, replay every step
                 names = [n for n, _ in pairs]
                 dtypes = [t.dtype for _, t in pairs]
                 shapes = [t.shape for _, t in pairs]
                 wire = self.wire_dtype
                 wire_dtypes = [wire if wire is not None and d.is_floating_point else d for d in dtypes]
                 plan = BucketPlan.build(zip(names, wire_dtypes, shapes, strict=True), bucket_bytes=self.bucket_bytes)
-                self._plan_cache = (self.bucket_bytes, wire, names, dtypes, shapes, plan)
-            sources = [t.contiguous() for _, t in pairs]  # the tensor itself when already contiguous
+                self._plan_cache = (self.bucket_bytes, wire, names, dtypes, shapes, plan,
+                                    list(plan.dtypes) == dtypes)
+                sources = [t.contiguous() for _, t in pairs]  # the tensor itself when already contiguous
         except (TypeError, ValueError, AttributeError):
             raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs") from None
         digest = ""
@@ -576,22 +587,40 @@ class TrainerClient(AsyncClient):
             raise InvalidArgument(f"attest must be a Probe or a function returning one, got {type(probe).__name__}")
         return _Prepared(plan, sources, digest, probe)
 
-    def _cached_plan(self, pairs: list) -> BucketPlan | None:
-        """The last step's plan if ``pairs`` still have its names, dtypes and shapes.
+    def _replay_plan(self, pairs: list, addresses: bool) -> tuple[BucketPlan, list[torch.Tensor]] | None:
+        """The last step's plan and this step's sources, if ``pairs`` still have the
+        plan's names, dtypes and shapes; None otherwise.
 
-        One streaming pass that keeps no per-tensor object alive: lists of 20k shapes
-        built every step would be promoted by the garbage collector and soon trigger a
-        full collection of the trainer's whole heap (300 ms with a 20k-tensor model, the
-        trainer's event loop stalled throughout)."""
+        One pass does every per-tensor step (check, ``contiguous``, address): most of
+        its cost is fetching each tensor's objects from memory, paid once. It keeps no
+        per-tensor object alive but the sources: lists of 20k shapes built every step
+        would be promoted by the garbage collector and soon trigger a full collection of
+        the trainer's whole heap (300 ms with a 20k-tensor model, the trainer's event
+        loop stalled throughout). Addresses are plain ints, which the collector skips.
+        """
         cached = self._plan_cache
         if cached is None or cached[0] != self.bucket_bytes or cached[1] != self.wire_dtype:
             return None
-        _, _, names, dtypes, shapes, plan = cached
+        _, _, names, dtypes, shapes, plan, native = cached
         if len(pairs) != len(names):
             return None
-        same = all(n == cn and t.dtype == cd and t.shape == cs
-                   for (n, t), cn, cd, cs in zip(pairs, names, dtypes, shapes, strict=True))
-        return plan if same else None
+        # Addresses only where the bytes on the wire are the tensors' own (no wire dtype
+        # cast) and every tensor is a plain CPU tensor (a subclass may hold no storage).
+        addresses = addresses and native
+        sources, where = [], []
+        for (name, tensor), cached_name, dtype, shape in zip(pairs, names, dtypes, shapes, strict=True):
+            if name != cached_name or tensor.dtype != dtype or tensor.shape != shape:
+                return None
+            source = tensor.contiguous()  # the tensor itself when already contiguous
+            sources.append(source)
+            if addresses:
+                if source.is_cpu and type(source) in _PLAIN_TENSORS:
+                    where.append(source.data_ptr())
+                else:
+                    addresses = False
+        if not addresses:
+            return plan, sources
+        return plan, AddressedTensors(sources, np.array(where, dtype=np.uint64), plan.sizes)
 
     # ----- the whole sync -----------------------------------------------------------------
 

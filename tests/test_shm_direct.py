@@ -20,7 +20,7 @@ from tests.test_transports import KINDS, rendezvous, run_round
 from weightsync import transport as transports
 from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan
-from weightsync.transport.cross_memory import Beacon, RemoteMemory
+from weightsync.transport.cross_memory import AddressedTensors, Beacon, RemoteMemory, addresses_for
 from weightsync.transport.store import host_store
 
 SHM = KINDS["shm"]
@@ -304,3 +304,51 @@ def test_a_trainer_offering_direct_reads_is_told_once_how_to_make_them_faster(tm
         receiver.close()
     advice = [r for r in caplog.records if "THP_MEM_ALLOC_ENABLE=1" in r.getMessage()]
     assert len(advice) == 1
+
+
+def test_addresses_kept_for_one_plan_are_not_used_for_another():
+    """Addresses taken in an earlier pass stand for the plan they were taken for only."""
+    tensors = [torch.randn(10), torch.randn(20)]
+    first = BucketPlan.from_tensors([("a", tensors[0]), ("b", tensors[1])], bucket_bytes=4096)
+    other = BucketPlan.from_tensors([("x", tensors[0]), ("y", tensors[1])], bucket_bytes=4096)
+    kept = AddressedTensors(tensors, np.array([1, 2], np.uint64), first.sizes)
+    assert addresses_for(kept, first.dtypes, first.sizes).tolist() == [1, 2]
+    assert addresses_for(kept, other.dtypes, other.sizes).tolist() == [t.data_ptr() for t in tensors]
+
+
+def test_an_engines_kept_target_addresses_follow_its_weights_to_new_storage():
+    """The reference engine's adapter keeps its parameters' addresses from round to round
+    (shm's direct reads write there). Weights put to sleep and woken get new storage
+    (the freed memory is taken meanwhile, so it cannot be handed back): the next round
+    must land in the tensors the engine now computes with, not in the old memory."""
+    from weightsync.engine.model import config_for_size
+    from weightsync.engine.reference import ReferenceAdapter
+    from weightsync.v1 import common_pb2
+
+    adapter = ReferenceAdapter(config_for_size(1 << 20, 60))
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(SHM, store)
+    receiver = transports.make_receiver(SHM)
+    try:
+        names = [n for n, _ in adapter.engine.named_tensors()]
+        sources = [torch.randn_like(t) for _, t in adapter.engine.named_tensors()]
+        plan = BucketPlan.from_tensors(list(zip(names, sources, strict=True)), bucket_bytes=64 << 10)
+        receive_all(sender, [receiver], plan, sources, [adapter.load_targets(plan)])
+        assert receiver.last_mode == "direct"
+        before = [t.data_ptr() for _, t in adapter.engine.named_tensors()]
+
+        adapter.pause(common_pb2.PAUSE_MODE_KEEP, timeout_s=10)
+        adapter.sleep(["weights"])
+        squatters = [torch.empty_like(s) for s in sources]  # the freed memory, held elsewhere
+        adapter.wake(["weights"])
+        assert [t.data_ptr() for _, t in adapter.engine.named_tensors()] != before
+        for s in sources:
+            s.add_(1)
+        receive_all(sender, [receiver], plan, sources, [adapter.load_targets(plan)])
+        assert receiver.last_mode == "direct"
+        assert all(torch.equal(t, s) for (_, t), s in zip(adapter.engine.named_tensors(), sources, strict=True))
+        del squatters
+    finally:
+        sender.close()
+        receiver.close()
+        adapter.engine.close()

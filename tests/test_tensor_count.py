@@ -116,3 +116,50 @@ def test_the_cached_plan_follows_a_change_of_shape_dtype_or_name():
     assert client._prepare(renamed, False).plan.slots[3].name == "renamed"
     with pytest.raises(InvalidArgument):
         client._prepare([("w", "not a tensor")], False)
+
+
+def test_the_trainers_one_pass_takes_the_addresses_shm_reads():
+    """A replayed step's pass also takes each source's address (shm's direct reads): the
+    address of the bytes sent, a non-contiguous tensor's contiguous copy included. A
+    round over shm from those sources reads them directly and is bitwise. No addresses
+    where the plan casts to a wire dtype or where they were not asked for."""
+    import threading
+
+    from tests.test_transports import KINDS, rendezvous
+    from weightsync import transport as transports
+    from weightsync.transport.cross_memory import AddressedTensors
+    from weightsync.transport.shm import ShmReceiver
+    from weightsync.transport.store import host_store
+
+    model = ReferenceLM(config_for_size(1 << 20, 40))
+    named = list(model.named_parameters())
+    named[5] = ("strided", torch.randn(16, 9).t())
+    client = TrainerClient("127.0.0.1:1", transport="shm")
+    assert type(client._prepare(named, False, addresses=True).sources) is list  # first step: planned, no pass
+    prepared = client._prepare(named, False, addresses=True)
+    sources = prepared.sources
+    assert isinstance(sources, AddressedTensors) and sources.sizes is prepared.plan.sizes
+    assert sources[5] is not named[5][1] and sources[5].is_contiguous() and torch.equal(sources[5], named[5][1])
+    assert sources.addresses.tolist() == [t.data_ptr() for t in sources]
+    assert type(client._prepare(named, False).sources) is list
+
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender, receiver = transports.make_sender(KINDS["shm"], store), ShmReceiver()
+    targets = [torch.zeros(s.shape, dtype=s.dtype) for s in prepared.plan.slots]
+    rdzv = rendezvous(store, KINDS["shm"], 2)
+    try:
+        thread = threading.Thread(target=receiver.receive, args=(rdzv, 1, prepared.plan, targets),
+                                  kwargs={"deadline_at": time.monotonic() + 20, "abort": threading.Event()})
+        thread.start()
+        with torch.no_grad():
+            sender.send(rdzv, prepared.plan, sources, deadline_at=time.monotonic() + 20, abort=threading.Event())
+        thread.join(25)
+        assert receiver.last_mode == "direct"
+        assert all(torch.equal(a, b) for a, b in zip(targets, (t for _, t in named), strict=True))
+    finally:
+        sender.close()
+        receiver.close()
+
+    cast = TrainerClient("127.0.0.1:1", transport="shm", wire_dtype=torch.bfloat16)
+    cast._prepare(named, False, addresses=True)
+    assert type(cast._prepare(named, False, addresses=True).sources) is list

@@ -32,6 +32,7 @@ from weightsync.engine.adapter import EngineAdapter, Request, validate_tags
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import EngineFault, FailedPrecondition, InvalidArgument, StepTimeoutError
 from weightsync.plan import weights_digest
+from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses
 from weightsync.v1 import common_pb2
 from weightsync.validate import check_pause_mode
 
@@ -54,6 +55,9 @@ class ReferenceEngine:
         self._paused = False
         self._drain_cutoff: int | None = None  # set while a WAIT pause drains
         self._asleep: set[str] = set()
+        # Bumped whenever the parameters get new storage (sleep, wake): whoever keeps
+        # their addresses (the adapter, for shm's direct reads) takes them again.
+        self.storage_epoch = 0
         self._kv: torch.Tensor | None = self._alloc_kv()
         self._free_slots = list(range(max_running))
         self._queue: list[Request] = []
@@ -148,6 +152,7 @@ class ReferenceEngine:
             if "weights" in newly:
                 for p in self.model.parameters():
                     p.data = torch.empty(0, dtype=p.dtype)
+                self.storage_epoch += 1
             self._asleep.update(newly)
             return newly
 
@@ -166,6 +171,7 @@ class ReferenceEngine:
                 shapes = {n: shape for n, (_, shape) in self._specs.items()}
                 for name, p in self.model.named_parameters():
                     p.data = torch.zeros(shapes[name], dtype=p.dtype)
+                self.storage_epoch += 1
             self._asleep.difference_update(woken)
             return woken
 
@@ -333,7 +339,7 @@ class ReferenceAdapter(EngineAdapter):
 
     def __init__(self, config: ModelConfig, *, step_delay_s: float = 0.0, max_running: int = 8) -> None:
         self.engine = ReferenceEngine(config, step_delay_s=step_delay_s, max_running=max_running)
-        self._targets: tuple[str, list[torch.Tensor]] | None = None
+        self._targets: tuple[tuple[str, int], AddressedTensors] | None = None
 
     def pause(self, mode, *, timeout_s):
         self.engine.pause(mode, timeout_s=timeout_s)
@@ -371,10 +377,15 @@ class ReferenceAdapter(EngineAdapter):
 
     def load_targets(self, plan):
         # The Parameters themselves (not ``.data``, a new tensor each time): one dict
-        # lookup per tensor, and the list is reused while the plan stays the same.
-        if self._targets is None or self._targets[0] != plan.plan_id:
+        # lookup per tensor, and the list is reused while the plan stays the same. So
+        # are their addresses (shm's direct reads write there; 20k parameters take
+        # 10-20 ms to list), until sleep or wake gives the parameters new storage.
+        key = (plan.plan_id, self.engine.storage_epoch)
+        if self._targets is None or self._targets[0] != key:
             live = self.engine.parameters_by_name()
-            self._targets = (plan.plan_id, [live[name] for name in plan.names])
+            targets = [live[name] for name in plan.names]
+            self._targets = (key, AddressedTensors(targets, tensor_addresses(targets, plan.dtypes, plan.sizes),
+                                                   plan.sizes))
         return self._targets[1]
 
     def commit(self, version):

@@ -145,6 +145,35 @@ def tensor_addresses(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dty
     return np.array(out, dtype=np.uint64)
 
 
+class AddressedTensors(list):
+    """Tensors whose first-byte addresses were taken in the same pass that made the list.
+
+    The trainer's per-step pass over its tensors (20k in a mixture-of-experts model)
+    checks the cached plan, makes each tensor contiguous and takes its address at once:
+    most of that pass's cost is fetching each tensor's objects from memory, so one pass
+    costs about a third of three (16 ms against 45 ms at 20k parameters).
+
+    ``addresses``: uint64, one per tensor, or None where some tensor cannot be read as
+    one run of bytes. ``sizes``: the plan's byte sizes they were checked against; they
+    stand for that plan only (``addresses_for`` compares by identity).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], addresses: np.ndarray | None,
+                 sizes: Sequence[int]) -> None:
+        super().__init__(tensors)
+        self.addresses = addresses
+        self.sizes = sizes
+
+
+def addresses_for(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype],
+                  sizes: Sequence[int]) -> np.ndarray | None:
+    """``tensor_addresses``, taken from ``tensors`` itself where it is an
+    ``AddressedTensors`` made for these ``sizes``."""
+    if isinstance(tensors, AddressedTensors) and tensors.sizes is sizes:
+        return tensors.addresses
+    return tensor_addresses(tensors, dtypes, sizes)
+
+
 class RemoteMemory:
     """The engine's side: reads runs of bytes of the trainer's memory into its own."""
 
@@ -224,4 +253,4 @@ def _split_runs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
     return local[run] + offset, remote[run] + offset, np.minimum(np.uint64(most), lengths[run] - offset)
 
 
-__all__ = ["Beacon", "RemoteMemory", "advise_hugepages_once", "direct_enabled", "hugepage_advice", "tensor_addresses"]
+__all__ = ["AddressedTensors", "Beacon", "RemoteMemory", "addresses_for", "advise_hugepages_once", "direct_enabled", "hugepage_advice", "tensor_addresses"]

@@ -40,9 +40,9 @@ from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_w
 from weightsync.transport.cross_memory import (
     Beacon,
     RemoteMemory,
+    addresses_for,
     advise_hugepages_once,
     direct_enabled,
-    tensor_addresses,
 )
 from weightsync.transport.store import StoreLink, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
@@ -135,7 +135,7 @@ class ShmSender(Sender):
         if fill is None:
             def fill(bucket: int, slot: torch.Tensor) -> None:
                 pack_bucket(plan, bucket, sources, slot)
-            addresses = tensor_addresses(sources, plan.dtypes, plan.sizes) if direct_enabled() else None
+            addresses = addresses_for(sources, plan.dtypes, plan.sizes) if direct_enabled() else None
         else:
             addresses = None  # the bytes arrive bucket by bucket: there is nothing to read directly
         start = time.monotonic()
@@ -305,7 +305,7 @@ class ShmReceiver(Receiver):
         # A list of targets that the kernel can all write into (the reference engine's
         # parameters): every address in one pass, then whole-array work per bucket. A
         # streamed load (targets made bucket by bucket) or a bounced target: per tensor.
-        writable = (tensor_addresses(targets, dtypes, sizes) if isinstance(targets, (list, tuple)) else None)
+        writable = addresses_for(targets, dtypes, sizes) if isinstance(targets, (list, tuple)) else None
         nbytes = plan._nbytes.astype(np.uint64)
         next_check = 0.0
         for bucket in range(plan.num_buckets):
