@@ -92,3 +92,14 @@ def test_dependencies_point_one_way():
     offenders += [(str(p.relative_to(ROOT)), name) for p in sorted((ROOT / "client").rglob("*.py"))
                   for name in imports_of(p.read_text()) if name.startswith("weightsync.server")]
     assert offenders == []
+
+
+def test_servers_start_without_torchs_distributed_tensor():
+    """``torch.distributed.tensor`` takes about half a second to import, in every
+    coordinator, agent and trainer process a test or a user starts; only a trainer
+    holding DTensors needs it, and it has imported it already (``sharding``)."""
+    code = ("import sys, weightsync.server.coordinator_main, weightsync.server.agent_main, weightsync.client; "
+            "print('torch.distributed.tensor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

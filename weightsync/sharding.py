@@ -25,6 +25,7 @@ is sent by one of them, chosen to balance the bytes each rank sends.
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,12 +38,19 @@ from weightsync.errors import InvalidArgument
 from weightsync.plan import BucketPlan
 from weightsync.v1 import common_pb2
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-    from torch.distributed.tensor import Replicate as _Replicate
-    from torch.distributed.tensor import Shard as _Shard
-except ImportError:  # a torch without DTensor: every tensor is plain
-    _DTensor = _Replicate = _Shard = None
+
+def _dtensor_types() -> tuple[type, type, type] | None:
+    """torch's DTensor, Replicate and Shard, or None where no DTensor can exist yet.
+
+    Not imported here: ``torch.distributed.tensor`` takes half a second to import, and
+    every server and trainer process imports this module (a coordinator or an agent
+    never holds a DTensor). A DTensor's class lives in that module, so a process that
+    holds one has imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return None
+    return module.DTensor, module.Replicate, module.Shard
+
 
 MAX_SENDERS = 4096
 _OWNERS_BY_KEY: OrderedDict[str, Owners] = OrderedDict()  # checked owners, by plan id and parts (from_proto)
@@ -284,8 +292,10 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
             or a local shard whose size is not the one torch.chunk gives this rank.
     """
     shape = tuple(tensor.shape)
-    if _DTensor is None or not isinstance(tensor, _DTensor):
+    types = _dtensor_types()
+    if types is None or not isinstance(tensor, types[0]):
         return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, tensor.contiguous())
+    _, replicate, shard = types
     mesh, placements = tensor.device_mesh, tensor.placements
     known = meshes.get(id(mesh)) if meshes is not None else None
     if known is None:
@@ -303,9 +313,9 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
         raise InvalidArgument(f"tensor {name!r}: a {ndim}-D device mesh; sharded sends support a 1-D mesh "
                               "(FSDP2 over one group) with Shard(0) or Replicate()", metadata={"tensor": name})
     placement = placements[0]
-    if isinstance(placement, _Replicate):
+    if isinstance(placement, replicate):
         return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, local.contiguous())
-    if not isinstance(placement, _Shard) or placement.dim != 0 or not shape:
+    if not isinstance(placement, shard) or placement.dim != 0 or not shape:
         raise InvalidArgument(f"tensor {name!r}: placement {placement}; sharded sends support Shard(0) and "
                               "Replicate() (gather other layouts first)", metadata={"tensor": name})
     chunk = -(-shape[0] // size)  # torch.chunk: equal chunks, the last ones short or empty
