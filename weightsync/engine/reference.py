@@ -379,9 +379,9 @@ class ReferenceAdapter(EngineAdapter):
         # The Parameters themselves (not ``.data``, a new tensor each time): one dict
         # lookup per tensor, and the list is reused while the plan stays the same. So
         # are their addresses (shm's direct reads write there; 20k parameters take
-        # 10-20 ms to list), until sleep or wake gives the parameters new storage.
+        # about 13 ms to list), until sleep or wake gives the parameters new storage.
         key = (plan.plan_id, self.engine.storage_epoch)
-        if self._targets is None or self._targets[0] != key:
+        if self._targets is None or self._targets[0] != key or self._targets[1].sizes is not plan.sizes:
             live = self.engine.parameters_by_name()
             targets = [live[name] for name in plan.names]
             self._targets = (key, AddressedTensors(targets, tensor_addresses(targets, plan.dtypes, plan.sizes),

@@ -146,16 +146,19 @@ def tensor_addresses(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dty
 
 
 class AddressedTensors(list):
-    """Tensors whose first-byte addresses were taken in the same pass that made the list.
+    """Tensors whose first-byte addresses were taken where the list was made.
 
     The trainer's per-step pass over its tensors (20k in a mixture-of-experts model)
     checks the cached plan, makes each tensor contiguous and takes its address at once:
-    most of that pass's cost is fetching each tensor's objects from memory, so one pass
-    costs about a third of three (16 ms against 45 ms at 20k parameters).
+    most of a pass's cost is fetching each tensor's objects from memory, so one pass
+    costs less than three (18 ms against 28.5 ms at 20k parameters just written,
+    ``benchmarks/step_pass.py``). The reference engine keeps its targets' addresses
+    this way from round to round.
 
     ``addresses``: uint64, one per tensor, or None where some tensor cannot be read as
     one run of bytes. ``sizes``: the plan's byte sizes they were checked against; they
-    stand for that plan only (``addresses_for`` compares by identity).
+    stand for that plan only (``addresses_for`` compares by identity). The list is not
+    to be changed once made.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], addresses: np.ndarray | None,
