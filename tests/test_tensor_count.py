@@ -15,15 +15,21 @@ broadcast per tensor, is SGLang's classic protocol and does not scale, 11x per b
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import pytest
 import torch
 
+from tests.test_transports import KINDS, rendezvous
+from weightsync import transport as transports
 from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import TrainerClient
 from weightsync.engine.model import ReferenceLM, config_for_size
 from weightsync.errors import InvalidArgument
+from weightsync.transport.cross_memory import AddressedTensors
+from weightsync.transport.shm import ShmReceiver
+from weightsync.transport.store import host_store
 
 PAYLOAD = 128 << 20
 MAX_RATIO = 6.0
@@ -123,14 +129,6 @@ def test_the_trainers_one_pass_takes_the_addresses_shm_reads():
     address of the bytes sent, a non-contiguous tensor's contiguous copy included. A
     round over shm from those sources reads them directly and is bitwise. No addresses
     where the plan casts to a wire dtype or where they were not asked for."""
-    import threading
-
-    from tests.test_transports import KINDS, rendezvous
-    from weightsync import transport as transports
-    from weightsync.transport.cross_memory import AddressedTensors
-    from weightsync.transport.shm import ShmReceiver
-    from weightsync.transport.store import host_store
-
     model = ReferenceLM(config_for_size(1 << 20, 40))
     named = list(model.named_parameters())
     named[5] = ("strided", torch.randn(16, 9).t())
