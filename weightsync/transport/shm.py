@@ -303,7 +303,8 @@ class ShmReceiver(Receiver):
         memory = self._remote
         sizes, dtypes, shapes = plan.sizes, plan.dtypes, plan.shapes
         # A list of targets that the kernel can all write into (the reference engine's
-        # parameters): every address in one pass, then whole-array work per bucket. A
+        # parameters): every address at once (kept by the engine, or taken here in one
+        # pass), then whole-array work per bucket. A
         # streamed load (targets made bucket by bucket) or a bounced target: per tensor.
         writable = addresses_for(targets, dtypes, sizes) if isinstance(targets, (list, tuple)) else None
         nbytes = plan._nbytes.astype(np.uint64)
