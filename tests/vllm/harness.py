@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tests.conftest import start_coordinator, wait_available
+from tests.vllm.make_tiny_model import MAX_POSITIONS
 from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
 
 HERE = Path(__file__).parent
@@ -63,7 +64,7 @@ def vllm_server(model: str, port: int, *extra: str, tensor_parallel: int = 1) ->
     executor = ["--distributed-executor-backend", "uni"] if tensor_parallel == 1 else [
         "--distributed-executor-backend", "mp", "--tensor-parallel-size", str(tensor_parallel)]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-            "--max-model-len", "256", "--enforce-eager", *executor, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(MAX_POSITIONS), "--enforce-eager", *executor, "--host", "127.0.0.1", "--port", str(port),
             *extra]
 
 

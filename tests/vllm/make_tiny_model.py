@@ -15,6 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 
+# Long enough for a streamed completion that outlasts a pause landing on a loaded
+# machine (tests/vllm/test_vllm_e2e.py); rotary positions, so no more weights.
+MAX_POSITIONS = 2048
+
 
 def build(out: str, seed: int = 0, *, arch: str = "llama", tied: bool = False, hidden: int = 64,
           layers: int = 2, intermediate: int = 128) -> str:
@@ -39,7 +43,7 @@ def build(out: str, seed: int = 0, *, arch: str = "llama", tied: bool = False, h
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
     common = dict(vocab_size=len(fast), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                  num_attention_heads=hidden // 32, head_dim=32, max_position_embeddings=256, bos_token_id=fast.bos_token_id,
+                  num_attention_heads=hidden // 32, head_dim=32, max_position_embeddings=MAX_POSITIONS, bos_token_id=fast.bos_token_id,
                   eos_token_id=fast.eos_token_id, tie_word_embeddings=tied, torch_dtype="float32")
     if arch == "llama":
         config, model_class = LlamaConfig(num_key_value_heads=2, **common), LlamaForCausalLM

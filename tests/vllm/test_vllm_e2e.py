@@ -23,6 +23,7 @@ import urllib.request
 import psutil
 import pytest
 
+from tests.vllm.make_tiny_model import MAX_POSITIONS
 from tests.vllm.harness import (
     PROBE_SEQUENCES,
     PROMPTS,
@@ -164,6 +165,11 @@ def stream_tokens(url: str, model: str, max_tokens: int, arrivals: list[float], 
         done.set()
 
 
+# A completion that outlasts a pause landing on a loaded machine: the tiny model
+# streams about 500 tokens a second here, alone, and its length limit is MAX_POSITIONS.
+LONG_COMPLETION = MAX_POSITIONS - 48
+
+
 class _Stream:
     """One streamed completion on its own thread: its chunks' arrival times."""
 
@@ -172,7 +178,7 @@ class _Stream:
         self.done = threading.Event()
         self.usage: dict = {}
         self.thread = threading.Thread(target=stream_tokens,
-                                       args=(url, model, 240, self.arrivals, self.done, self.usage))
+                                       args=(url, model, LONG_COMPLETION, self.arrivals, self.done, self.usage))
         self.thread.start()
 
 
@@ -181,53 +187,36 @@ async def test_keep_pause_holds_a_running_completion_until_resume(vllm_stack, ti
     paused, and finishes after resume."""
     address, url, _, _ = vllm_stack
     async with TrainerClient(address) as client:
-        # The tiny model streams 240 tokens (its length limit is 256) in about 0.75 s, and
-        # the pause takes 0.2 s or more to land: on a loaded machine a completion can end
-        # first, which proves nothing. So a new completion starts every 0.1 s until the
-        # pause has landed, and the ones generating (a token in, not done) once it has
-        # landed are the test; an attempt with none is run again (at most 5 times).
-        for _ in range(5):
-            streams = [_Stream(url, tiny_model)]
+        # The completion is long (seconds of generation) so that it is still generating
+        # when the pause lands, however long the pause takes on a loaded machine (a
+        # 240-token one could end first; it did, in CI). Should it end first anyway, the
+        # attempt proves nothing and is run again.
+        for _ in range(3):
+            stream = _Stream(url, tiny_model)
             end = time.monotonic() + 60
-            while not streams[0].arrivals and time.monotonic() < end:
+            while not stream.arrivals and time.monotonic() < end:
                 await asyncio.sleep(0.005)
-            assert streams[0].arrivals, "the completion never started"
-            landed = asyncio.Event()
-
-            async def keep_starting(landed=landed, streams=streams):
-                while not landed.is_set() and len(streams) < 20:
-                    await asyncio.sleep(0.1)
-                    if not landed.is_set():
-                        streams.append(_Stream(url, tiny_model))
-
-            starter = asyncio.ensure_future(keep_starting())
-            await asyncio.sleep(0.3)
+            assert stream.arrivals, "the completion never started"
             await client.pause(mode="keep")
-            landed.set()
-            await starter
             paused_at = time.monotonic()
-            live = [s for s in streams if s.arrivals and not s.done.is_set()]
-            if live:
+            if not stream.done.is_set():
                 break
             await client.resume()
-            for stream in streams:
-                await asyncio.to_thread(stream.thread.join, 120)
-        assert live, "every completion ended before the pause landed, 5 times"
+            await asyncio.to_thread(stream.thread.join, 120)
+        assert not stream.done.is_set(), "the completion ended before the pause landed, 3 times"
         assert get(url, "/is_paused")["is_paused"] is True
         await asyncio.sleep(2.0)
-        assert not any(s.done.is_set() for s in live), "a running completion finished during the pause"
+        assert not stream.done.is_set(), "a running completion finished during the pause"
         resumed_at = time.monotonic()
         await client.resume()
-        for stream in streams:
-            await asyncio.to_thread(stream.done.wait, 120)
-            await asyncio.to_thread(stream.thread.join, 5)
-    for stream in live:
-        held = [t for t in stream.arrivals if paused_at + 0.5 < t < resumed_at]
-        assert held == [], f"{len(held)} tokens arrived while paused"
-        assert any(t > resumed_at for t in stream.arrivals), "the completion must finish after resume"
-        # Every token came (under load vLLM sends several tokens in one chunk, so the
-        # chunks are not counted).
-        assert stream.usage.get("completion_tokens") == 240, stream.usage
+        await asyncio.to_thread(stream.done.wait, 120)
+        await asyncio.to_thread(stream.thread.join, 5)
+    held = [t for t in stream.arrivals if paused_at + 0.5 < t < resumed_at]
+    assert held == [], f"{len(held)} tokens arrived while paused"
+    assert any(t > resumed_at for t in stream.arrivals), "the completion must finish after resume"
+    # Every token came (under load vLLM sends several tokens in one chunk, so the chunks
+    # are not counted).
+    assert stream.usage.get("completion_tokens") == LONG_COMPLETION, stream.usage
 
 
 async def test_offload_kv_sync_wakes_before_resume(vllm_stack, tiny_model):
