@@ -84,11 +84,13 @@ async def test_keep_pause_request_continues_with_new_version(cluster_factory):
 
 
 async def test_abort_pause_ends_in_flight_requests(cluster_factory):
-    cluster = cluster_factory(1, agent_args=("--step-delay", "0.02"))
+    # 120 tokens at 50 ms each: still generating (6 s) when the abort lands, however slow
+    # the machine; the abort ends it at once.
+    cluster = cluster_factory(1, agent_args=("--step-delay", "0.05"))
     model = ReferenceLM(PRESETS["tiny"])
     perturbed(model, 1)
     async with TrainerClient(cluster.address) as client, EngineClient(cluster.agents[0].address) as engine:
-        rid = await engine.generate([40, 41, 42], max_tokens=100)
+        rid = await engine.generate([40, 41, 42], max_tokens=120)
         await asyncio.sleep(0.1)
         state = await client.get_state()
         assert state.engines[0].available

@@ -41,8 +41,15 @@ async def test_metrics_show_the_round_while_it_runs(cluster_factory):
         during = await asyncio.to_thread(scrape, port)
         result = await sync
         assert result.ok and result.loop_lag_ms is not None and result.loop_lag_ms["max"] >= 0
-        await asyncio.sleep(0.5)  # a heartbeat carries the engines' new state
-        after = await asyncio.to_thread(scrape, port)
+        # The engines' new state comes with their next heartbeat: wait for it, with a deadline.
+        engines_at_1 = ['weightsync_engine_weight_version{engine="engine-0"}',
+                        'weightsync_engine_weight_version{engine="engine-1"}']
+        end = asyncio.get_running_loop().time() + 20
+        while True:
+            after = await asyncio.to_thread(scrape, port)
+            if all(after.get(name) == 1.0 for name in engines_at_1) or asyncio.get_running_loop().time() > end:
+                break
+            await asyncio.sleep(0.1)
     assert during["weightsync_broadcast_in_progress"] == 1.0
     assert during["weightsync_round_id"] == 1.0
     assert after["weightsync_broadcast_in_progress"] == 0.0
