@@ -25,7 +25,8 @@ import torch
 
 from weightsync import transport as transports
 from weightsync.apps.bench.runner import parse_size
-from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from weightsync.transport.store import host_store
 from weightsync.v1 import common_pb2
 

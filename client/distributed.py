@@ -71,7 +71,7 @@ from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from weightsync.security import Security
 from weightsync.sharding import Holding, Owners, assign, describe, holding_of, sources_for
 from weightsync.threads import run_in
-from weightsync.transport.base import TransferStats
+from weightsync.transport.base import Sender, TransferStats
 from weightsync.transport.secure_store import SecureStore, StoreHost
 from weightsync.transport.store import session_key
 from weightsync.v1 import common_pb2
@@ -294,7 +294,7 @@ class DistributedTrainerClient(AsyncClient):
         self._store: SecureStore | None = None       # ranks > 0: their connection to rank 0's store
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank")
         self._send_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank-send")
-        self._senders: dict[tuple[int, str], transports.Sender] = {}
+        self._senders: dict[tuple[int, str], Sender] = {}
         self._published: str = ""  # signature of the holdings this rank last described
         self._round = 0
         self._forgotten = 0  # rank 0: rounds whose store keys are gone

@@ -40,6 +40,7 @@ from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.context import AsyncClient
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
+from weightsync.dtypes import dtype_name
 from weightsync.errors import (
     EngineOutputMismatch,
     InvalidArgument,
@@ -53,20 +54,15 @@ from weightsync.errors import (
 from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.host_identity import host_id
 from weightsync.idempotency import derive_key, validate_key
-from weightsync.plan import (
-    DEFAULT_BUCKET_BYTES,
-    BucketPlan,
-    dtype_name,
-    is_reference,
-    weights_digest,
-)
+from weightsync.packing import weights_digest
+from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, is_reference
 from weightsync.retry import retry
 from weightsync.security import Security
 from weightsync.sharding import Owners
 from weightsync.threads import run_in
+from weightsync.transport import LAYOUTS, is_relayed
+from weightsync.transport.base import Sender
 from weightsync.transport.cross_memory import AddressedTensors, direct_enabled
-from weightsync.transport.flattened import LAYOUTS
-from weightsync.transport.relay import is_relayed
 from weightsync.transport.secure_store import StoreHost
 from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -294,7 +290,7 @@ class TrainerClient(AsyncClient):
         # transport a torch TCPStore, which SGLang joins with torch's own client.
         self._store_host: StoreHost | None = None
         self._plain_store = None
-        self._senders: dict[tuple[int, str], transports.Sender] = {}  # by (transport, lane)
+        self._senders: dict[tuple[int, str], Sender] = {}  # by (transport, lane)
         # (bucket_bytes, wire dtype, names, dtypes, shapes, plan) of the last step: a
         # trainer syncs the same tensors every step
         self._plan_cache: tuple | None = None

@@ -33,6 +33,7 @@ from typing import TypeVar
 from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
+from weightsync.dtypes import dtype_name
 from weightsync.engine.adapter import Delivery, EngineAdapter, validate_tags
 from weightsync.errors import (
     AFTER_TRANSFER,
@@ -54,13 +55,14 @@ from weightsync.faults import FaultInjector
 from weightsync.grpc_options import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from weightsync.host_identity import host_id
 from weightsync.idempotency import IdempotencyStore
-from weightsync.plan import BucketPlan, dtype_name, is_reference
+from weightsync.plan import BucketPlan, is_reference
 from weightsync.server.engine_watch import EngineWatch
 from weightsync.server.fence import VersionFence
 from weightsync.server.launcher import EngineLauncher
 from weightsync.server.weight_export import WeightExporter
 from weightsync.sharding import Owners
 from weightsync.threads import run_in
+from weightsync.transport.base import Receiver
 from weightsync.transport.from_senders import SenderLane
 from weightsync.transport.relay import HostRelay
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -93,7 +95,7 @@ class _Checked:
     """A Receive that passed every check: what it needs to run."""
 
     plan: BucketPlan
-    receiver: transports.Receiver
+    receiver: Receiver
     probe: Probe | None
     senders: tuple[SenderLane, ...] = ()
     owners: Owners | None = None
@@ -105,7 +107,7 @@ class _ReceiveJob:
 
     request: agent_pb2.ReceiveRequest
     plan: BucketPlan
-    receiver: transports.Receiver
+    receiver: Receiver
     probe: Probe | None
     senders: tuple[SenderLane, ...]     # a sharded trainer's lanes (empty: one sender)
     owners: Owners | None
@@ -169,7 +171,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.address = ""  # HOST:PORT registered with the coordinator (set at start)
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
-        self._receivers: dict[tuple[int, int], transports.Receiver] = {}  # by (transport, lane)
+        self._receivers: dict[tuple[int, int], Receiver] = {}  # by (transport, lane)
         # This agent as its host's relay (made on first use): its own thread, because
         # it runs alongside the engine's own receive of the bytes it re-shares.
         self._relay: HostRelay | None = None
@@ -420,7 +422,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                                      f"{served}", reason="VERSION_NOT_NEWER")
         return _Checked(plan, self._receiver(rdzv.transport), probe, senders, owners)
 
-    def _receiver(self, kind: int, lane: int = 0) -> transports.Receiver:
+    def _receiver(self, kind: int, lane: int = 0) -> Receiver:
         """This agent's receiver of ``kind`` for its ``lane``-th concurrent lane (each has
         its own group and buffers, kept while the lane's group id stays)."""
         receiver = self._receivers.get((kind, lane))

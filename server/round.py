@@ -53,8 +53,7 @@ from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.sharding import Owners
 from weightsync.statedb import StateDB, get_meta, set_meta
-from weightsync.transport.flattened import LAYOUTS
-from weightsync.transport.relay import is_relay_upstream
+from weightsync.transport import LAYOUTS, is_relay_upstream
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2
 from weightsync.validate import check_pause_mode, check_port, check_timeout
 

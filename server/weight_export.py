@@ -29,6 +29,7 @@ from weightsync.cancellation import wait_through_cancellation
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from weightsync.threads import run_in
+from weightsync.transport.base import Sender, TransferStats
 from weightsync.transport.secure_store import StoreHost
 from weightsync.v1 import agent_pb2, common_pb2
 from weightsync.validate import check_timeout
@@ -49,7 +50,7 @@ class WeightExporter:
         self.core = core
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-export")
         self._store: StoreHost | None = None
-        self._senders: dict[int, transports.Sender] = {}
+        self._senders: dict[int, Sender] = {}
         self._plan: tuple[tuple, BucketPlan] | None = None  # (names, dtypes, shapes, bucket bytes) -> plan
         self._abort = threading.Event()
         self.running = False
@@ -132,7 +133,7 @@ class WeightExporter:
         rendezvous.world_size = 2
         return rendezvous
 
-    def _send(self, rendezvous, plan: BucketPlan, sources, deadline_at: float) -> transports.TransferStats:
+    def _send(self, rendezvous, plan: BucketPlan, sources, deadline_at: float) -> TransferStats:
         sender = self._senders.get(rendezvous.transport)
         if sender is None:
             sender = self._senders[rendezvous.transport] = transports.make_sender(

@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from weightsync.plan import weights_digest  # noqa: E402  (the test hook's digest)
+from weightsync.packing import weights_digest  # noqa: E402  (the test hook's digest)
 
 ARGS = argparse.Namespace(die_during_update=False, fail_version_update=False, slow_state=0.0)  # main() fills it; tests import the recipe
 state = {"paused": "", "released": set(), "running": 0, "weight_version": "0"}

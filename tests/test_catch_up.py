@@ -21,7 +21,7 @@ from tests.test_fencing import engines_by_id, serving, until
 from tests.test_rounds_end import coordinator_events
 from tests.test_sync_safety import fail, slow
 from weightsync.client import EngineClient, SyncFailed, TrainerClient
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 
 PROMPT = [1, 2, 3, 4]
 

@@ -33,7 +33,7 @@ from tests.test_rounds_end import agent_events
 from tests.test_sync_safety import BUCKET
 from weightsync.client import RetryPolicy, TrainerClient
 from weightsync.errors import WeightSyncError
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 
 SEED = int(os.environ.get("WEIGHTSYNC_CHAOS_SEED", "20261130"))
 STEPS = 8

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from weightsync.client import TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import TransferError
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 from weightsync.transport.secure_store import SecureStore, StoreHost
 
 

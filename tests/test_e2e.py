@@ -9,7 +9,7 @@ import torch
 
 from weightsync.client import EngineClient, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 
 
 def perturbed(model: ReferenceLM, step: int) -> None:

@@ -31,7 +31,7 @@ from tests.test_rounds_end import agent_events
 from tests.test_sglang import STANDIN, get, tiny_weights
 from weightsync.client import EngineClient, TrainerClient
 from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 
 PROMPT = [1, 2, 3, 4]
 # These tests watch the fence itself: a peer catching the engine up first

@@ -19,7 +19,7 @@ from weightsync.client import RetryPolicy, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import IdempotencyConflict, OperationAborted, WeightSyncError
 from weightsync.idempotency import IdempotencyStore
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 from weightsync.statedb import StateDB
 from weightsync.v1 import coordinator_pb2
 

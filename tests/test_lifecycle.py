@@ -27,7 +27,7 @@ from weightsync.client import RetryPolicy, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import EngineUnavailable, WeightSyncError
 from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 
 TREE = str(Path(__file__).with_name("engine_tree.py"))
 GRACE = "1.5"

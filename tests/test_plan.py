@@ -7,19 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from weightsync.dtypes import DTYPE_CODES, DTYPES, dtype_name
 from weightsync.errors import InvalidArgument
-from weightsync.plan import (
-    DTYPE_CODES,
-    DTYPES,
-    MAX_DIMS,
-    MAX_NAME_LEN,
-    MAX_PLAN_BYTES,
-    BucketPlan,
-    dtype_name,
-    pack_bucket,
-    unpack_bucket,
-    weights_digest,
-)
+from weightsync.packing import pack_bucket, unpack_bucket, weights_digest
+from weightsync.plan import MAX_DIMS, MAX_NAME_LEN, MAX_PLAN_BYTES, BucketPlan
 from weightsync.v1 import common_pb2
 
 
@@ -212,7 +203,8 @@ def test_bucket_ops_cut_each_bucket_into_ranges_with_every_large_piece_on_its_ow
     piece of at least 1 MiB is exactly one range, and the ranges between hold only small
     pieces; packing the small ones and copying the large ones by hand makes the bucket
     that ``pack_bucket`` makes."""
-    from weightsync.plan import SERIAL_COPY_BYTES, pack_piece
+    from weightsync.packing import pack_piece
+    from weightsync.plan import SERIAL_COPY_BYTES
 
     sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
     plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=bucket_bytes)

@@ -22,7 +22,8 @@ from tests.test_rounds_end import agent_events, coordinator_events
 from weightsync.client import TrainerClient
 from weightsync.errors import InvalidArgument, PlanUnknown
 from weightsync.idempotency import fingerprint
-from weightsync.plan import BucketPlan, is_reference, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import BucketPlan, is_reference
 from weightsync.v1 import common_pb2, coordinator_pb2
 
 

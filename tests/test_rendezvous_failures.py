@@ -17,7 +17,8 @@ import pytest
 
 from weightsync.client import TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.plan import BucketPlan, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import BucketPlan
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEADLINE_S = 3.0

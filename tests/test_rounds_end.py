@@ -22,7 +22,7 @@ from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import EngineUnavailable, WeightSyncError
 from weightsync.idempotency import derive_key
 from weightsync.lifecycle import stop_process
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 
 
 async def agent_events(address: str):

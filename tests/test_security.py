@@ -17,8 +17,8 @@ from weightsync.client import EngineClient, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import WeightSyncError
 from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.packing import weights_digest
 from weightsync.pki import generate_dev_pki, tls_args
-from weightsync.plan import weights_digest
 from weightsync.security import Security
 from weightsync.v1 import (
     agent_pb2,

@@ -29,7 +29,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.lifecycle import spawn, stop_process, wait_for_file
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 from weightsync.v1 import agent_pb2
 
 STANDIN = str(Path(__file__).with_name("sglang_standin.py"))

@@ -17,7 +17,8 @@ import torch
 
 from weightsync import transport as transports
 from weightsync.errors import InvalidArgument, TransferError
-from weightsync.plan import BucketPlan, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import BucketPlan
 from weightsync.sharding import Holding, Owners, SenderParts, assign, describe, sources_for
 from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
 from weightsync.transport.store import host_store, session_key

@@ -16,7 +16,8 @@ from tests.test_transports import KINDS, rendezvous
 from weightsync import transport as transports
 from weightsync.engine.streamed_load import receive_and_load
 from weightsync.errors import TransferError
-from weightsync.plan import BucketPlan, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import BucketPlan
 from weightsync.transport.store import host_store
 
 BUCKET = 64 * 1024

@@ -17,7 +17,7 @@ import pytest
 from weightsync.client import EngineClient, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import StepTimeoutError, TornWeightsError, TransferError
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 from weightsync.v1 import agent_pb2, common_pb2
 
 BUCKET = 64 * 1024  # the tiny model (~560 KB) becomes 9 buckets

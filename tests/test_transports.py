@@ -305,7 +305,7 @@ def _mixed_sources():
 def test_the_flattened_layout_cuts_runs_sglang_can_view():
     """Calls are runs of consecutive tensors of at most a bucket (a larger tensor alone),
     and every tensor starts in its call at a multiple of its element size."""
-    from weightsync.plan import ITEMSIZE
+    from weightsync.dtypes import ITEMSIZE
     from weightsync.transport.flattened import flattened_calls
 
     sources = _mixed_sources()

@@ -9,7 +9,8 @@ import torch
 from weightsync.client import TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import FailedPrecondition, InvalidArgument
-from weightsync.plan import BucketPlan, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import BucketPlan
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 

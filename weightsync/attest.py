@@ -20,16 +20,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from weightsync.errors import InvalidArgument
 from weightsync.v1 import common_pb2
 
+if TYPE_CHECKING:
+    import torch
+
 # Log-probabilities (nats) two correct implementations may differ by. fp32 engines
 # differ from the trainer only by kernel order (1e-5 .. 1e-4 seen on CPU); bf16 and
 # fp16 engines round every activation. A torn layer moves log-probs by whole nats.
-DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 0.15, torch.float16: 0.05}
+# By dtype name: the coordinator checks probes without importing torch.
+DEFAULT_TOLERANCE = {"float32": 1e-3, "float64": 1e-3, "bfloat16": 0.15, "float16": 0.05}
 
 MAX_SEQUENCES = 64
 MAX_SEQUENCE_TOKENS = 512
@@ -39,12 +42,13 @@ MAX_TOKEN_ID = 1 << 31
 
 def default_tolerance(dtype: torch.dtype) -> float:
     """The stated tolerance for engines that serve ``dtype`` weights."""
-    return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.bfloat16])
+    return DEFAULT_TOLERANCE.get(str(dtype).removeprefix("torch."), DEFAULT_TOLERANCE["bfloat16"])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Teacher-forced log-probs: ``logits [T, V]`` for ``tokens [T]`` -> ``[T - 1]``,
     entry i being log p(tokens[i + 1] | tokens[: i + 1])."""
+    import torch
     logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
     return logprobs.gather(-1, tokens[1:].long().unsqueeze(-1)).squeeze(-1)
 
@@ -68,12 +72,13 @@ class Probe:
 
     @classmethod
     def from_model(cls, model: Callable[[torch.Tensor], torch.Tensor], sequences: Sequence[Sequence[int]], *,
-                   tolerance: float | None = None, dtype: torch.dtype = torch.float32) -> Probe:
+                   tolerance: float | None = None, dtype: torch.dtype | None = None) -> Probe:
         """Scores ``sequences`` with ``model`` (``tokens [B, T] -> logits [B, T, V]``).
 
         Blocking: the trainer client calls it on its worker thread. ``tolerance``
-        defaults to the stated one for engines serving ``dtype``.
+        defaults to the stated one for engines serving ``dtype`` (float32 if None).
         """
+        import torch
         sequences = [[int(t) for t in s] for s in sequences]
         expected: list[tuple[float, ...]] = [()] * len(sequences)
         by_length: dict[int, list[int]] = {}
@@ -86,7 +91,7 @@ class Probe:
                 for row, i in enumerate(indices):
                     expected[i] = tuple(token_logprobs(logits[row], tokens[row]).tolist())
         return cls(tuple(tuple(s) for s in sequences), tuple(expected),
-                   default_tolerance(dtype) if tolerance is None else tolerance)
+                   default_tolerance(dtype or torch.float32) if tolerance is None else tolerance)
 
     def to_proto(self) -> common_pb2.AttestationProbe:
         """The wire form (protobuf)."""

@@ -11,25 +11,31 @@ On the wire and in memory a plan is four columns (names, dtype codes, ranks, dim
 not a record per tensor: a plan may list a million tensors, and one protobuf message
 and one Python object per tensor made such a plan cost seconds to build, send, parse
 and check, on every process it passed through.
+
+This module does not import torch: the coordinator checks and lays out plans without
+it (torch costs a server over a second to import and ~180 MB of memory). The copies
+in and out of buckets and the weights digest are in ``weightsync.packing``; the
+torch dtypes of the wire's dtype codes in ``weightsync.dtypes``, imported by the
+few methods here that take or give torch dtypes (their callers hold tensors).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
 
 from weightsync.errors import InvalidArgument, PlanUnknown
-from weightsync.serial_copy import serial_copies
 from weightsync.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 8
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
@@ -48,41 +54,13 @@ _VIEW_BUFFERS = 4  # bucket buffers whose views a plan remembers: a sender's or 
 _NAME_SEP = "\0"  # between names in the wire column (a name is printable, so never holds one)
 _PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-# Bytes per element, looked up per tensor (making a tensor to ask took 6 us a slot).
-ITEMSIZE: dict[torch.dtype, int] = {d: d.itemsize for d in DTYPES.values()}
-# The wire's dtype codes (``WeightPlan.dtypes``): a code is an index here. Append only.
-DTYPE_CODES: tuple[torch.dtype, ...] = tuple(DTYPES.values())
-_CODE_OF: dict[torch.dtype, int] = {d: i for i, d in enumerate(DTYPE_CODES)}
-_ITEMSIZES = np.array([ITEMSIZE[d] for d in DTYPE_CODES], dtype=np.int64)
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Returns the torch dtype called ``name``; InvalidArgument if unknown."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise InvalidArgument(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Returns the wire name of a torch dtype; InvalidArgument if unsupported."""
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise InvalidArgument(f"unsupported dtype {dtype}") from None
+# The wire's dtypes (``WeightPlan.dtypes`` holds a code per tensor: an index here) and
+# their bytes per element. Append only. Their torch dtypes are in ``weightsync.dtypes``.
+WIRE_DTYPES: tuple[tuple[str, int], ...] = (
+    ("float32", 4), ("float64", 8), ("float16", 2), ("bfloat16", 2), ("int64", 8),
+    ("int32", 4), ("int16", 2), ("int8", 1), ("uint8", 1), ("bool", 1),
+)
+_ITEMSIZES = np.array([size for _, size in WIRE_DTYPES], dtype=np.int64)
 
 
 class TensorSlot(NamedTuple):
@@ -96,7 +74,7 @@ class TensorSlot(NamedTuple):
 
     @property
     def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
+        return self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -171,6 +149,9 @@ class BucketPlan:
             InvalidArgument: duplicate or empty names, a bad shape or dtype, or a
                 bucket size that is not a positive multiple of 8.
         """
+        # The caller holds torch dtypes, so torch is loaded already.
+        from weightsync.dtypes import CODE_OF, dtype_name
+
         _check_bucket_bytes(bucket_bytes)
         names: list[str] = []
         codes: list[int] = []
@@ -178,7 +159,7 @@ class BucketPlan:
         dims: list[int] = []
         for name, dtype, shape in specs:
             names.append(name)
-            code = _CODE_OF.get(dtype)
+            code = CODE_OF.get(dtype)
             if code is None:
                 dtype_name(dtype)  # raises: unsupported dtype
             codes.append(code)
@@ -299,8 +280,8 @@ class BucketPlan:
         if name_count != count:
             raise InvalidArgument(f"plan lists {count} dtypes but {name_count} names")
         codes = np.frombuffer(dtypes, dtype=np.uint8)
-        if int(codes.max()) >= len(DTYPE_CODES):
-            raise InvalidArgument(f"unknown dtype code {int(codes.max())}; known: 0-{len(DTYPE_CODES) - 1}")
+        if int(codes.max()) >= len(WIRE_DTYPES):
+            raise InvalidArgument(f"unknown dtype code {int(codes.max())}; known: 0-{len(WIRE_DTYPES) - 1}")
         ranks = np.frombuffer(rank_bytes, dtype=np.uint8)
         if int(ranks.max()) > MAX_DIMS:
             raise InvalidArgument(f"a tensor has {int(ranks.max())} dimensions; at most {MAX_DIMS}")
@@ -349,7 +330,8 @@ class BucketPlan:
 
     @cached_property
     def dtypes(self) -> tuple[torch.dtype, ...]:
-        """Wire dtypes in stream order."""
+        """Wire dtypes in stream order (torch dtypes: imports torch on first use)."""
+        from weightsync.dtypes import DTYPE_CODES
         return tuple(DTYPE_CODES[c] for c in self._columns.codes.tolist())
 
     @cached_property
@@ -584,124 +566,4 @@ def _sizes(columns: _Columns) -> np.ndarray:
     return numels * itemsizes
 
 
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's bytes (no copy)."""
-    if not tensor.is_contiguous():
-        raise InvalidArgument("tensor must be contiguous")
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
-
-def _copy_whole(small: int, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """Copies whole tensors, the first ``small`` of them with no OpenMP parallel region
-    (see ``weightsync.serial_copy``): a region per small tensor costs more than it
-    saves, and much more when processes share cores. Large ones keep torch's threads."""
-    if small:
-        with serial_copies():
-            torch._foreach_copy_(dsts[:small] if small < len(dsts) else dsts,
-                                 srcs[:small] if small < len(srcs) else srcs)
-    if small < len(dsts):
-        torch._foreach_copy_(dsts[small:], srcs[small:])
-
-
-@torch.no_grad()
-def pack_bucket(plan: BucketPlan, bucket: int, sources: Sequence[torch.Tensor], out: torch.Tensor, *,
-                small_only: bool = False) -> None:
-    """Copies (casting where the plan's dtype differs) bucket ``bucket`` into ``out`` (uint8).
-
-    Tensors that lie whole in the bucket go in one ``torch._foreach_copy_`` call per
-    size group (one Python call for thousands of small tensors); pieces of larger ones
-    one by one. ``small_only``: only the pieces under ``SERIAL_COPY_BYTES`` (the packed
-    ranges of ``plan.bucket_ops``; the large pieces travel on their own)."""
-    whole, small, split = plan._whole_and_split[bucket]
-    if small_only:
-        whole = whole[:small]
-        split = [p for p in split if p.length < SERIAL_COPY_BYTES]
-    if whole:
-        _copy_whole(small, plan.bucket_views(out, bucket)[:len(whole)], [sources[i] for i in whole])
-    with serial_copies() if plan._small_splits[bucket] else contextlib.nullcontext():
-        _pack_split(plan, split, sources, out)
-
-
-def _pack_split(plan: BucketPlan, split: Sequence[Piece], sources: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    for p in split:
-        dtype = plan.dtypes[p.tensor_index]
-        src = sources[p.tensor_index].reshape(-1)
-        dst = out[p.bucket_start:p.bucket_start + p.length]
-        if src.dtype == dtype:
-            dst.copy_(byte_view(src)[p.tensor_start:p.tensor_start + p.length])
-        else:
-            first = p.tensor_start // ITEMSIZE[dtype]
-            count = p.length // ITEMSIZE[dtype]
-            dst.view(dtype).copy_(src[first:first + count])
-
-
-def pack_piece(plan: BucketPlan, piece: Piece, sources: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Copies one piece into ``out`` (the bucket's buffer) at its place in the bucket."""
-    with torch.no_grad():
-        _pack_split(plan, [piece], sources, out)
-
-
-@torch.no_grad()
-def unpack_bucket(plan: BucketPlan, bucket: int, data: torch.Tensor, targets: Sequence[torch.Tensor], *,
-                  small_only: bool = False) -> None:
-    """Copies bucket ``bucket`` from ``data`` (uint8) into ``targets`` (same dtypes as the plan);
-    whole tensors grouped as in ``pack_bucket``; ``small_only`` as there."""
-    whole, small, split = plan._whole_and_split[bucket]
-    if small_only:
-        whole = whole[:small]
-        split = [p for p in split if p.length < SERIAL_COPY_BYTES]
-    if whole:
-        _copy_whole(small, [targets[i] for i in whole], plan.bucket_views(data, bucket)[:len(whole)])
-    with serial_copies() if plan._small_splits[bucket] else contextlib.nullcontext():
-        for p in split:
-            unpack_piece(plan, p, data, targets)
-
-
-def unpack_piece(plan: BucketPlan, piece: Piece, data: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
-    """Copies one piece from ``data`` (the bucket's buffer) into its tensor."""
-    index, p = piece.tensor_index, piece
-    with torch.no_grad():
-        if p.tensor_start == 0 and p.length == plan.sizes[index]:  # a whole tensor: any layout, any device
-            view = data[p.bucket_start:p.bucket_start + p.length].view(plan.dtypes[index]).view(plan.shapes[index])
-            targets[index].copy_(view)
-        else:
-            dst = byte_view(targets[index])
-            dst[p.tensor_start:p.tensor_start + p.length].copy_(data[p.bucket_start:p.bucket_start + p.length])
-
-
-class WeightsDigest:
-    """``weights_digest`` built one tensor at a time, in any order: a receiver that
-    loads each tensor as it completes and lets it go never holds the whole model.
-    Each tensor is hashed on its own (name, dtype, shape, exact bytes); the digest is
-    the hash of those, in name order."""
-
-    def __init__(self) -> None:
-        self._parts: dict[str, bytes] = {}
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.detach().contiguous()
-        if t.device.type != "cpu":
-            t = t.cpu()  # GPU weights are hashed from a host copy
-        h = hashlib.blake2b(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode(), digest_size=20)
-        if t.numel():
-            h.update(byte_view(t).numpy())  # hashes the tensor's memory in place, no copy
-        self._parts[name] = h.digest()
-
-    def hexdigest(self) -> str:
-        h = hashlib.blake2b(digest_size=20)
-        for name in sorted(self._parts):
-            h.update(self._parts[name])
-        return h.hexdigest()
-
-
-def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A digest of names, dtypes, shapes and exact bytes; equal iff bitwise equal."""
-    digest = WeightsDigest()
-    for name, tensor in named_tensors:
-        digest.add(name, tensor)
-    return digest.hexdigest()
-
-
-__all__ = ["BucketPlan", "TensorSlot", "Piece", "is_reference", "DTYPES", "DEFAULT_BUCKET_BYTES", "dtype_from_name",
-           "dtype_name", "byte_view", "pack_bucket", "unpack_bucket", "pack_piece", "unpack_piece", "weights_digest", "WeightsDigest"]
+__all__ = ["BucketPlan", "TensorSlot", "Piece", "is_reference", "WIRE_DTYPES", "DEFAULT_BUCKET_BYTES"]

@@ -30,13 +30,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from weightsync.errors import InvalidArgument
 from weightsync.plan import BucketPlan
 from weightsync.v1 import common_pb2
+
+if TYPE_CHECKING:  # the coordinator checks owners without torch; the ranks hold tensors
+    import torch
 
 
 def _dtensor_types() -> tuple[type, type, type] | None:
@@ -307,6 +310,7 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
     # returns a view of it through an autograd function (18 us a tensor). Its shape is
     # checked below either way.
     local = getattr(tensor, "_local_tensor", None)
+    import torch
     if not isinstance(local, torch.Tensor):
         local = tensor.to_local()
     if ndim != 1 or len(placements) != 1:
@@ -329,7 +333,7 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
 
 def describe(holdings: Sequence[Holding]) -> dict:
     """A rank's holdings as plain data (JSON): what it tells the rank that plans."""
-    from weightsync.plan import dtype_name
+    from weightsync.dtypes import dtype_name
     return {"names": [h.name for h in holdings], "dtypes": [dtype_name(h.dtype) for h in holdings],
             "shapes": [list(h.shape) for h in holdings], "starts": [h.start for h in holdings],
             "rows": [h.rows for h in holdings]}
@@ -349,7 +353,7 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
         InvalidArgument: ranks disagree on a tensor's dtype or shape, or a tensor is
             neither covered by shards nor held whole by any rank.
     """
-    from weightsync.plan import ITEMSIZE, dtype_from_name
+    from weightsync.dtypes import ITEMSIZE, dtype_from_name
     order: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     shards: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(start, rows, rank)]
     whole: dict[str, list[int]] = {}

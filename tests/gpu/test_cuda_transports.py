@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from weightsync import transport as transports
-from weightsync.plan import BucketPlan, pack_bucket, unpack_bucket, weights_digest
+from weightsync.packing import pack_bucket, unpack_bucket, weights_digest
+from weightsync.plan import BucketPlan
 from weightsync.transport.store import host_store
 from weightsync.v1 import common_pb2
 

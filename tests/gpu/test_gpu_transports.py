@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from weightsync import transport as transports
-from weightsync.plan import BucketPlan, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import BucketPlan
 from weightsync.transport.store import host_store
 from weightsync.v1 import common_pb2
 

@@ -23,7 +23,6 @@ import urllib.request
 import psutil
 import pytest
 
-from tests.vllm.make_tiny_model import MAX_POSITIONS
 from tests.vllm.harness import (
     PROBE_SEQUENCES,
     PROMPTS,
@@ -42,10 +41,11 @@ from tests.vllm.harness import (
     trainer_logits_fn,
     trainer_model,
 )
+from tests.vllm.make_tiny_model import MAX_POSITIONS
 from weightsync.client import Probe, TrainerClient
 from weightsync.client.engine import EngineClient
 from weightsync.lifecycle import stop_process
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 from weightsync.transport.group import IN_FLIGHT_BYTES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -23,8 +23,8 @@ import torch
 from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import EngineClient, LoopLagProbe, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
+from weightsync.packing import weights_digest
 from weightsync.pki import generate_dev_pki, tls_args
-from weightsync.plan import weights_digest
 from weightsync.security import Security
 
 START_TIMEOUT_S = 60.0

@@ -31,7 +31,7 @@ from weightsync.attest import check_vocab, token_logprobs
 from weightsync.engine.adapter import EngineAdapter, Request, validate_tags
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import EngineFault, FailedPrecondition, InvalidArgument, StepTimeoutError
-from weightsync.plan import weights_digest
+from weightsync.packing import weights_digest
 from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses
 from weightsync.v1 import common_pb2
 from weightsync.validate import check_pause_mode

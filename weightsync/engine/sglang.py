@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.engine.adapter import Delivery, validate_tags
 from weightsync.engine.checkpoint import checkpoint_specs
 from weightsync.engine.http_engine import HttpEngineAdapter
@@ -40,7 +41,6 @@ from weightsync.errors import (
     TransferError,
     Unsupported,
 )
-from weightsync.plan import dtype_from_name, dtype_name
 from weightsync.transport.flattened import FLATTENED, flattened_calls
 from weightsync.transport.group import group_backend, group_layout, group_name
 from weightsync.v1 import common_pb2

@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from weightsync.errors import StepTimeoutError, TransferError
-from weightsync.plan import BucketPlan, WeightsDigest
+from weightsync.packing import WeightsDigest
+from weightsync.plan import BucketPlan
 from weightsync.transport.base import Receiver
 from weightsync.v1 import common_pb2
 

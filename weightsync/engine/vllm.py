@@ -26,6 +26,7 @@ import torch
 from google.protobuf import json_format
 
 from weightsync.attest import Probe, check_vocab
+from weightsync.dtypes import dtype_from_name
 from weightsync.engine.adapter import ATTESTATION_UNSUPPORTED, Delivery, validate_tags
 from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.errors import (
@@ -35,7 +36,6 @@ from weightsync.errors import (
     TransferError,
     Unsupported,
 )
-from weightsync.plan import dtype_from_name
 from weightsync.v1 import common_pb2
 
 MODES = {common_pb2.PAUSE_MODE_KEEP: "keep", common_pb2.PAUSE_MODE_ABORT: "abort",

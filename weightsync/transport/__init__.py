@@ -7,19 +7,34 @@ NCCL's library and one GPU per rank; cuda-ipc: cupy and engines on the trainer's
 host).
 ``group`` (SGLang's update-group protocol) needs gloo; its nccl backend needs CUDA,
 checked when a group with that backend is opened.
+
+This module imports no torch (its probes import it when asked about a backend that
+needs it): the coordinator plans lanes with the names, layouts and lane kinds here and
+never moves a byte. The senders and receivers (``make_sender``, ``make_receiver``) are
+in the submodules.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from weightsync.errors import FailedPrecondition, InvalidArgument
-from weightsync.transport.base import Receiver, Sender, TransferStats
 from weightsync.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from weightsync.transport.base import Receiver, Sender
+
+SHM_DIR = os.environ.get("WEIGHTSYNC_SHM_DIR", "/dev/shm")  # where the shm transport's segments live
+
+# The group transport's layouts on the wire (``weightsync.transport.flattened``): a
+# broadcast per tensor (SGLang's default protocol), or runs of tensors end to end.
+TENSORS = "tensors"
+FLATTENED = "flattened"
+LAYOUTS = (TENSORS, FLATTENED)
 
 NAMES: dict[str, common_pb2.TransportKind.ValueType] = {
     "gloo": common_pb2.TRANSPORT_KIND_GLOO,
@@ -42,12 +57,24 @@ def kind_from_name(name: str) -> common_pb2.TransportKind.ValueType:
         raise InvalidArgument(f"unknown transport {name!r}; choose from {sorted(NAMES)}") from None
 
 
+def is_relay_upstream(lane: common_pb2.Rendezvous) -> bool:
+    """The network lane from the trainer to a host's relay (the relay is its one
+    receiver; it is not the lane the relay's own engine receives in). See
+    ``weightsync.transport.relay``."""
+    return lane.transport == common_pb2.TRANSPORT_KIND_GLOO and bool(lane.relayed_by)
+
+
+def is_relayed(lane: common_pb2.Rendezvous) -> bool:
+    """A host's shm lane whose sender is the host's relay, not the trainer."""
+    return lane.transport == common_pb2.TRANSPORT_KIND_SHM and bool(lane.relayed_by)
+
+
 def unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | None:
     """None when ``kind`` can run on this machine, else why not."""
     if kind in (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_GROUP):
+        import torch.distributed as dist
         return None if dist.is_available() and dist.is_gloo_available() else "torch has no gloo backend"
     if kind == common_pb2.TRANSPORT_KIND_SHM:
-        from weightsync.transport.shm import SHM_DIR
         return None if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else f"{SHM_DIR} is not writable"
     if kind in (common_pb2.TRANSPORT_KIND_NCCL, common_pb2.TRANSPORT_KIND_CUDA_IPC):
         return _gpu_unavailable_reason(kind)
@@ -62,6 +89,7 @@ def _gpu_unavailable_reason(kind: common_pb2.TransportKind.ValueType) -> str | N
     """Both need torch with CUDA and a GPU. nccl needs NCCL's library (torch's CUDA
     builds bring it); cuda-ipc needs cupy (any CUDA build of it: ``weightsync[cuda12]``,
     ``weightsync[cuda13]`` or one preinstalled)."""
+    import torch
     if not torch.cuda.is_available():
         return "no CUDA device visible to torch"
     if kind == common_pb2.TRANSPORT_KIND_NCCL:
@@ -140,5 +168,5 @@ def make_receiver(kind: common_pb2.TransportKind.ValueType, *, data_host: str = 
     return ShmReceiver()
 
 
-__all__ = ["Sender", "Receiver", "TransferStats", "NAMES", "KIND_NAMES", "kind_from_name",
-           "available", "unavailable_reason", "make_sender", "make_receiver"]
+__all__ = ["NAMES", "KIND_NAMES", "kind_from_name", "SHM_DIR", "TENSORS", "FLATTENED", "LAYOUTS",
+           "is_relay_upstream", "is_relayed", "available", "unavailable_reason", "make_sender", "make_receiver"]

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import TransferError
-from weightsync.plan import BucketPlan, byte_view
+from weightsync.packing import byte_view
+from weightsync.plan import BucketPlan
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.collective import wait_polling
 from weightsync.transport.cuda import (

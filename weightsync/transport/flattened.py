@@ -27,12 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weightsync.plan import ITEMSIZE, BucketPlan
+from weightsync.dtypes import ITEMSIZE
+from weightsync.plan import BucketPlan
 from weightsync.serial_copy import serial_copies
-
-TENSORS = "tensors"
-FLATTENED = "flattened"
-LAYOUTS = (TENSORS, FLATTENED)
+from weightsync.transport import FLATTENED, LAYOUTS, TENSORS
 
 
 @dataclass(frozen=True)

@@ -34,15 +34,8 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import TransferError
-from weightsync.plan import (
-    BucketPlan,
-    Piece,
-    byte_view,
-    pack_bucket,
-    pack_piece,
-    unpack_bucket,
-    unpack_piece,
-)
+from weightsync.packing import byte_view, pack_bucket, pack_piece, unpack_bucket, unpack_piece
+from weightsync.plan import BucketPlan, Piece
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.collective import (
     broadcast_from_root,

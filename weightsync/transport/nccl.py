@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import TransferError
-from weightsync.plan import BucketPlan, pack_bucket, unpack_bucket
+from weightsync.packing import pack_bucket, unpack_bucket
+from weightsync.plan import BucketPlan
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.collective import join_in_background, wait_polling
 from weightsync.transport.cuda import EventDone, tensors_device

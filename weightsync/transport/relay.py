@@ -32,17 +32,6 @@ from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
 
 
-def is_relay_upstream(lane: common_pb2.Rendezvous) -> bool:
-    """The network lane from the trainer to a host's relay (the relay is its one
-    receiver; it is not the lane the relay's own engine receives in)."""
-    return lane.transport == common_pb2.TRANSPORT_KIND_GLOO and bool(lane.relayed_by)
-
-
-def is_relayed(lane: common_pb2.Rendezvous) -> bool:
-    """A host's shm lane whose sender is the host's relay, not the trainer."""
-    return lane.transport == common_pb2.TRANSPORT_KIND_SHM and bool(lane.relayed_by)
-
-
 class HostRelay:
     """One agent's relay: a gloo endpoint (listening on ``data_host``) and an shm
     sender, both kept while their lanes' group ids stay."""

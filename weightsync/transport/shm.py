@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import StepTimeoutError, TransferError
-from weightsync.plan import byte_view, pack_bucket, unpack_bucket
+from weightsync.packing import byte_view, pack_bucket, unpack_bucket
+from weightsync.transport import SHM_DIR
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.cross_memory import (
     Beacon,
@@ -47,7 +48,6 @@ from weightsync.transport.cross_memory import (
 from weightsync.transport.store import StoreLink, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
-SHM_DIR = os.environ.get("WEIGHTSYNC_SHM_DIR", "/dev/shm")
 ABORT_CHECK_S = 0.05  # how often a direct reader looks at the trainer's abort key
 
 

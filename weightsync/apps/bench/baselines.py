@@ -25,8 +25,9 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from weightsync.dtypes import dtype_name
 from weightsync.lifecycle import spawn, stop_process
-from weightsync.plan import dtype_name, weights_digest
+from weightsync.packing import weights_digest
 from weightsync.transport.shm import SHM_DIR
 from weightsync.transport.store import host_store, wait_for_keys
 

@@ -29,7 +29,8 @@ import torch
 from weightsync.client import TrainerClient
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import WeightSyncError
-from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import DEFAULT_BUCKET_BYTES
 
 
 def model_tensors(config: ModelConfig, seed: int) -> list[tuple[str, torch.Tensor]]:

@@ -29,7 +29,8 @@ from weightsync.apps.bench.baselines import METHODS, Baselines
 from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import EngineClient, LoopLagProbe, Probe, TrainerClient
 from weightsync.engine.model import SHAPE_PROFILES, ModelConfig, ReferenceLM, config_for_size
-from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import DEFAULT_BUCKET_BYTES
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
 

@@ -36,7 +36,8 @@ from weightsync.client import TrainerClient
 from weightsync.client.distributed import DistributedTrainerClient
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import WeightSyncError
-from weightsync.plan import DEFAULT_BUCKET_BYTES, weights_digest
+from weightsync.packing import weights_digest
+from weightsync.plan import DEFAULT_BUCKET_BYTES
 
 
 def sharded_model(config: ModelConfig):

@@ -21,7 +21,8 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from weightsync.plan import DTYPES, weights_digest
+from weightsync.dtypes import DTYPES
+from weightsync.packing import weights_digest
 from weightsync.transport.store import connect_store, wait_for_keys
 
 SINK = "weightsync.bench.Sink"

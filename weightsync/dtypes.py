@@ -1,0 +1,40 @@
+"""The torch dtypes of a plan's wire dtypes (``weightsync.plan.WIRE_DTYPES``).
+
+Kept apart from the plan so that a process that only checks and lays out plans (the
+coordinator) never imports torch; the processes that hold tensors use these tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.errors import InvalidArgument
+from weightsync.plan import WIRE_DTYPES
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name, _ in WIRE_DTYPES}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# Bytes per element, looked up per tensor (making a tensor to ask took 6 us a slot).
+ITEMSIZE: dict[torch.dtype, int] = {d: d.itemsize for d in DTYPES.values()}
+# A wire dtype code is an index here.
+DTYPE_CODES: tuple[torch.dtype, ...] = tuple(DTYPES.values())
+CODE_OF: dict[torch.dtype, int] = {d: i for i, d in enumerate(DTYPE_CODES)}
+assert all(ITEMSIZE[DTYPES[name]] == size for name, size in WIRE_DTYPES), "WIRE_DTYPES' sizes are torch's"
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Returns the torch dtype called ``name``; InvalidArgument if unknown."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Returns the wire name of a torch dtype; InvalidArgument if unsupported."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidArgument(f"unsupported dtype {dtype}") from None
+
+
+__all__ = ["DTYPES", "DTYPE_NAMES", "ITEMSIZE", "DTYPE_CODES", "CODE_OF", "dtype_from_name", "dtype_name"]
