@@ -10,8 +10,8 @@ checked when a group with that backend is opened.
 
 This module imports no torch (its probes import it when asked about a backend that
 needs it): the coordinator plans lanes with the names, layouts and lane kinds here and
-never moves a byte. The senders and receivers (``make_sender``, ``make_receiver``) are
-in the submodules.
+never moves a byte. ``make_sender`` and ``make_receiver`` import the submodule of the
+kind asked for, and torch with it.
 """
 
 from __future__ import annotations
