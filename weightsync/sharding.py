@@ -310,7 +310,7 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
     # returns a view of it through an autograd function (18 us a tensor). Its shape is
     # checked below either way.
     local = getattr(tensor, "_local_tensor", None)
-    import torch
+    import torch  # loaded already: a DTensor is at hand
     if not isinstance(local, torch.Tensor):
         local = tensor.to_local()
     if ndim != 1 or len(placements) != 1:
