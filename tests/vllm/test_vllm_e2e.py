@@ -173,8 +173,9 @@ def stream_tokens(url: str, model: str, max_tokens: int, arrivals: list[float], 
         done.set()
 
 
-# A completion that outlasts a pause landing on a loaded machine: the tiny model
-# streams about 500 tokens a second here, alone, and its length limit is MAX_POSITIONS.
+# As long a completion as the tiny model allows (its length limit is MAX_POSITIONS): the
+# longer it runs, the likelier the pause lands while it does (it makes about 2000 tokens
+# a second here, alone; an attempt it outruns is run again).
 LONG_COMPLETION = MAX_POSITIONS - 48
 
 
