@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from weightsync.apps.bench.cpu import CpuMeter
 from weightsync.apps.bench.runner import parse_size
 
 METHODS = {"weightsync", "per-tensor-gloo", "flat-gloo", "disk", "grpc-stream", "memcpy"}
@@ -43,11 +44,16 @@ def test_bench_small_run_reports_every_method(tmp_path):
         "gloo": None, "shm": ["direct"], "shm-ring": ["ring"]}
     for r in results:
         assert set(r) == {"method", "transport", "bytes", "tensors", "engines", "seconds", "gbps", "loop_lag_ms",
-                          "read"}
+                          "read", "cpu_seconds"}
         assert r["engines"] == 2 and r["bytes"] > 3 * 2**20
         assert 0 < r["seconds"]["min"] <= r["seconds"]["median"] <= r["seconds"]["max"]
         assert r["gbps"] > 0
         assert (r["loop_lag_ms"] is None) == (not r["method"].startswith("weightsync"))
+        roles = ({"trainer", "coordinator", "engines"} if r["method"].startswith("weightsync")
+                 else {"sender", "receivers"})
+        assert set(r["cpu_seconds"]) == roles | {"total"}, r
+        assert all(v >= 0 for v in r["cpu_seconds"].values())
+        assert r["cpu_seconds"]["total"] >= max(r["cpu_seconds"][role] for role in roles) - 1e-9
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "weightsync" in proc.stdout and "memcpy" in proc.stdout
 
@@ -77,7 +83,7 @@ def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
     # group-flat: the group transport with the flattened layout (the bench checks every
     # engine's digest against the trainer's after the runs)
     assert sorted(r["transport"] for r in report["results"]) == ["group-flat", "group-flat", "shm", "shm"]
-    assert "time per byte at" in proc.stdout  # the sweep's ratio line
+    assert "time per byte at" in proc.stdout and "CPU per byte" in proc.stdout  # the sweep's ratio lines
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -87,3 +93,31 @@ def test_bench_bad_tensor_counts_exit_2(value):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "tensor count" in proc.stderr
+
+
+def test_cpu_meter_counts_each_roles_processes_apart():
+    """A process that spins for 0.4 CPU seconds is charged to its role; one that waits
+    is not. (Both have started before the meter does; the suite's timeout bounds the reads.)"""
+    busy = subprocess.Popen([sys.executable, "-c", "import sys, time\nprint('ready', flush=True)\n"
+                             "sys.stdin.readline()\nend = time.process_time() + 0.4\n"
+                             "while time.process_time() < end: pass\nprint('done', flush=True)\n"
+                             "sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import sys\nprint('ready', flush=True)\nsys.stdin.readline()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert busy.stdout.readline().strip() == "ready" and idle.stdout.readline().strip() == "ready"
+        meter = CpuMeter({"busy": [busy.pid], "idle": [idle.pid]})
+        meter.start()
+        busy.stdin.write("go\n")
+        busy.stdin.flush()
+        assert busy.stdout.readline().strip() == "done"
+        meter.stop()
+        got = meter.summary()
+        assert 0.35 <= got["busy"] < 5, got
+        assert got["idle"] < 0.05, got
+        assert got["total"] == pytest.approx(got["busy"] + got["idle"])
+        assert len(meter.steps) == 1
+    finally:
+        for proc in (busy, idle):
+            proc.stdin.close()
+            proc.wait(timeout=30)

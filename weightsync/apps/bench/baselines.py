@@ -25,6 +25,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from weightsync.apps.bench.cpu import CpuMeter
 from weightsync.dtypes import dtype_name
 from weightsync.lifecycle import spawn, stop_process
 from weightsync.packing import weights_digest
@@ -83,15 +84,26 @@ class Baselines:
         keys = [f"done/{method}/{step}/{r}" for r in range(1, self.engines + 1)]
         wait_for_keys(self.store, keys, deadline_at=time.monotonic() + 600, operation=method)
 
-    def run(self, method: str, progress: Callable[[int], None] = lambda _s: None) -> list[float]:
-        """Times ``steps`` runs of ``method``; checks the receivers' bytes at the end."""
+    def processes(self, method: str) -> dict[str, list[int]]:
+        """The pids whose CPU time ``method`` costs: this sender's, and the receivers'
+        (none for memcpy, which copies in this process)."""
+        return {"sender": [os.getpid()], "receivers": [] if method == "memcpy" else [p.pid for p in self.procs]}
+
+    def run(self, method: str, progress: Callable[[int], None] = lambda _s: None,
+            cpu: CpuMeter | None = None) -> list[float]:
+        """Times ``steps`` runs of ``method`` (and, with ``cpu``, their CPU time); checks
+        the receivers' bytes at the end."""
         seconds = []
         for step in range(self.steps):
+            if cpu is not None:
+                cpu.start()
             start = time.perf_counter()
             getattr(self, "_" + method.replace("-", "_"))(step)
             if method != "memcpy":
                 self._wait_done(method, step)
             seconds.append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu.stop()
             progress(step)
         if method != "memcpy":
             keys = [f"digest/{method}/{r}" for r in range(1, self.engines + 1)]

@@ -5,7 +5,8 @@ hold a model of ``--size`` bytes in ``--tensors`` tensors; the trainer client do
 real Pause/Broadcast/Resume rounds. The first round per transport is a warm-up (it
 builds the group and the plan); the timed figure is the Broadcast, from the
 trainer's call to every engine having loaded the bytes. After the last step every
-engine's digest must equal the trainer's. Loop lag is sampled during each Broadcast.
+engine's digest must equal the trainer's. Loop lag is sampled during each Broadcast,
+and the CPU seconds it cost every process of the run (``cpu.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import psutil
 import torch
 
 from weightsync.apps.bench.baselines import METHODS, Baselines
+from weightsync.apps.bench.cpu import CpuMeter
 from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import EngineClient, LoopLagProbe, Probe, TrainerClient
 from weightsync.engine.model import SHAPE_PROFILES, ModelConfig, ReferenceLM, config_for_size
@@ -62,11 +64,12 @@ class Progress:
 
 
 def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engines: int, seconds: list[float],
-             lag: dict | None, read: list[str] | None = None) -> dict:
+             lag: dict | None, read: list[str] | None = None, cpu: CpuMeter | None = None) -> dict:
     median = statistics.median(seconds)
     return {"method": method, "transport": transport, "bytes": nbytes, "tensors": tensors, "engines": engines,
             "seconds": {"min": min(seconds), "median": median, "max": max(seconds)},
-            "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag, "read": read}
+            "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag, "read": read,
+            "cpu_seconds": cpu.summary() if cpu is not None and cpu.steps else None}
 
 
 async def _reads(agents: list[str], rounds: int) -> list[str]:
@@ -113,7 +116,7 @@ async def _shm_variant(transport: str):
 
 async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list[str], steps: int,
                            bucket_bytes: int, engines: int, progress: Progress, attest: bool,
-                           agents: list[str]) -> list[dict]:
+                           agents: list[str], processes: dict[str, list[int]]) -> list[dict]:
     results = []
     version = 0
     tensors = sum(1 for _ in model.parameters())
@@ -133,24 +136,27 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
             # ratio of the two is attestation's cost (the trainer's scoring included).
             for method, probe in [("weightsync", None)] + ([("weightsync+attest", sequences)] if attest else []):
                 seconds, lags = [], []
+                cpu = CpuMeter(processes)
                 nbytes = 0
                 for _ in range(steps):
                     await asyncio.to_thread(_perturb, model)
                     version += 1
                     await client.pause()
+                    cpu.start()  # outside the lag probe's window: it reads /proc on this loop
                     async with LoopLagProbe(interval_s=0.002) as lag:
                         start = time.perf_counter()
                         result = await client.broadcast(
                             named, version=version, timeout_s=600,
                             attest=(lambda s=probe: Probe.from_model(model, s)) if probe else None)
                         seconds.append(time.perf_counter() - start)
+                    cpu.stop()
                     await client.resume()
                     nbytes = result.bytes
                     lags.append(lag)
                     progress.step(f"{method}/{transport}")
                 lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags)}
                 read = await _reads(agents, steps) if transport.startswith("shm") else None
-                results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read))
+                results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read, cpu))
             state = await client.get_state(include_digests=True)
             local = await asyncio.to_thread(weights_digest, model.named_parameters())
             if len(state.engines) != engines or any(e.weights_digest != local for e in state.engines):
@@ -224,13 +230,17 @@ def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, base
                           settle_s=1.0) as cluster:
             results += asyncio.run(_weightsync_runs(cluster.address, model, transports=transports, steps=steps,
                                                     bucket_bytes=bucket_bytes, engines=engines, progress=progress,
-                                                    attest=attest, agents=[a.address for a in cluster.agents]))
+                                                    attest=attest, agents=[a.address for a in cluster.agents],
+                                                    processes={"trainer": [os.getpid()],
+                                                               "coordinator": [cluster.coordinator.proc.pid],
+                                                               "engines": [a.proc.pid for a in cluster.agents]}))
         if baselines:
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             with Baselines(named, engines=engines, steps=steps, tmp=tmp) as runs:
                 for method in METHODS:
-                    seconds = runs.run(method, progress=lambda _s, m=method: progress.step(m))
-                    results.append(_summary(method, None, nbytes, len(named), engines, seconds, None))
+                    cpu = CpuMeter(runs.processes(method))
+                    seconds = runs.run(method, progress=lambda _s, m=method: progress.step(m), cpu=cpu)
+                    results.append(_summary(method, None, nbytes, len(named), engines, seconds, None, cpu=cpu))
     return results
 
 
@@ -243,28 +253,35 @@ def machine() -> dict:
 def table(report: dict) -> str:
     """The report as a fixed-width table."""
     rows = [f"{'method':<18} {'transport':<9} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
-            f"{'min s':>8} {'Gbit/s':>7} {'lag p99/max ms':>15}  read"]
+            f"{'min s':>8} {'Gbit/s':>7} {'cpu s':>6} {'lag p99/max ms':>15}  read"]
     for r in report["results"]:
         lag = f"{r['loop_lag_ms']['p99']:.1f}/{r['loop_lag_ms']['max']:.1f}" if r["loop_lag_ms"] else "-"
+        cpu = f"{r['cpu_seconds']['total']:.2f}" if r.get("cpu_seconds") else "-"
         rows.append(f"{r['method']:<18} {r['transport'] or '-':<9} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
                     f"{r['engines']:>7} {r['seconds']['median']:>9.3f} {r['seconds']['min']:>8.3f} "
-                    f"{r['gbps']:>7.2f} {lag:>15}  {'+'.join(r.get('read') or []) or '-'}")
+                    f"{r['gbps']:>7.2f} {cpu:>6} {lag:>15}  {'+'.join(r.get('read') or []) or '-'}")
     return "\n".join(rows)
 
 
 def ratios(report: dict) -> list[str]:
     """For a sweep: each method's median time per byte at the largest tensor count over
-    the same at the smallest (1.0 = the tensor count costs nothing). Per byte, because
-    the shapes of one ``--size`` total slightly different byte counts."""
-    by_method: dict[tuple, dict[int, float]] = {}
+    the same at the smallest (1.0 = the tensor count costs nothing), and the same for
+    CPU seconds (the work, apart from waiting). Per byte, because the shapes of one
+    ``--size`` total slightly different byte counts."""
+    by_method: dict[tuple, dict[int, tuple[float, float | None]]] = {}
     for r in report["results"]:
-        by_method.setdefault((r["method"], r["transport"]), {})[r["tensors"]] = r["seconds"]["median"] / r["bytes"]
+        cpu = r["cpu_seconds"]["total"] / r["bytes"] if r.get("cpu_seconds") else None
+        by_method.setdefault((r["method"], r["transport"]), {})[r["tensors"]] = (r["seconds"]["median"] / r["bytes"],
+                                                                                  cpu)
     lines = []
-    for (method, transport), medians in by_method.items():
-        if len(medians) > 1:
-            low, high = min(medians), max(medians)
-            lines.append(f"{method}{'/' + transport if transport else ''}: time per byte at {high} tensors / "
-                         f"at {low} tensors = {medians[high] / medians[low]:.2f}x")
+    for (method, transport), per_byte in by_method.items():
+        if len(per_byte) > 1:
+            low, high = min(per_byte), max(per_byte)
+            line = (f"{method}{'/' + transport if transport else ''}: time per byte at {high} tensors / "
+                    f"at {low} tensors = {per_byte[high][0] / per_byte[low][0]:.2f}x")
+            if per_byte[high][1] and per_byte[low][1]:
+                line += f", CPU per byte {per_byte[high][1] / per_byte[low][1]:.2f}x"
+            lines.append(line)
     return lines
 
 

@@ -1,0 +1,68 @@
+"""CPU seconds a measured step costs, per role of process (trainer, coordinator,
+engines; for the baselines, sender and receivers).
+
+Wall time on a machine whose processes share cores says how long a step took; CPU
+time says how much work it was. Where the trainer, the engines and the wire (loopback
+TCP is CPU too) share two cores, a step that does more work cannot help taking
+longer, and one that waits more (for a core, a lock, a peer) shows it as wall time
+without CPU. The bench reports both, so a tensor count that costs more can be told
+apart: more work (copies that more tensors need) or more waiting.
+
+User plus system time of each whole process, from ``/proc`` (psutil), read before
+and after the step: every thread of a process counts, its transfer threads and
+gloo's included; children of a process do not (the reference engine runs inside its
+agent's process).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+
+import psutil
+
+
+class CpuMeter:
+    """CPU seconds of groups of processes between ``start`` and ``stop``, step after step."""
+
+    def __init__(self, roles: Mapping[str, Iterable[int]]) -> None:
+        """``roles``: a role's name -> the pids whose CPU time counts for it."""
+        self._roles = {role: [psutil.Process(pid) for pid in pids] for role, pids in roles.items()}
+        self._started: dict[str, float] | None = None
+        self.steps: list[dict[str, float]] = []
+
+    def _now(self) -> dict[str, float]:
+        totals = {}
+        for role, procs in self._roles.items():
+            seconds = 0.0
+            for proc in procs:
+                try:
+                    times = proc.cpu_times()
+                except psutil.Error:  # a process that ended has no more time to count
+                    continue
+                seconds += times.user + times.system
+            totals[role] = seconds
+        return totals
+
+    def start(self) -> None:
+        self._started = self._now()
+
+    def stop(self) -> None:
+        """Records the step since ``start``."""
+        if self._started is None:
+            raise RuntimeError("CpuMeter.stop without start")
+        now = self._now()
+        self.steps.append({role: max(0.0, now[role] - self._started[role]) for role in now})
+        self._started = None
+
+    def summary(self) -> dict[str, float]:
+        """Median CPU seconds per step: each role's, and ``total`` (the median of the
+        steps' totals, not the sum of the roles' medians)."""
+        if not self.steps:
+            return {}
+        out = {role: statistics.median(step[role] for step in self.steps) for role in self._roles}
+        out["total"] = statistics.median(sum(step.values()) for step in self.steps)
+        return out
+
+
+__all__ = ["CpuMeter"]
