@@ -203,7 +203,7 @@ def test_bucket_ops_cut_each_bucket_into_ranges_with_every_large_piece_on_its_ow
     piece of at least 1 MiB is exactly one range, and the ranges between hold only small
     pieces; packing the small ones and copying the large ones by hand makes the bucket
     that ``pack_bucket`` makes."""
-    from weightsync.packing import pack_piece
+    from weightsync.packing import gather_ranges, pack_piece, scatter_ranges
     from weightsync.plan import SERIAL_COPY_BYTES
 
     sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
@@ -227,3 +227,19 @@ def test_bucket_ops_cut_each_bucket_into_ranges_with_every_large_piece_on_its_ow
             if piece is not None:
                 pack_piece(plan, piece, sources, built)
         assert torch.equal(built, expected)
+
+        # On the wire: two or more small ranges go as one gathered operation; what the
+        # receiver scatters back is the bucket the sender packed.
+        wire = plan.wire_ops(bucket)
+        small = tuple((a, b) for a, b, piece in ops if piece is None)
+        if len(small) >= 2:
+            assert wire.gathered == small and wire.ops == tuple(op for op in ops if op[2] is not None)
+            assert wire.gathered_bytes == sum(b - a for a, b in small) <= plan.gathered_bytes
+            staging = torch.empty(plan.gathered_bytes, dtype=torch.uint8)
+            gather_ranges(expected, wire.gathered, staging)
+            landed = torch.zeros(bucket_bytes, dtype=torch.uint8)
+            scatter_ranges(staging[:wire.gathered_bytes], wire.gathered, landed)
+            for a, b in small:
+                assert torch.equal(landed[a:b], expected[a:b])
+        else:
+            assert wire == ((), 0, ops)

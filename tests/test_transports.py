@@ -172,6 +172,8 @@ def test_gloo_sends_large_tensors_from_and_into_the_tensors_and_packs_only_small
     try:
         plan = BucketPlan.from_tensors(named, bucket_bytes=4 << 20)
         assert _pieces_of(plan, 0, 1) and all(_pieces_of(plan, b, 3) for b in range(plan.num_buckets))
+        # bucket 0's two small runs (t0 before t1, t2 between t1 and t3) go as one broadcast
+        assert len(plan.wire_ops(0).gathered) == 2 and len(plan.wire_ops(0).ops) == 2
         assert not any(_pieces_of(plan, b, i) for b in range(plan.num_buckets) for i in (0, 2, 4))
         piece = _pieces_of(plan, 0, 1)[0]
         view = _wire_bytes(sources[1], plan.dtypes[1], piece)

@@ -105,6 +105,30 @@ def unpack_piece(plan: BucketPlan, piece: Piece, data: torch.Tensor, targets: Se
             dst[p.tensor_start:p.tensor_start + p.length].copy_(data[p.bucket_start:p.bucket_start + p.length])
 
 
+def gather_ranges(buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], out: torch.Tensor) -> None:
+    """Copies ``buffer[start:end]`` for each range, end to end, to the front of ``out``
+    (both uint8): the gathered operation of ``BucketPlan.wire_ops``."""
+    dsts, srcs, at = [], [], 0
+    for start, end in ranges:
+        dsts.append(out[at:at + end - start])
+        srcs.append(buffer[start:end])
+        at += end - start
+    with torch.no_grad(), serial_copies():  # ranges of small tensors: no parallel region each
+        torch._foreach_copy_(dsts, srcs)
+
+
+def scatter_ranges(data: torch.Tensor, ranges: Sequence[tuple[int, int]], buffer: torch.Tensor) -> None:
+    """The inverse of ``gather_ranges``: ``data``'s bytes, end to end, back to each range
+    of ``buffer``."""
+    dsts, srcs, at = [], [], 0
+    for start, end in ranges:
+        dsts.append(buffer[start:end])
+        srcs.append(data[at:at + end - start])
+        at += end - start
+    with torch.no_grad(), serial_copies():
+        torch._foreach_copy_(dsts, srcs)
+
+
 class WeightsDigest:
     """``weights_digest`` built one tensor at a time, in any order: a receiver that
     loads each tensor as it completes and lets it go never holds the whole model.
@@ -138,5 +162,5 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["byte_view", "pack_bucket", "unpack_bucket", "pack_piece", "unpack_piece", "weights_digest",
-           "WeightsDigest"]
+__all__ = ["byte_view", "pack_bucket", "unpack_bucket", "pack_piece", "unpack_piece", "gather_ranges",
+           "scatter_ranges", "weights_digest", "WeightsDigest"]

@@ -87,6 +87,17 @@ class Piece:
     length: int
 
 
+class WireOps(NamedTuple):
+    """One bucket as a network transport moves it (``BucketPlan.wire_ops``): first, if
+    ``gathered`` is not empty, those bucket ranges of small tensors end to end as one
+    operation of ``gathered_bytes``; then each of ``ops`` (``(start, end, piece)`` as in
+    ``BucketPlan.bucket_ops``) as one operation, in order."""
+
+    gathered: tuple[tuple[int, int], ...]
+    gathered_bytes: int
+    ops: tuple[tuple[int, int, Piece | None], ...]
+
+
 class _Columns(NamedTuple):
     """A plan's tensors as four columns, the form they take on the wire."""
 
@@ -441,6 +452,34 @@ class BucketPlan:
             out.append(tuple(ops))
         return tuple(out)
 
+    def wire_ops(self, bucket: int) -> WireOps:
+        """What a network transport moves for ``bucket``, as few operations as the cut
+        allows: where ``bucket_ops`` leaves two or more ranges of small tensors between
+        the large pieces (small norms between large matrices, as in most dense models),
+        they go as one operation of their bytes end to end (``gathered``), first; then
+        the ``ops`` in order. A bucket with one small range or none keeps ``bucket_ops``.
+        Each operation costs a collective's round trip to every receiver, which at a
+        few hundred per sync costs as much as the bytes."""
+        return self._wire_ops[bucket]
+
+    @cached_property
+    def _wire_ops(self) -> tuple[WireOps, ...]:
+        out = []
+        for ops in self._bucket_ops:
+            small = tuple((start, end) for start, end, piece in ops if piece is None)
+            if len(small) < 2:
+                out.append(WireOps((), 0, ops))
+            else:
+                out.append(WireOps(small, sum(end - start for start, end in small),
+                                   tuple(op for op in ops if op[2] is not None)))
+        return tuple(out)
+
+    @cached_property
+    def gathered_bytes(self) -> int:
+        """The largest ``wire_ops(b).gathered_bytes`` of any bucket: the staging a
+        network transport needs beside its bucket buffer."""
+        return max((w.gathered_bytes for w in self._wire_ops), default=0)
+
     @cached_property
     def _small_splits(self) -> tuple[bool, ...]:
         """Per bucket: whether its pieces of bucket-spanning tensors are all small (copied
@@ -566,4 +605,4 @@ def _sizes(columns: _Columns) -> np.ndarray:
     return numels * itemsizes
 
 
-__all__ = ["BucketPlan", "TensorSlot", "Piece", "is_reference", "WIRE_DTYPES", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["BucketPlan", "TensorSlot", "Piece", "WireOps", "is_reference", "WIRE_DTYPES", "DEFAULT_BUCKET_BYTES"]

@@ -12,7 +12,12 @@ own, sent straight from the trainer's tensor and landing straight in the engine'
 (where the dtype matches and the tensor is a contiguous CPU tensor; else that range is
 staged in the buffer). Only the small tensors between them are packed and unpacked.
 On a machine where the network is loopback, those two copies cost as much CPU as the
-wire itself (1 GiB in 509 tensors, 2 engines: 1.59 s with every byte packed).
+wire itself (1 GiB in 509 tensors, 2 engines: 1.59 s with every byte packed). Where a
+bucket has two or more runs of small tensors between its large pieces, the runs go as
+one broadcast of their bytes end to end (``BucketPlan.wire_ops``; gathered from the
+packed buffer and scattered back, copies of the small bytes only): a broadcast costs
+a round trip to every receiver, and a dense model's norms and biases between its
+matrices made hundreds of them per sync.
 
 Failure handling. A posted gloo op cannot be cancelled, and destroying a group with
 an op still pending blocks until the op's timeout. So waits poll ``is_completed``
@@ -34,7 +39,15 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import TransferError
-from weightsync.packing import byte_view, pack_bucket, pack_piece, unpack_bucket, unpack_piece
+from weightsync.packing import (
+    byte_view,
+    gather_ranges,
+    pack_bucket,
+    pack_piece,
+    scatter_ranges,
+    unpack_bucket,
+    unpack_piece,
+)
 from weightsync.plan import BucketPlan, Piece
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.collective import (
@@ -48,13 +61,17 @@ from weightsync.v1 import common_pb2
 
 
 class GlooGroup:
-    """A gloo group plus its two bucket buffers, reused while the group id stays
-    (the sender, the receiver and the host relay's upstream end each hold one)."""
+    """A gloo group plus its two bucket buffers and two staging buffers for gathered
+    small ranges (``BucketPlan.wire_ops``), reused while the group id stays (the
+    sender, the receiver and the host relay's upstream end each hold one)."""
 
     def __init__(self, rendezvous: common_pb2.Rendezvous, rank: int, bucket_bytes: int, *, bind_host: str,
-                 deadline_at: float, abort: threading.Event, watch: dist.Store, stop_keys: Sequence[str]) -> None:
+                 deadline_at: float, abort: threading.Event, watch: dist.Store, stop_keys: Sequence[str],
+                 gathered_bytes: int = 0, slots: int = 2) -> None:
         self.group_id = rendezvous.group_id
         self.bucket_bytes = bucket_bytes
+        self.gathered_bytes = gathered_bytes
+        self.slots = slots
         self.timeout_s = max(deadline_at - time.monotonic(), 0.001)  # every op's; retire() waits it out
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=self.timeout_s)
@@ -64,13 +81,18 @@ class GlooGroup:
                                                 rendezvous.world_size, options),
             rendezvous, operation="gloo group setup", deadline_at=deadline_at, abort=abort, watch=watch,
             stop_keys=stop_keys)
-        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(slots)]
+        self.gathered = [torch.empty(gathered_bytes, dtype=torch.uint8) for _ in range(slots)]
 
-    def fit(self, bucket_bytes: int) -> None:
-        """Reallocates the buffers only when the plan's bucket size changed."""
-        if bucket_bytes != self.bucket_bytes:
-            self.bucket_bytes = bucket_bytes
-            self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+    def fit(self, plan: BucketPlan) -> None:
+        """Reallocates the buffers only when the plan's bucket size, or the staging its
+        gathered ranges need, changed."""
+        if plan.bucket_bytes != self.bucket_bytes and self.bucket_bytes:  # 0: buckets land elsewhere (relay)
+            self.bucket_bytes = plan.bucket_bytes
+            self.buffers = [torch.empty(plan.bucket_bytes, dtype=torch.uint8) for _ in range(self.slots)]
+        if plan.gathered_bytes != self.gathered_bytes:
+            self.gathered_bytes = plan.gathered_bytes
+            self.gathered = [torch.empty(plan.gathered_bytes, dtype=torch.uint8) for _ in range(self.slots)]
 
 
 def data_device(bind_host: str):
@@ -89,15 +111,16 @@ def data_device(bind_host: str):
 
 def _retire(group: GlooGroup | None, pending: Sequence[dist.Work | None] = ()) -> None:
     if group is not None:
-        group.buffers = []  # free the memory now; the group object goes later
+        group.buffers = group.gathered = []  # free the memory now; the group object goes later
         retire(group, pending=pending)
 
 
-# How a bucket is cut into broadcasts (``BucketPlan.bucket_ops``). Both ends must cut
+# How a bucket is cut into broadcasts (``BucketPlan.wire_ops``). Both ends must cut
 # alike: gloo pairs the n-th broadcast of each side whatever their lengths, so two
 # different cuts would move wrong bytes without an error. The trainer names its cut in
 # the round's store; each receiver checks it before its first broadcast.
-WIRE_FORMAT = b"ranges-v1:1MiB"
+# v1: every range of bucket_ops a broadcast; v2: a bucket's small ranges gathered into one.
+WIRE_FORMAT = b"ranges-v2:1MiB:gathered"
 
 
 def announce_wire_format(store: dist.Store, rendezvous) -> None:
@@ -157,10 +180,14 @@ class GlooSender(Sender):
                 slot = bucket % 2
                 wait(slot)
                 buf = group.buffers[slot]
-                ops = plan.bucket_ops(bucket)
-                if any(piece is None for _, _, piece in ops):
+                wire = plan.wire_ops(bucket)
+                if wire.gathered or any(piece is None for _, _, piece in wire.ops):
                     pack_bucket(plan, bucket, sources, buf, small_only=True)
-                for start, end, piece in ops:
+                if wire.gathered:
+                    gathered = group.gathered[slot][:wire.gathered_bytes]
+                    gather_ranges(buf, wire.gathered, gathered)
+                    works[slot].append(broadcast_from_root(group.pg, gathered))
+                for start, end, piece in wire.ops:
                     data = None
                     if piece is not None:
                         index = piece.tensor_index
@@ -188,8 +215,9 @@ class GlooSender(Sender):
         if g is None or g.group_id != rendezvous.group_id:
             self.close()
             self._group = GlooGroup(rendezvous, 0, plan.bucket_bytes, bind_host=self._bind_host,
-                                 deadline_at=deadline_at, abort=abort, watch=self._store, stop_keys=stop)
-        self._group.fit(plan.bucket_bytes)
+                                 deadline_at=deadline_at, abort=abort, watch=self._store, stop_keys=stop,
+                                 gathered_bytes=plan.gathered_bytes)
+        self._group.fit(plan)
         return self._group
 
     def close(self) -> None:
@@ -226,7 +254,10 @@ class GlooReceiver(Receiver):
             def post(bucket: int) -> None:
                 buf, slot = group.buffers[bucket % 2], bucket % 2
                 staged[bucket] = []
-                for start, end, piece in plan.bucket_ops(bucket):
+                wire = plan.wire_ops(bucket)
+                if wire.gathered:
+                    works[slot].append(broadcast_from_root(group.pg, group.gathered[slot][:wire.gathered_bytes]))
+                for start, end, piece in wire.ops:
                     into = None
                     if piece is not None:
                         index = piece.tensor_index
@@ -246,7 +277,10 @@ class GlooReceiver(Receiver):
                     wait_polling(works[slot][0], deadline_at, "receive", abort=abort, store=store, stop_keys=stop)
                     works[slot].pop(0)
                 buf = group.buffers[slot]
-                if any(piece is None for _, _, piece in plan.bucket_ops(bucket)):
+                wire = plan.wire_ops(bucket)
+                if wire.gathered:
+                    scatter_ranges(group.gathered[slot], wire.gathered, buf)
+                if wire.gathered or any(piece is None for _, _, piece in wire.ops):
                     unpack_bucket(plan, bucket, buf, targets, small_only=True)
                 for piece in staged.pop(bucket):
                     unpack_piece(plan, piece, buf, targets)
@@ -267,14 +301,15 @@ class GlooReceiver(Receiver):
                       stop: Sequence[str]) -> GlooGroup:
         g = self._group
         if g is not None and g.group_id == rendezvous.group_id:
-            g.fit(plan.bucket_bytes)
+            g.fit(plan)
             return g
         self._group = None
         where = (rendezvous.store_host, rendezvous.store_port)
         if self._store is None or self._store[0] != where:
             self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
         self._group = GlooGroup(rendezvous, rank, plan.bucket_bytes, bind_host=self._bind_host,
-                             deadline_at=deadline_at, abort=abort, watch=self._store[1], stop_keys=stop)
+                             deadline_at=deadline_at, abort=abort, watch=self._store[1], stop_keys=stop,
+                             gathered_bytes=plan.gathered_bytes)
         return self._group
 
     def close(self) -> None:

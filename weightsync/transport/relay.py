@@ -23,6 +23,7 @@ import time
 import torch
 
 from weightsync.errors import TransferError
+from weightsync.packing import scatter_ranges
 from weightsync.plan import BucketPlan
 from weightsync.transport.base import TransferStats
 from weightsync.transport.collective import broadcast_from_root, retire, wait_polling
@@ -55,12 +56,19 @@ class HostRelay:
                 self._shm = ShmSender(store)
 
             def fill(bucket: int, slot: torch.Tensor) -> None:
-                # The trainer's gloo sender cuts each bucket into ranges (large tensors on
-                # their own); the same ranges land in the slot, in order.
-                works = [broadcast_from_root(group.pg, slot[start:end]) for start, end, _ in plan.bucket_ops(bucket)]
+                # The trainer's gloo sender cuts each bucket as ``wire_ops`` says (large
+                # tensors on their own, several runs of small ones gathered into one):
+                # the ranges land in the slot where they lie in the bucket, the gathered
+                # runs in staging first, then scattered to their places.
+                wire = plan.wire_ops(bucket)
+                gathered = group.gathered[0][:wire.gathered_bytes]
+                works = [broadcast_from_root(group.pg, gathered)] if wire.gathered else []
+                works += [broadcast_from_root(group.pg, slot[start:end]) for start, end, _ in wire.ops]
                 for work in works:
                     wait_polling(work, deadline_at, "relay receive", abort=abort, store=store,
                                  stop_keys=upstream_stop)
+                if wire.gathered:
+                    scatter_ranges(gathered, wire.gathered, slot)
 
             self._shm.send(downstream, plan, [], deadline_at=deadline_at, abort=abort, fill=fill)
         except BaseException as exc:
@@ -70,7 +78,7 @@ class HostRelay:
                 except Exception:
                     pass
             if self._group is not None:
-                self._group.buffers = []
+                self._group.buffers = self._group.gathered = []
                 retire(self._group)
                 self._group = None
             raise
@@ -92,10 +100,12 @@ class HostRelay:
         g = self._group
         if g is None or g.group_id != upstream.group_id:
             self._group = None
-            # No bucket buffers of its own: buckets land in the shm slots.
+            # No bucket buffers of its own: buckets land in the shm slots. One staging
+            # buffer for gathered runs: a bucket is scattered before the next is posted.
             g = GlooGroup(upstream, 1, 0, bind_host=self._data_host, deadline_at=deadline_at, abort=abort,
-                       watch=store, stop_keys=stop)
+                          watch=store, stop_keys=stop, gathered_bytes=plan.gathered_bytes, slots=1)
             self._group = g
+        g.fit(plan)
         return g
 
     def close(self) -> None:
