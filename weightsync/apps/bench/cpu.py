@@ -62,7 +62,7 @@ class CpuMeter:
             return {}
         out = {role: statistics.median(step[role] for step in self.steps) for role in self._roles}
         out["total"] = statistics.median(sum(step.values()) for step in self.steps)
-        return out
+        return {role: round(seconds, 3) for role, seconds in out.items()}  # /proc counts in 10 ms ticks
 
 
 __all__ = ["CpuMeter"]
