@@ -281,6 +281,8 @@ def ratios(report: dict) -> list[str]:
                     f"at {low} tensors = {per_byte[high][0] / per_byte[low][0]:.2f}x")
             if per_byte[high][1] and per_byte[low][1]:
                 line += f", CPU per byte {per_byte[high][1] / per_byte[low][1]:.2f}x"
+            else:  # a round shorter than /proc's 10 ms tick in every process counts 0
+                line += ", CPU per byte - (too little to count)"
             lines.append(line)
     return lines
 
