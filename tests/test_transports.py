@@ -537,3 +537,72 @@ def test_a_host_relay_re_shares_one_network_copy_over_shm_and_a_failure_stops_th
         relay.close()
         for r in receivers:
             r.close()
+
+
+_HOLD_SEGMENT = """
+import sys
+from weightsync.transport.shm import _Segment
+segment = _Segment(sys.argv[1], 4096, create=True)
+print("made", flush=True)
+sys.stdin.readline()
+segment.close()
+"""
+
+
+def _hold_segment(path: str) -> subprocess.Popen:
+    """A process that makes an shm segment at ``path`` (as a sender does) and keeps it
+    until its stdin gets a line."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_SEGMENT, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "made"
+    return proc
+
+
+def test_segments_of_senders_that_died_are_removed_and_no_live_one(tmp_path):
+    """A SIGKILLed sender cannot unlink its segment (two buckets of memory in /dev/shm).
+    The next sender removes it: no process holds its lock and its pid is gone. A live
+    sender's segment stays, even under a name whose pid is not alive here (a sender in
+    another pid namespace sharing /dev/shm), and so does an unlocked one whose pid is
+    alive (a sender of a release before the lock)."""
+    from weightsync.transport.shm import ShmSender, remove_stale_segments
+
+    hex12 = lambda: uuid.uuid4().hex[:12]  # noqa: E731
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    killed.wait(timeout=30)
+    dead = killed.pid
+    stale = tmp_path / f"weightsync-{dead}-{hex12()}"
+    victim = _hold_segment(str(stale))
+    victim.kill()  # dies holding its segment: the file stays, the lock goes
+    victim.wait(timeout=30)
+    foreign = tmp_path / f"weightsync-{dead}-{hex12()}"
+    foreign_owner = _hold_segment(str(foreign))
+    old_release = tmp_path / f"weightsync-{os.getpid()}-{hex12()}"
+    old_release.write_bytes(b"\0" * 4096)
+    unrelated = tmp_path / "weightsync-bench-1.safetensors"
+    unrelated.write_bytes(b"x")
+    young = tmp_path / f"weightsync-{dead}-{hex12()}"
+    young.write_bytes(b"\0" * 4096)
+    try:
+        everything = [p for p in tmp_path.iterdir() if p != young]
+        for path in everything:
+            os.utime(path, (time.time() - 60, time.time() - 60))
+        assert stale.exists()
+        assert remove_stale_segments(str(tmp_path)) == [str(stale)]
+        assert not stale.exists()
+        assert foreign.exists() and old_release.exists() and unrelated.exists() and young.exists()
+        # ...and every new sender does it in the real directory.
+        planted = os.path.join(SHM_DIR, f"weightsync-{dead}-{hex12()}")
+        with open(planted, "wb") as f:
+            f.write(b"\0" * 4096)
+        os.utime(planted, (time.time() - 60, time.time() - 60))
+        sender = ShmSender(host_store("127.0.0.1", timeout_s=20))
+        try:
+            sender._ensure_segment(4096)
+            assert not os.path.exists(planted)
+        finally:
+            sender.close()
+    finally:
+        foreign_owner.stdin.close()
+        foreign_owner.wait(timeout=30)
+    assert not foreign.exists()  # its owner unlinked it on close

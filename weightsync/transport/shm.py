@@ -23,8 +23,11 @@ and the sender stops waiting at once.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
+import re
 import threading
 import time
 import uuid
@@ -47,6 +50,8 @@ from weightsync.transport.cross_memory import (
 )
 from weightsync.transport.store import StoreLink, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
+
+log = logging.getLogger(__name__)
 
 ABORT_CHECK_S = 0.05  # how often a direct reader looks at the trainer's abort key
 
@@ -71,13 +76,23 @@ class _Segment:
         size = 2 * bucket_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        self._owner_fd = -1
         try:
             if create:
+                # Held for the segment's life; the kernel drops it when this process dies,
+                # however it dies, which is how a later sender tells a leftover segment
+                # from a live one (``remove_stale_segments``).
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise TransferError(f"shared memory segment {path} is smaller than the plan needs")
             self._map = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if create:
+            self._owner_fd = fd
+        else:
             os.close(fd)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         self.slots = [whole[:bucket_bytes], whole[bucket_bytes:2 * bucket_bytes]]
@@ -115,6 +130,64 @@ class _Segment:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            if self._owner_fd >= 0:
+                os.close(self._owner_fd)
+                self._owner_fd = -1
+
+
+# weightsync-<pid of the sender>-<12 hex>: the segments ShmSender makes, nothing else.
+_SEGMENT_NAME = re.compile(r"weightsync-(\d+)-[0-9a-f]{12}")
+STALE_AGE_S = 10.0  # younger segments are left alone: their owner may not hold its lock yet
+
+
+def remove_stale_segments(directory: str = SHM_DIR, *, min_age_s: float = STALE_AGE_S) -> list[str]:
+    """Unlinks the segments in ``directory`` whose sender is gone; returns their paths.
+
+    A sender that is killed (SIGKILL, a crash, the OOM killer) cannot unlink its segment,
+    and /dev/shm is memory: each one left keeps two buckets (64 MiB by default) until
+    the machine restarts. A segment is gone only if no process holds its lock (the
+    owner's ``flock``, released by the kernel when the owner dies), the pid in its name
+    is not a live process here (a sender of a release without the lock), and it is at
+    least ``min_age_s`` old (a new one may be between creation and lock). Files of other
+    users, or that vanish meanwhile, are skipped.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        match = _SEGMENT_NAME.fullmatch(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if now - info.st_mtime < min_age_s:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: a live owner holds it
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
 
 
 class ShmSender(Sender):
@@ -219,6 +292,9 @@ class ShmSender(Sender):
     def _ensure_segment(self, bucket_bytes: int) -> _Segment:
         if self._segment is None or self._segment.bucket_bytes != bucket_bytes:
             self.close()
+            removed = remove_stale_segments()
+            if removed:
+                log.info("shm: removed %d segment(s) left by senders that died: %s", len(removed), ", ".join(removed))
             path = os.path.join(SHM_DIR, f"weightsync-{os.getpid()}-{uuid.uuid4().hex[:12]}")
             self._segment = _Segment(path, bucket_bytes, create=True)
         return self._segment
@@ -396,4 +472,4 @@ class ShmReceiver(Receiver):
         self._remote = None
 
 
-__all__ = ["ShmSender", "ShmReceiver", "SHM_DIR"]
+__all__ = ["ShmSender", "ShmReceiver", "SHM_DIR", "remove_stale_segments"]
