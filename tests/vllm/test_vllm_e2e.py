@@ -37,6 +37,7 @@ from tests.vllm.harness import (
     ready_for_a_test,
     round_weights,
     start_vllm_agent,
+    stop_vllm_agent,
     trainer_greedy,
     trainer_logits_fn,
     trainer_model,
@@ -44,7 +45,6 @@ from tests.vllm.harness import (
 from tests.vllm.make_tiny_model import MAX_POSITIONS
 from weightsync.client import Probe, TrainerClient
 from weightsync.client.engine import EngineClient
-from weightsync.lifecycle import stop_process
 from weightsync.packing import weights_digest
 from weightsync.transport.group import IN_FLIGHT_BYTES
 
@@ -292,7 +292,7 @@ async def test_a_vllm_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(v
             assert_same_outputs(joined, [trainer_greedy(model, p) for p in PROMPTS], "the joiner against the trainer")
             assert answers[0] == completions(url, tiny_model)  # the held request ran with the new weights
         finally:
-            await asyncio.to_thread(stop_process, joiner, grace_s=20)
+            await asyncio.to_thread(stop_vllm_agent, joiner)
 
 
 def test_agent_sigterm_reaps_vllm(vllm_stack):
