@@ -105,28 +105,31 @@ def unpack_piece(plan: BucketPlan, piece: Piece, data: torch.Tensor, targets: Se
             dst[p.tensor_start:p.tensor_start + p.length].copy_(data[p.bucket_start:p.bucket_start + p.length])
 
 
+def _range_views(buffer: torch.Tensor, ranges: Sequence[tuple[int, int]],
+                 packed: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``buffer``'s ranges, and the same lengths of ``packed`` end to end."""
+    spread, together, at = [], [], 0
+    for start, end in ranges:
+        spread.append(buffer[start:end])
+        together.append(packed[at:at + end - start])
+        at += end - start
+    return spread, together
+
+
 def gather_ranges(buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], out: torch.Tensor) -> None:
     """Copies ``buffer[start:end]`` for each range, end to end, to the front of ``out``
     (both uint8): the gathered operation of ``BucketPlan.wire_ops``."""
-    dsts, srcs, at = [], [], 0
-    for start, end in ranges:
-        dsts.append(out[at:at + end - start])
-        srcs.append(buffer[start:end])
-        at += end - start
+    spread, together = _range_views(buffer, ranges, out)
     with torch.no_grad(), serial_copies():  # ranges of small tensors: no parallel region each
-        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_(together, spread)
 
 
 def scatter_ranges(data: torch.Tensor, ranges: Sequence[tuple[int, int]], buffer: torch.Tensor) -> None:
     """The inverse of ``gather_ranges``: ``data``'s bytes, end to end, back to each range
     of ``buffer``."""
-    dsts, srcs, at = [], [], 0
-    for start, end in ranges:
-        dsts.append(buffer[start:end])
-        srcs.append(data[at:at + end - start])
-        at += end - start
+    spread, together = _range_views(buffer, ranges, data)
     with torch.no_grad(), serial_copies():
-        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_(spread, together)
 
 
 class WeightsDigest:

@@ -97,6 +97,11 @@ class WireOps(NamedTuple):
     gathered_bytes: int
     ops: tuple[tuple[int, int, Piece | None], ...]
 
+    @property
+    def packs(self) -> bool:
+        """Whether any small tensors go through the bucket buffer (packed, unpacked)."""
+        return bool(self.gathered) or any(piece is None for _, _, piece in self.ops)
+
 
 class _Columns(NamedTuple):
     """A plan's tensors as four columns, the form they take on the wire."""

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from tests.conftest import start_coordinator, wait_available
@@ -130,8 +131,6 @@ def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vl
 def _vllm_shm_segments(root: int) -> set[str]:
     """The /dev/shm files of vLLM's CPU communicator that ``root`` and its descendants
     have mapped (a tensor-parallel vLLM's workers share two per server)."""
-    import psutil
-
     found: set[str] = set()
     try:
         procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]

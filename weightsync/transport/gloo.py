@@ -109,7 +109,8 @@ def data_device(bind_host: str):
                             metadata={"address": bind_host}) from exc
 
 
-def _retire(group: GlooGroup | None, pending: Sequence[dist.Work | None] = ()) -> None:
+def retire_group(group: GlooGroup | None, pending: Sequence[dist.Work | None] = ()) -> None:
+    """Frees a failed group's buffers now and retires the group (``collective.retire``)."""
     if group is not None:
         group.buffers = group.gathered = []  # free the memory now; the group object goes later
         retire(group, pending=pending)
@@ -181,7 +182,7 @@ class GlooSender(Sender):
                 wait(slot)
                 buf = group.buffers[slot]
                 wire = plan.wire_ops(bucket)
-                if wire.gathered or any(piece is None for _, _, piece in wire.ops):
+                if wire.packs:
                     pack_bucket(plan, bucket, sources, buf, small_only=True)
                 if wire.gathered:
                     gathered = group.gathered[slot][:wire.gathered_bytes]
@@ -204,7 +205,7 @@ class GlooSender(Sender):
                 self._store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
             except Exception:
                 pass
-            _retire(self._group, works[0] + works[1])  # a failed group is never reused: peers may be mid-op
+            retire_group(self._group, works[0] + works[1])  # a failed group is never reused: peers may be mid-op
             self._group = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
@@ -280,7 +281,7 @@ class GlooReceiver(Receiver):
                 wire = plan.wire_ops(bucket)
                 if wire.gathered:
                     scatter_ranges(group.gathered[slot], wire.gathered, buf)
-                if wire.gathered or any(piece is None for _, _, piece in wire.ops):
+                if wire.packs:
                     unpack_bucket(plan, bucket, buf, targets, small_only=True)
                 for piece in staged.pop(bucket):
                     unpack_piece(plan, piece, buf, targets)
@@ -292,7 +293,7 @@ class GlooReceiver(Receiver):
                     self._store[1].set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
                 except Exception:
                     pass
-            _retire(self._group, works[0] + works[1])
+            retire_group(self._group, works[0] + works[1])
             self._group = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
@@ -317,4 +318,4 @@ class GlooReceiver(Receiver):
         self._store = None
 
 
-__all__ = ["GlooSender", "GlooReceiver", "data_device"]
+__all__ = ["GlooSender", "GlooReceiver", "GlooGroup", "data_device", "retire_group"]

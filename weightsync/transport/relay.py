@@ -26,8 +26,8 @@ from weightsync.errors import TransferError
 from weightsync.packing import scatter_ranges
 from weightsync.plan import BucketPlan
 from weightsync.transport.base import TransferStats
-from weightsync.transport.collective import broadcast_from_root, retire, wait_polling
-from weightsync.transport.gloo import GlooGroup, check_wire_format
+from weightsync.transport.collective import broadcast_from_root, wait_polling
+from weightsync.transport.gloo import GlooGroup, check_wire_format, retire_group
 from weightsync.transport.shm import ShmSender
 from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
@@ -77,10 +77,8 @@ class HostRelay:
                     self._store[1].set(session_key(upstream, "err", 1), f"relay: {exc}")
                 except Exception:
                     pass
-            if self._group is not None:
-                self._group.buffers = self._group.gathered = []
-                retire(self._group)
-                self._group = None
+            retire_group(self._group)
+            self._group = None
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 

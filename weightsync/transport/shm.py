@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -159,7 +160,7 @@ def remove_stale_segments(directory: str = SHM_DIR, *, min_age_s: float = STALE_
     now = time.time()
     for name in names:
         match = _SEGMENT_NAME.fullmatch(name)
-        if match is None or _pid_alive(int(match.group(1))):
+        if match is None or psutil.pid_exists(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
         try:
@@ -178,16 +179,6 @@ def remove_stale_segments(directory: str = SHM_DIR, *, min_age_s: float = STALE_
         finally:
             os.close(fd)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, another user's
-        return True
-    return True
 
 
 class ShmSender(Sender):
