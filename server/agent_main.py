@@ -25,6 +25,7 @@ from weightsync.engine import check_engine_choice, make_adapter
 from weightsync.errors import from_rpc_error
 from weightsync.faults import FaultInjector
 from weightsync.grpc_options import CHANNEL_OPTIONS
+from weightsync.heap import GcPauseMonitor, freeze_startup_heap
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.options import AgentOptions
 from weightsync.retry import RetryPolicy, retry
@@ -146,13 +147,17 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
         agent.launcher.start()
         await agent.launcher.wait_ready()
         agent.tasks.append(asyncio.create_task(agent.launcher.monitor()))
-    adapter = make_adapter(options.engine, url=options.engine_url, checkpoint_dir=options.checkpoint_dir,
-                           model=options.model, step_delay_s=options.step_delay_s,
-                           sglang_flattened=options.sglang_flattened)
+    # On a worker thread: the reference engine builds its model here (2 s for 1 GiB),
+    # and a launched engine's monitor already runs on this loop.
+    adapter = await asyncio.to_thread(
+        make_adapter, options.engine, url=options.engine_url, checkpoint_dir=options.checkpoint_dir,
+        model=options.model, step_delay_s=options.step_delay_s, sglang_flattened=options.sglang_flattened)
     core = agent.core = AgentCore(engine_id=agent.engine_id, adapter=adapter, faults=agent.faults,
                                   launcher=agent.launcher)
     if agent.launcher is not None:
         agent.launcher.on_relaunch = core.engine_relaunched
+    freeze_startup_heap(log)  # the engine and its model exist; nothing is served yet
+    GcPauseMonitor("agent").install()
     agent.tasks.append(asyncio.create_task(LoopLagMonitor("agent").run()))
     if options.metrics_port:
         metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")

@@ -16,6 +16,7 @@ import grpc
 
 from weightsync import metrics
 from weightsync.faults import FaultInjector
+from weightsync.heap import GcPauseMonitor, freeze_startup_heap
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.options import CoordinatorOptions
 from weightsync.server.catch_up import CatchUp
@@ -77,6 +78,8 @@ async def _start(coordinator: _RunningCoordinator, options: CoordinatorOptions, 
         heartbeat_timeout_s=options.heartbeat_timeout_s, idempotency_retention_s=options.idempotency_retention_s,
         idempotency_max_records=options.idempotency_max_records, security=options.security)
     core.restore_engines()
+    freeze_startup_heap(log)  # before it serves
+    GcPauseMonitor("coordinator").install()
     metrics.WEIGHT_VERSION.set(core.round.weight_version)
     if options.metrics_port:
         metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")

@@ -36,6 +36,10 @@ CLIENT_SYNC_SECONDS = Histogram("weightsync_client_sync_seconds", "update_weight
                                 buckets=_SECONDS)
 LOOP_LAG_MS = Gauge("weightsync_loop_lag_ms", "Largest event-loop lag of this server process (window: all = since "
                     "start, recent = the last 10 s)", ["process", "window"])
+GC_FULL_PAUSE_MS = Gauge("weightsync_gc_full_pause_ms", "Longest full garbage collection (generation 2) of this "
+                         "server process since start; it stops the event loop for that long", ["process"])
+GC_FROZEN_OBJECTS = Gauge("weightsync_gc_frozen_objects", "Objects of the server's start-up heap that full "
+                          "collections no longer walk (gc.freeze)", ["process"])
 CLIENT_LOOP_LAG_MS = Gauge("weightsync_trainer_loop_lag_ms", "Trainer event-loop lag during the last sync",
                            ["stat"])
 
