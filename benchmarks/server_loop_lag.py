@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -32,15 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.conftest import start_agent, start_coordinator, wait_available  # noqa: E402
 from weightsync.client import TrainerClient  # noqa: E402
-from weightsync.lifecycle import spawn, stop_process, wait_for_file  # noqa: E402
+from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file  # noqa: E402
 
 STANDIN = str(Path(__file__).resolve().parent.parent / "tests" / "sglang_standin.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loop_lag(port: int) -> dict[str, float]:

@@ -55,6 +55,7 @@ from weightsync.faults import FaultInjector
 from weightsync.grpc_options import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from weightsync.host_identity import host_id
 from weightsync.idempotency import IdempotencyStore
+from weightsync.loop_lag import LoopLagMonitor
 from weightsync.plan import BucketPlan, is_reference
 from weightsync.server.engine_watch import EngineWatch
 from weightsync.server.fence import VersionFence
@@ -188,6 +189,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._kv_offloaded_for_sync = False
         self._progress = (0, 0)  # (buckets done, buckets total) of the running or last receive
         self.events = EventLog(log, engine_id=engine_id)
+        self.loop_lag = LoopLagMonitor("agent")  # run by the agent's main on its loop
         self.accepting = True
         self.fence = VersionFence(self)
         self.exporter = WeightExporter(self)
@@ -379,6 +381,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             except WeightSyncError as exc:
                 await abort_with(context, exc)
             return self._outcome()
+        self.loop_lag.round_started()
         return await self._handle(context, request.idempotency_key, "receive", request,
                                   lambda: self._receive(request), common_pb2.EngineOutcome)
 

@@ -26,7 +26,6 @@ from weightsync.errors import from_rpc_error
 from weightsync.faults import FaultInjector
 from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.heap import GcPauseMonitor, freeze_startup_heap
-from weightsync.loop_lag import LoopLagMonitor
 from weightsync.options import AgentOptions
 from weightsync.retry import RetryPolicy, retry
 from weightsync.security import Security
@@ -158,7 +157,7 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
         agent.launcher.on_relaunch = core.engine_relaunched
     freeze_startup_heap(log)  # the engine and its model exist; nothing is served yet
     GcPauseMonitor("agent").install()
-    agent.tasks.append(asyncio.create_task(LoopLagMonitor("agent").run()))
+    agent.tasks.append(asyncio.create_task(core.loop_lag.run()))
     if options.metrics_port:
         metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
     # The engine is asked how it is on the watch's own thread, never on this loop; the

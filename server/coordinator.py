@@ -31,6 +31,7 @@ from weightsync.errors import (
 from weightsync.event_log import EventLog
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore, validate_key
+from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import INSECURE, Security
 from weightsync.server.agent_calls import call_agent
 from weightsync.server.broadcast_progress import BroadcastProgress
@@ -75,6 +76,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         self.idempotency = IdempotencyStore(db, retention_s=idempotency_retention_s,
                                             max_records=idempotency_max_records)
         self.events = EventLog(log)
+        self.loop_lag = LoopLagMonitor("coordinator")  # run by the coordinator's main on its loop
         self._progress: dict[str, BroadcastProgress] = {}  # by key, while a Broadcast runs or is watched
         self.accepting = True
         self._load()
@@ -124,6 +126,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     # ----- Broadcast --------------------------------------------------------------------
 
     async def Broadcast(self, request, context):
+        self.loop_lag.round_started()
         try:
             validate_key(request.idempotency_key)
         except WeightSyncError as exc:

@@ -17,7 +17,6 @@ import grpc
 from weightsync import metrics
 from weightsync.faults import FaultInjector
 from weightsync.heap import GcPauseMonitor, freeze_startup_heap
-from weightsync.loop_lag import LoopLagMonitor
 from weightsync.options import CoordinatorOptions
 from weightsync.server.catch_up import CatchUp
 from weightsync.server.coordinator import CoordinatorCore
@@ -91,7 +90,7 @@ async def _start(coordinator: _RunningCoordinator, options: CoordinatorOptions, 
     log.info("coordinator serving on %s (state %s, weight version %d)", address, options.state_db,
              core.round.weight_version)
     coordinator.liveness = asyncio.create_task(core.watch_liveness(stop))
-    coordinator.lag = asyncio.create_task(LoopLagMonitor("coordinator").run())
+    coordinator.lag = asyncio.create_task(core.loop_lag.run())
     if options.catch_up:
         coordinator.catch_up = asyncio.create_task(CatchUp(
             core.round, core.registry, emit=core.emit, bucket_bytes=options.catch_up_bucket_bytes,

@@ -44,11 +44,17 @@ def test_bench_small_run_reports_every_method(tmp_path):
         "gloo": None, "shm": ["direct"], "shm-ring": ["ring"]}
     for r in results:
         assert set(r) == {"method", "transport", "bytes", "tensors", "engines", "seconds", "gbps", "loop_lag_ms",
-                          "read", "cpu_seconds"}
+                          "server_loop_lag_ms", "read", "cpu_seconds"}
         assert r["engines"] == 2 and r["bytes"] > 3 * 2**20
         assert 0 < r["seconds"]["min"] <= r["seconds"]["median"] <= r["seconds"]["max"]
         assert r["gbps"] > 0
         assert (r["loop_lag_ms"] is None) == (not r["method"].startswith("weightsync"))
+        # Each server's own gauge, over the rounds it took part in (the baselines have none).
+        if r["method"].startswith("weightsync"):
+            assert set(r["server_loop_lag_ms"]) == {"coordinator", "engines"}
+            assert all(v >= 0 for v in r["server_loop_lag_ms"].values())
+        else:
+            assert r["server_loop_lag_ms"] is None
         roles = ({"trainer", "coordinator", "engines"} if r["method"].startswith("weightsync")
                  else {"sender", "receivers"})
         assert set(r["cpu_seconds"]) == roles | {"total"}, r

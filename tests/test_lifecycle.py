@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from tests.test_sync_safety import BUCKET, slow, wait_for_event
 from weightsync.client import RetryPolicy, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import EngineUnavailable, WeightSyncError
-from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file, weightsync_command
 from weightsync.packing import weights_digest
 
 TREE = str(Path(__file__).with_name("engine_tree.py"))
@@ -49,12 +48,6 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     while alive(pids) and time.monotonic() < end:
         time.sleep(0.05)
     return alive(pids)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import urllib.request
+
+from prometheus_client import REGISTRY
 
 from tests.test_sync_safety import BUCKET, fail, faulty_cluster, slow, wait_for_event
 from weightsync.apps.bench.runner import parse_size
 from weightsync.client import SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM, config_for_size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from weightsync.lifecycle import free_port
+from weightsync.loop_lag import LoopLagMonitor
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -173,3 +170,15 @@ async def test_servers_freeze_their_startup_heap_and_time_full_collections(clust
         # torch alone makes the agent's start-up heap that large; the coordinator's is gRPC's.
         assert frozen >= (100_000 if process == "agent" else 5_000), (process, frozen)
         assert seen[f'weightsync_gc_full_pause_ms{{process="{process}"}}'] >= 0
+
+
+def test_the_round_window_of_loop_lag_starts_again_with_each_round():
+    monitor = LoopLagMonitor("test-window")
+    monitor.record(40.0, now=100.0)
+    monitor.round_started()
+    monitor.record(5.0, now=101.0)
+    gauge = {w: REGISTRY.get_sample_value("weightsync_loop_lag_ms", {"process": "test-window", "window": w})
+             for w in ("all", "recent", "round")}
+    assert gauge == {"all": 40.0, "recent": 40.0, "round": 5.0}
+    monitor.record(20.0, now=112.0)  # the 40 ms sample has left the 10 s window
+    assert monitor.max_ms == 40.0 and monitor.recent_max_ms == 20.0 and monitor.round_max_ms == 20.0

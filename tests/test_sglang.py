@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from tests.conftest import start_agent, start_coordinator, wait_available
-from tests.test_lifecycle import free_port
+from weightsync import metrics
 from weightsync.client import EngineClient, Probe, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import (
@@ -28,7 +27,7 @@ from weightsync.errors import (
     Unsupported,
     WeightSyncError,
 )
-from weightsync.lifecycle import spawn, stop_process, wait_for_file
+from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file
 from weightsync.packing import weights_digest
 from weightsync.v1 import agent_pb2
 
@@ -424,16 +423,6 @@ async def test_an_engine_that_cannot_record_the_version_fails_the_round_and_stay
 METRICS_PORT = free_port()
 
 
-def scrape(port: int, name: str, **labels: str) -> float:
-    """One sample of a Prometheus metric served on ``port``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        for family in text_string_to_metric_families(response.read().decode()):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-    raise LookupError(f"{name}{labels} not exported on port {port}")
-
-
 @pytest.mark.parametrize("sglang", [{"standin": ["--slow-state", "3"], "agent": ["--metrics-port",
                                                                                 str(METRICS_PORT)]}],
                          indirect=True)
@@ -452,7 +441,7 @@ async def test_a_slow_engine_does_not_block_the_agents_loop(sglang):
             state = await client.get_state()
             assert [e.available for e in state.engines] == [True], state
             assert state.engines[0].heartbeat_age_s < 1.5, state
-        lag_ms = scrape(METRICS_PORT, "weightsync_loop_lag_ms", process="agent", window="all")
+        lag_ms = metrics.sample(METRICS_PORT, "weightsync_loop_lag_ms", process="agent", window="all")
         assert lag_ms < 50, f"the agent's loop stalled {lag_ms:.0f} ms"
         assert rounds >= 3, f"only {rounds} pause/resume rounds in 10 s"
         result = await client.update_weights(tiny_weights(1), version=1, timeout_s=120)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,6 +82,14 @@ def stop_process(proc: subprocess.Popen, *, grace_s: float = 10.0) -> int | None
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait(timeout=grace_s)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on now (for a child to bind; another process
+    could take it first, so use it at once)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def wait_for_file(path: str, *, timeout_s: float, proc: subprocess.Popen | None = None) -> str:

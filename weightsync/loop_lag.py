@@ -4,7 +4,8 @@ The seed bug (a blocking call inside ``async def``) hides anywhere a handler or 
 background task calls something slow. Each server (coordinator, agent) runs this
 monitor: it sleeps ``interval_s`` in a loop and records how late each wake-up came,
 then exports ``weightsync_loop_lag_ms{process, window}`` -- the largest lag since
-start (``window="all"``) and over the last ``window_s`` (``window="recent"``).
+start (``window="all"``), over the last ``window_s`` (``window="recent"``), and since
+the server's last round began (``window="round"``: its owner calls ``round_started``).
 Operators alert on it; tests read it to prove nothing blocks.
 """
 
@@ -31,6 +32,7 @@ class LoopLagMonitor:
         self.interval_s = interval_s
         self.window_s = window_s
         self.max_ms = 0.0
+        self.round_max_ms = 0.0
         # The window's maximum, kept without a scan per sample (a scan of the 1000
         # samples of a 10 s window every 10 ms was 2-3 % of a core in every server):
         # samples that a later, larger one outlives can never be the maximum again,
@@ -41,9 +43,15 @@ class LoopLagMonitor:
     def recent_max_ms(self) -> float:
         return self._recent[0][1] if self._recent else 0.0
 
+    def round_started(self) -> None:
+        """A round begins: the ``round`` window starts again from nothing."""
+        self.round_max_ms = 0.0
+        metrics.LOOP_LAG_MS.labels(self.process, "round").set(0.0)
+
     def record(self, lag_ms: float, now: float) -> None:
         """Adds one sample and updates the exported gauges."""
         self.max_ms = max(self.max_ms, lag_ms)
+        self.round_max_ms = max(self.round_max_ms, lag_ms)
         while self._recent and self._recent[-1][1] <= lag_ms:
             self._recent.pop()
         self._recent.append((now, lag_ms))
@@ -51,6 +59,7 @@ class LoopLagMonitor:
             self._recent.popleft()
         metrics.LOOP_LAG_MS.labels(self.process, "all").set(self.max_ms)
         metrics.LOOP_LAG_MS.labels(self.process, "recent").set(self.recent_max_ms)
+        metrics.LOOP_LAG_MS.labels(self.process, "round").set(self.round_max_ms)
 
     async def run(self) -> None:
         """Samples until cancelled."""

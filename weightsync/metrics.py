@@ -7,7 +7,10 @@ client-side timings.
 
 from __future__ import annotations
 
+import urllib.request
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _BYTES = tuple(float(2**k) for k in range(20, 42, 2))  # 1 MiB .. 2 TiB
@@ -35,7 +38,7 @@ ENGINE_VERSIONS_BEHIND = Gauge("weightsync_engine_versions_behind",
 CLIENT_SYNC_SECONDS = Histogram("weightsync_client_sync_seconds", "update_weights duration seen by the trainer",
                                 buckets=_SECONDS)
 LOOP_LAG_MS = Gauge("weightsync_loop_lag_ms", "Largest event-loop lag of this server process (window: all = since "
-                    "start, recent = the last 10 s)", ["process", "window"])
+                    "start, recent = the last 10 s, round = since its last round began)", ["process", "window"])
 GC_FULL_PAUSE_MS = Gauge("weightsync_gc_full_pause_ms", "Longest full garbage collection (generation 2) of this "
                          "server process since start; it stops the event loop for that long", ["process"])
 GC_FROZEN_OBJECTS = Gauge("weightsync_gc_frozen_objects", "Objects of the server's start-up heap that full "
@@ -49,7 +52,19 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
     start_http_server(port, addr=host)
 
 
-__all__ = ["serve", "SYNC_SECONDS", "SYNC_BYTES", "ENGINE_TRANSFERS", "ROUNDS", "ROUND_ID", "BROADCAST_IN_PROGRESS", "FAILURES", "REPLAYS", "WEIGHT_VERSION",
+def sample(port: int, name: str, *, host: str = "127.0.0.1", timeout_s: float = 10.0, **labels: str) -> float:
+    """One sample of a metric that a process serves on ``host:port`` (``serve``);
+    LookupError if it exports none with those labels."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise LookupError(f"{name}{labels} is not exported on port {port}")
+
+
+__all__ = ["serve", "sample", "SYNC_SECONDS", "SYNC_BYTES", "ENGINE_TRANSFERS", "ROUNDS", "ROUND_ID", "BROADCAST_IN_PROGRESS", "FAILURES", "REPLAYS", "WEIGHT_VERSION",
            "ENGINE_VERSION", "ENGINE_AVAILABLE", "ENGINE_PAUSED", "ENGINE_TORN", "ENGINE_READY",
            "ENGINE_VERSIONS_BEHIND", "CLIENT_SYNC_SECONDS",
            "CLIENT_LOOP_LAG_MS"]

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import torch
 
 from tests.conftest import start_coordinator, wait_available
 from tests.vllm.make_tiny_model import MAX_POSITIONS
-from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file, weightsync_command
 
 HERE = Path(__file__).parent
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
@@ -46,12 +45,6 @@ PROMPTS = [(5, 6, 7), (11, 3, 8, 1), (42,)]
 # Teacher-forced probe sequences (token ids inside every tiny model's vocabulary).
 PROBE_SEQUENCES = [[5, 6, 7, 8, 9, 10, 11, 12], [11, 3, 8, 1, 40, 2, 90, 17, 4], [42, 43, 44, 45]]
 LOGPROB_ATOL = 1e-3  # fp32 on CPU: vLLM's kernels vs another vLLM or transformers differ by ~1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(out: str, *, arch: str = "llama", tied: bool = False, seed: int = 0) -> str:

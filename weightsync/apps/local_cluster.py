@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from weightsync.lifecycle import spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file, weightsync_command
 
 
 @dataclass
@@ -108,6 +108,8 @@ class LocalCluster:
         log_level: every process's ``--log-level`` (None: the command's default).
         agent_timeout_s: how long an agent may take to register (large models take a while).
         settle_s: pause after start-up, so the first heartbeats have arrived.
+        metrics: give every process a ``--metrics-port`` of its own (``metrics_ports``,
+            by process name: ``coordinator`` or the engine id).
     """
 
     def __init__(self, tmp: str, *, engines: int, server_args: Sequence[str] = ("--insecure",),
@@ -115,7 +117,7 @@ class LocalCluster:
                  coordinator_env: dict[str, str] | None = None, agent_env: dict[str, str] | None = None,
                  log_level: str | None = "WARNING", start_timeout_s: float = 60.0,
                  agent_timeout_s: float = 60.0, settle_s: float = 0.0,
-                 role_args: Callable[[str, str], Sequence[str]] | None = None) -> None:
+                 role_args: Callable[[str, str], Sequence[str]] | None = None, metrics: bool = False) -> None:
         self.tmp = tmp
         self.engines = engines
         self.server_args = list(server_args)
@@ -132,6 +134,8 @@ class LocalCluster:
         self.procs: list[subprocess.Popen] = []
         self.coordinator: ServiceProcess | None = None
         self.agents: list[ServiceProcess] = []
+        self.metrics = metrics
+        self.metrics_ports: dict[str, int] = {}
 
     @property
     def address(self) -> str:
@@ -190,6 +194,9 @@ class LocalCluster:
                            "--coordinator", self.address, "--engine-id", engine_id, *extra, env=env)
 
     def _spawn(self, name: str, command: str, *args: str, env: dict[str, str] | None) -> StartingService:
+        if self.metrics:  # a restarted process keeps its port
+            port = self.metrics_ports.setdefault("coordinator" if command == "coordinator" else name, free_port())
+            args = (*args, "--metrics-port", str(port))
         starting = spawn_service(self.tmp, name, command, *args, log_level=self.log_level, env=env)
         self.procs.append(starting.proc)
         return starting

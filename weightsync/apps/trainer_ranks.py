@@ -9,17 +9,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from weightsync.lifecycle import free_port
 
 
 def _interruptible() -> None:
@@ -45,7 +40,7 @@ class TrainerRanks:
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> TrainerRanks:
-        port = str(_free_port())
+        port = str(free_port())
         os.makedirs(self.folder, exist_ok=True)
         for rank in range(self.world):
             env = dict(os.environ, **self.env, RANK=str(rank), WORLD_SIZE=str(self.world), MASTER_ADDR="127.0.0.1",

@@ -26,6 +26,7 @@ import time
 import psutil
 import torch
 
+from weightsync import metrics
 from weightsync.apps.bench.baselines import METHODS, Baselines
 from weightsync.apps.bench.cpu import CpuMeter
 from weightsync.apps.local_cluster import LocalCluster
@@ -64,12 +65,21 @@ class Progress:
 
 
 def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engines: int, seconds: list[float],
-             lag: dict | None, read: list[str] | None = None, cpu: CpuMeter | None = None) -> dict:
+             lag: dict | None, read: list[str] | None = None, cpu: CpuMeter | None = None,
+             server_lag: dict | None = None) -> dict:
     median = statistics.median(seconds)
     return {"method": method, "transport": transport, "bytes": nbytes, "tensors": tensors, "engines": engines,
             "seconds": {"min": min(seconds), "median": median, "max": max(seconds)},
-            "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag, "read": read,
+            "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag, "server_loop_lag_ms": server_lag, "read": read,
             "cpu_seconds": cpu.summary() if cpu is not None and cpu.steps else None}
+
+
+def _server_round_lags(metrics_ports: dict[str, int]) -> dict[str, float]:
+    """Each server's largest loop lag since its last round began (the agents' Receive,
+    the coordinator's Broadcast), from its own gauge; read after a round."""
+    return {name: metrics.sample(port, "weightsync_loop_lag_ms", window="round",
+                                 process="coordinator" if name == "coordinator" else "agent")
+            for name, port in metrics_ports.items()}
 
 
 async def _reads(agents: list[str], rounds: int) -> list[str]:
@@ -116,7 +126,8 @@ async def _shm_variant(transport: str):
 
 async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list[str], steps: int,
                            bucket_bytes: int, engines: int, progress: Progress, attest: bool,
-                           agents: list[str], processes: dict[str, list[int]]) -> list[dict]:
+                           agents: list[str], processes: dict[str, list[int]],
+                           metrics_ports: dict[str, int]) -> list[dict]:
     results = []
     version = 0
     tensors = sum(1 for _ in model.parameters())
@@ -135,7 +146,7 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
             # With --attest the same rounds run again with the probe, in this run: the
             # ratio of the two is attestation's cost (the trainer's scoring included).
             for method, probe in [("weightsync", None)] + ([("weightsync+attest", sequences)] if attest else []):
-                seconds, lags = [], []
+                seconds, lags, server_lags = [], [], []
                 cpu = CpuMeter(processes)
                 nbytes = 0
                 for _ in range(steps):
@@ -150,13 +161,17 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
                             attest=(lambda s=probe: Probe.from_model(model, s)) if probe else None)
                         seconds.append(time.perf_counter() - start)
                     cpu.stop()
+                    server_lags.append(await asyncio.to_thread(_server_round_lags, metrics_ports))
                     await client.resume()
                     nbytes = result.bytes
                     lags.append(lag)
                     progress.step(f"{method}/{transport}")
                 lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags)}
+                server_lag = {"coordinator": max(x["coordinator"] for x in server_lags),
+                              "engines": max(v for x in server_lags for k, v in x.items() if k != "coordinator")}
                 read = await _reads(agents, steps) if transport.startswith("shm") else None
-                results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read, cpu))
+                results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read, cpu,
+                                        server_lag))
             state = await client.get_state(include_digests=True)
             local = await asyncio.to_thread(weights_digest, model.named_parameters())
             if len(state.engines) != engines or any(e.weights_digest != local for e in state.engines):
@@ -227,13 +242,14 @@ def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, base
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         with LocalCluster(tmp, engines=engines, agent_args=("--model", cfg.to_json()), agent_timeout_s=600,
-                          settle_s=1.0) as cluster:
+                          settle_s=1.0, metrics=True) as cluster:
             results += asyncio.run(_weightsync_runs(cluster.address, model, transports=transports, steps=steps,
                                                     bucket_bytes=bucket_bytes, engines=engines, progress=progress,
                                                     attest=attest, agents=[a.address for a in cluster.agents],
                                                     processes={"trainer": [os.getpid()],
                                                                "coordinator": [cluster.coordinator.proc.pid],
-                                                               "engines": [a.proc.pid for a in cluster.agents]}))
+                                                               "engines": [a.proc.pid for a in cluster.agents]},
+                                                    metrics_ports=cluster.metrics_ports))
         if baselines:
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             with Baselines(named, engines=engines, steps=steps, tmp=tmp) as runs:
@@ -253,13 +269,15 @@ def machine() -> dict:
 def table(report: dict) -> str:
     """The report as a fixed-width table."""
     rows = [f"{'method':<18} {'transport':<9} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
-            f"{'min s':>8} {'Gbit/s':>7} {'cpu s':>6} {'lag p99/max ms':>15}  read"]
+            f"{'min s':>8} {'Gbit/s':>7} {'cpu s':>6} {'lag p99/max ms':>15} {'srv lag ms':>10}  read"]
     for r in report["results"]:
         lag = f"{r['loop_lag_ms']['p99']:.1f}/{r['loop_lag_ms']['max']:.1f}" if r["loop_lag_ms"] else "-"
         cpu = f"{r['cpu_seconds']['total']:.2f}" if r.get("cpu_seconds") else "-"
+        servers = r.get("server_loop_lag_ms")
+        srv = f"{servers['coordinator']:.1f}/{servers['engines']:.1f}" if servers else "-"
         rows.append(f"{r['method']:<18} {r['transport'] or '-':<9} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
                     f"{r['engines']:>7} {r['seconds']['median']:>9.3f} {r['seconds']['min']:>8.3f} "
-                    f"{r['gbps']:>7.2f} {cpu:>6} {lag:>15}  {'+'.join(r.get('read') or []) or '-'}")
+                    f"{r['gbps']:>7.2f} {cpu:>6} {lag:>15} {srv:>10}  {'+'.join(r.get('read') or []) or '-'}")
     return "\n".join(rows)
 
 
