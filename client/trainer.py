@@ -60,7 +60,7 @@ from weightsync.retry import retry
 from weightsync.security import Security
 from weightsync.sharding import Owners
 from weightsync.threads import run_in
-from weightsync.transport import LAYOUTS, is_relayed
+from weightsync.transport import AUTO_LAYOUT, LAYOUTS, is_relayed
 from weightsync.transport.base import Sender
 from weightsync.transport.cross_memory import AddressedTensors, direct_enabled
 from weightsync.transport.secure_store import StoreHost
@@ -251,20 +251,23 @@ class TrainerClient(AsyncClient):
         security: TLS material and token (default: plaintext, no token).
         measure_loop_lag: run a LoopLagProbe during every update_weights; the result
             carries it and the ``weightsync_trainer_loop_lag_ms`` gauge exports it.
-        group_layout: for the group transport, ``"tensors"`` (a broadcast per tensor,
-            what every SGLang takes) or ``"flattened"`` (runs of tensors up to a bucket
-            in one broadcast each: SGLang's ``load_format="flattened_bucket"``, which
-            SGLang releases since late 2025 accept; much faster with many tensors).
+        group_layout: for the group transport, ``"auto"`` (the default: ``"flattened"``
+            for a round whose engines all take it, else ``"tensors"``), ``"tensors"`` (a
+            broadcast per tensor, what every SGLang takes) or ``"flattened"`` (runs of
+            tensors up to a bucket in one broadcast each: SGLang's
+            ``load_format="flattened_bucket"``, which SGLang releases since late 2025
+            accept, and an agent started with ``--sglang-flattened-bucket`` says so;
+            much faster with many tensors). weightsync's own engines take both.
     """
 
     def __init__(self, coordinator: str, *, transport: str = "auto", host: str = "127.0.0.1",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, wire_dtype: torch.dtype | None = None,
                  default_timeout_s: float = 300.0, resume_grace_s: float = 30.0,
                  retry: RetryPolicy | None = None, security: Security | None = None,
-                 measure_loop_lag: bool = False, group_layout: str = "tensors") -> None:
+                 measure_loop_lag: bool = False, group_layout: str = AUTO_LAYOUT) -> None:
         self.coordinator = coordinator
-        if group_layout not in LAYOUTS:
-            raise InvalidArgument(f"group_layout must be one of {LAYOUTS}, got {group_layout!r}")
+        if group_layout not in (AUTO_LAYOUT, *LAYOUTS):
+            raise InvalidArgument(f"group_layout must be one of {(AUTO_LAYOUT, *LAYOUTS)}, got {group_layout!r}")
         self.group_layout = group_layout
         self.security = security or Security()
         self.measure_loop_lag = measure_loop_lag

@@ -249,6 +249,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
             receiving=self.receiving(), engine_restarts=self.launcher.restarts if self.launcher else 0,
             can_export=self.adapter.can_export_weights, host_id=host_id(), workers=self.workers,
+            group_layouts=self.adapter.group_layouts,
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
             weight_version_unknown=not engine.version_known, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,

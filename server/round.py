@@ -53,7 +53,7 @@ from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
 from weightsync.sharding import Owners
 from weightsync.statedb import StateDB, get_meta, set_meta
-from weightsync.transport import LAYOUTS, is_relay_upstream
+from weightsync.transport import AUTO_LAYOUT, FLATTENED, LAYOUTS, TENSORS, is_relay_upstream
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2
 from weightsync.validate import check_pause_mode, check_port, check_timeout
 
@@ -195,6 +195,16 @@ def plan_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str
         else:
             lanes.append(LanePlan(f"gloo@{host or 'unknown'}", gloo, engines))
     return lanes
+
+
+
+def pick_group_layout(asked: str, members: list[EngineRecord]) -> str:
+    """The group transport's layout for a round: what the trainer asked for, or for
+    ``auto`` the flattened layout (a broadcast per run of tensors) when every engine
+    of the round takes it, else a broadcast per tensor."""
+    if asked != AUTO_LAYOUT:
+        return asked
+    return FLATTENED if all(FLATTENED in r.state.group_layouts for r in members) else TENSORS
 
 
 class SyncRound:
@@ -373,8 +383,9 @@ class SyncRound:
             raise InvalidArgument(f"group_backend must be gloo or nccl, got {request.group_backend!r}")
         if request.group_backend and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
             raise InvalidArgument("group_backend applies to the group transport only")
-        if request.group_layout not in ("", *LAYOUTS):
-            raise InvalidArgument(f"group_layout must be one of {LAYOUTS}, got {request.group_layout!r}")
+        if request.group_layout not in ("", AUTO_LAYOUT, *LAYOUTS):
+            raise InvalidArgument(f"group_layout must be one of {(*LAYOUTS, AUTO_LAYOUT)}, "
+                                  f"got {request.group_layout!r}")
         if request.group_layout and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
             raise InvalidArgument("group_layout applies to the group transport only")
         if not request.store_host:
@@ -422,7 +433,7 @@ class SyncRound:
             # a relay's upstream lane: the trainer and the relay (one process, whatever its engine's workers)
             world_size=2 if lane.serves else 1 + sum(widths[e] for e in lane.receivers),
             session_id=session if len(layout) == 1 else f"{session}-{i}", group_backend=request.group_backend,
-            group_layout=request.group_layout,
+            group_layout=pick_group_layout(request.group_layout, members),
             store_secret=request.store_secret, lane=lane.name, engine_ids=lane.serves or lane.receivers,
             relayed_by=lane.relayed_by, sender=lane.sender)
             for i, lane in enumerate(layout)]
@@ -514,7 +525,9 @@ class SyncRound:
         await self.emit("broadcast_started", version=request.version, bytes=setup.plan.total_bytes,
                         plan="by_id" if is_reference(request.plan) else "whole", engines=",".join(setup.ranks),
                         transport=transports.KIND_NAMES[request.transport],
-                        lanes=";".join(f"{lane.lane}:{','.join(lane.engine_ids)}" for lane in setup.lanes))
+                        lanes=";".join(f"{lane.lane}:{','.join(lane.engine_ids)}" for lane in setup.lanes),
+                        **({"group_layout": setup.lanes[0].group_layout or TENSORS}
+                           if request.transport == common_pb2.TRANSPORT_KIND_GROUP else {}))
         # The trainer starts one send per lane it sends; a host's relayed lane goes to it
         # too, so that if the relay dies it can still tell that host's engines to stop.
         for lane in setup.lanes:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.conftest import start_agent, start_coordinator, wait_available
+from tests.test_rounds_end import coordinator_events
 from weightsync import metrics
 from weightsync.client import EngineClient, Probe, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
@@ -249,6 +250,48 @@ async def test_the_flattened_layout_is_refused_unless_the_agent_says_its_sglang_
         await client.resume()
     assert [p for p, _ in calls_of(calls)] == ["/pause_generation", "/continue_generation"]
     assert get(url, "/standin/weights")["digest"] == before
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+async def test_the_default_group_layout_is_flattened_only_where_every_engine_takes_it(flagged, tmp_path):
+    """A trainer that does not choose a layout gets ``auto``: the coordinator picks the
+    flattened layout (a broadcast per run of tensors) for a round whose engines all say
+    they take it, and a broadcast per tensor otherwise. An SGLang agent says so only
+    with ``--sglang-flattened-bucket``; weightsync's own engines always do."""
+    tmp = str(tmp_path)
+    standin, url, calls = start_standin(tmp)
+    procs = [standin]
+    try:
+        coordinator, address, _ = start_coordinator(tmp)
+        procs.append(coordinator)
+        flag = ["--sglang-flattened-bucket"] if flagged else []
+        procs.append(start_agent(tmp, address, "sglang-0", "--engine", "sglang", "--engine-url", url, *flag).proc)
+        procs.append(start_agent(tmp, address, "ref-0", "--model", "tiny").proc)
+        wait_available(address, ["sglang-0", "ref-0"])
+        os.replace(calls, calls + ".startup")
+        async with TrainerClient(address, transport="group", bucket_bytes=128 << 10) as client:
+            state = await client.get_state()
+            assert {e.engine_id: list(e.group_layouts) for e in state.engines} == {
+                "sglang-0": ["tensors", "flattened"] if flagged else ["tensors"], "ref-0": ["tensors", "flattened"]}
+            weights = tiny_weights(seed=3)
+            result = await client.update_weights(weights, version=1, timeout_s=60)
+            assert result.ok and {e.weight_version for e in result.engines} == {1}
+            digests = {e.engine_id: e.weights_digest for e in (await client.get_state(include_digests=True)).engines}
+        assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))
+        assert digests["ref-0"] == weights_digest(weights)
+        started = [e for e in await coordinator_events(address) if e.kind == "broadcast_started"]
+        assert [e.fields["group_layout"] for e in started] == ["flattened" if flagged else "tensors"]
+        updates = [b for p, b in calls_of(calls) if p == "/update_weights_from_distributed"]
+        if flagged:
+            assert 1 < len(updates) < len(weights)
+            assert all(b["load_format"] == "flattened_bucket" for b in updates)
+        else:
+            # SGLang's classic call: every name in one request, a broadcast per tensor.
+            assert [b["names"] for b in updates] == [[n for n, _ in weights]]
+            assert not updates[0].get("load_format")
+    finally:
+        for proc in reversed(procs):
+            stop_process(proc, grace_s=10)
 
 
 async def test_bad_plans_are_refused_before_sglang_is_touched(sglang):

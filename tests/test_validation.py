@@ -84,7 +84,7 @@ async def test_missing_or_malformed_idempotency_key_is_invalid_argument(cluster)
 
 
 async def test_a_bad_group_layout_is_refused_and_changes_nothing(cluster):
-    """group_layout: one of tensors/flattened, and only with the group transport; the
+    """group_layout: one of tensors/flattened/auto, and only with the group transport; the
     client refuses a bad one before any call."""
     plan = BucketPlan.from_tensors(named(ReferenceLM(PRESETS["tiny"])))
     with pytest.raises(InvalidArgument, match="group_layout"):
@@ -95,7 +95,8 @@ async def test_a_bad_group_layout_is_refused_and_changes_nothing(cluster):
         async with grpc.aio.insecure_channel(cluster.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             for transport, layout, expected in ((common_pb2.TRANSPORT_KIND_GROUP, "packed", "one of"),
-                                                (common_pb2.TRANSPORT_KIND_GLOO, "flattened", "group transport only")):
+                                                (common_pb2.TRANSPORT_KIND_GLOO, "flattened", "group transport only"),
+                                                (common_pb2.TRANSPORT_KIND_SHM, "auto", "group transport only")):
                 call = stub.Broadcast(coordinator_pb2.BroadcastRequest(
                     idempotency_key=f"layout-{layout}", version=1, plan=plan.to_proto(), transport=transport,
                     store_host="127.0.0.1", store_port=1234, group_layout=layout), timeout=10)

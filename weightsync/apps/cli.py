@@ -143,11 +143,14 @@ def _add_bench(sub) -> None:
                         "where the count allows)")
     p.add_argument("--engines", type=int, default=2, help="receiving engines (agent processes)")
     p.add_argument("--transport", action="append",
-                   choices=["auto", "gloo", "shm", "shm-ring", "group", "group-flat", "nccl", "cuda-ipc"],
+                   choices=["auto", "gloo", "shm", "shm-ring", "group", "group-flat", "group-tensors", "nccl",
+                            "cuda-ipc"],
                    help="weightsync transport to measure (repeatable; default gloo and shm; with --hosts, "
                         "auto and gloo); shm-ring is shm with the direct reads off (every byte through the "
-                        "shared-memory ring); group-flat is group with the flattened layout (SGLang's "
-                        "flattened_bucket: a broadcast per run of tensors, not per tensor)")
+                        "shared-memory ring); group takes the layout a trainer gets by default (auto: "
+                        "flattened where every engine takes it, as the bench's do); group-flat asks for the "
+                        "flattened layout (SGLang's flattened_bucket: a broadcast per run of tensors), "
+                        "group-tensors for a broadcast per tensor (SGLang's classic protocol)")
     p.add_argument("--hosts", type=int, default=0,
                    help="run on N simulated hosts (network namespaces; needs root): host a has the coordinator, "
                         "the trainer and one engine, the others --engines-per-host each")
@@ -309,8 +312,9 @@ def _bench(args) -> int:
     if args.hosts and args.trainer_ranks:
         print("weightsync bench: --hosts and --trainer-ranks are separate benchmarks; choose one", file=sys.stderr)
         return 2
-    if (args.hosts or args.trainer_ranks) and {"shm-ring", "group-flat"} & set(args.transport or []):
-        print("weightsync bench: shm-ring and group-flat are for the single-trainer benchmark", file=sys.stderr)
+    if (args.hosts or args.trainer_ranks) and {"shm-ring", "group-flat", "group-tensors"} & set(args.transport or []):
+        print("weightsync bench: shm-ring, group-flat and group-tensors are for the single-trainer benchmark",
+              file=sys.stderr)
         return 2
     if args.hosts:
         return _bench_hosts(args)
@@ -318,7 +322,8 @@ def _bench(args) -> int:
         return _bench_trainer_ranks(args)
     chosen = args.transport or ["gloo", "shm"]
     for name in chosen:
-        reason = transports.unavailable_reason(transports.kind_from_name(name.removesuffix("-ring").removesuffix("-flat")))
+        base = name.removesuffix("-ring").removesuffix("-flat").removesuffix("-tensors")
+        reason = transports.unavailable_reason(transports.kind_from_name(base))
         if reason is not None:
             print(f"weightsync bench: transport {name} unavailable here: {reason}", file=sys.stderr)
             return 2

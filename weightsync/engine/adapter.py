@@ -21,6 +21,7 @@ import torch
 from weightsync.attest import Probe
 from weightsync.errors import InvalidArgument, Unsupported
 from weightsync.plan import BucketPlan
+from weightsync.transport import LAYOUTS
 from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
 from weightsync.v1 import common_pb2
 
@@ -106,6 +107,13 @@ class EngineAdapter(abc.ABC):
 
     # Whether ``export_weights`` works: such an engine can be a catch-up source.
     can_export_weights = False
+
+    @property
+    def group_layouts(self) -> tuple[str, ...]:
+        """The group transport's layouts this engine takes (reported in its state, so a
+        round whose trainer asks for ``auto`` can pick one every engine takes). An
+        engine fed by weightsync's own group receiver takes both."""
+        return LAYOUTS
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The engine's live weight tensors, by name, in the names ``tensor_specs`` uses

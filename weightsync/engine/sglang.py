@@ -41,7 +41,7 @@ from weightsync.errors import (
     TransferError,
     Unsupported,
 )
-from weightsync.transport.flattened import FLATTENED, flattened_calls
+from weightsync.transport.flattened import FLATTENED, TENSORS, flattened_calls
 from weightsync.transport.group import group_backend, group_layout, group_name
 from weightsync.v1 import common_pb2
 
@@ -56,6 +56,10 @@ class SglangAdapter(HttpEngineAdapter):
 
     name = "sglang"
     engine_label = "SGLang"
+
+    @property
+    def group_layouts(self) -> tuple[str, ...]:
+        return (TENSORS, FLATTENED) if self.flattened else (TENSORS,)
 
     def __init__(self, url: str, *, timeout_s: float = 30.0, checkpoint_dir: str = "",
                  flattened: bool = False) -> None:

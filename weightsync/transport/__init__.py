@@ -35,6 +35,10 @@ SHM_DIR = os.environ.get("WEIGHTSYNC_SHM_DIR", "/dev/shm")  # where the shm tran
 TENSORS = "tensors"
 FLATTENED = "flattened"
 LAYOUTS = (TENSORS, FLATTENED)
+# What a trainer may ask for instead: the coordinator picks FLATTENED for a round when
+# every engine in it takes that layout (``EngineState.group_layouts``), else TENSORS;
+# the rendezvous always names the layout picked.
+AUTO_LAYOUT = "auto"
 
 NAMES: dict[str, common_pb2.TransportKind.ValueType] = {
     "gloo": common_pb2.TRANSPORT_KIND_GLOO,
@@ -168,5 +172,5 @@ def make_receiver(kind: common_pb2.TransportKind.ValueType, *, data_host: str = 
     return ShmReceiver()
 
 
-__all__ = ["NAMES", "KIND_NAMES", "kind_from_name", "SHM_DIR", "TENSORS", "FLATTENED", "LAYOUTS",
+__all__ = ["NAMES", "KIND_NAMES", "kind_from_name", "SHM_DIR", "TENSORS", "FLATTENED", "LAYOUTS", "AUTO_LAYOUT",
            "is_relay_upstream", "is_relayed", "available", "unavailable_reason", "make_sender", "make_receiver"]

@@ -441,6 +441,7 @@ class EngineState(_message.Message):
     CAN_EXPORT_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
+    GROUP_LAYOUTS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     available: _builtins.bool
@@ -495,6 +496,13 @@ class EngineState(_message.Message):
     """
     @_builtins.property
     def asleep_tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def group_layouts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The group transport's layouts the engine takes ("tensors", "flattened"): a
+        round whose trainer asks for "auto" uses "flattened" when every engine in it
+        takes that, else "tensors". Empty (an older agent): "tensors" only.
+        """
+
     def __init__(
         self,
         *,
@@ -524,10 +532,11 @@ class EngineState(_message.Message):
         can_export: _builtins.bool = ...,
         host_id: _builtins.str = ...,
         workers: _builtins.int = ...,
+        group_layouts: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "can_export", b"can_export", "engine_id", b"engine_id", "engine_restarts", b"engine_restarts", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "heartbeat_age_s", b"heartbeat_age_s", "host_id", b"host_id", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "can_export", b"can_export", "engine_id", b"engine_id", "engine_restarts", b"engine_restarts", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "group_layouts", b"group_layouts", "heartbeat_age_s", b"heartbeat_age_s", "host_id", b"host_id", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,7 +119,7 @@ class BroadcastRequest(_message.Message):
     trainer_host_id: _builtins.str
     """auto: the trainer's host id (engines with the same one get shm)"""
     group_layout: _builtins.str
-    """group transport only: "tensors" (default) or "flattened" """
+    """group transport only: "tensors" (the default when empty), "flattened","""
     @_builtins.property
     def plan(self) -> _common_pb2.WeightPlan: ...
     @_builtins.property

@@ -34,6 +34,7 @@ from weightsync.client import EngineClient, LoopLagProbe, Probe, TrainerClient
 from weightsync.engine.model import SHAPE_PROFILES, ModelConfig, ReferenceLM, config_for_size
 from weightsync.packing import weights_digest
 from weightsync.plan import DEFAULT_BUCKET_BYTES
+from weightsync.transport import AUTO_LAYOUT, FLATTENED, TENSORS
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
 
@@ -124,6 +125,10 @@ async def _shm_variant(transport: str):
             os.environ["WEIGHTSYNC_SHM_DIRECT"] = before
 
 
+# The bench's names for the group transport with a layout asked for (plain "group"
+# takes the default, auto).
+GROUP_LAYOUTS = {"group-flat": FLATTENED, "group-tensors": TENSORS}
+
 async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list[str], steps: int,
                            bucket_bytes: int, engines: int, progress: Progress, attest: bool,
                            agents: list[str], processes: dict[str, list[int]],
@@ -136,9 +141,9 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
     # (torch's named_parameters) costs ~10 us per tensor, outside weightsync.
     named = list(model.named_parameters())
     for transport in transports:
-        layout = "flattened" if transport == "group-flat" else "tensors"
+        layout = GROUP_LAYOUTS.get(transport, AUTO_LAYOUT)
         async with _shm_variant(transport) as name, TrainerClient(
-                address, transport="group" if transport == "group-flat" else name, bucket_bytes=bucket_bytes,
+                address, transport="group" if transport in GROUP_LAYOUTS else name, bucket_bytes=bucket_bytes,
                 group_layout=layout) as client:
             version += 1
             await client.update_weights(named, version=version, timeout_s=600)  # warm-up
@@ -268,14 +273,14 @@ def machine() -> dict:
 
 def table(report: dict) -> str:
     """The report as a fixed-width table."""
-    rows = [f"{'method':<18} {'transport':<9} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
+    rows = [f"{'method':<18} {'transport':<13} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
             f"{'min s':>8} {'Gbit/s':>7} {'cpu s':>6} {'lag p99/max ms':>15} {'srv lag ms':>10}  read"]
     for r in report["results"]:
         lag = f"{r['loop_lag_ms']['p99']:.1f}/{r['loop_lag_ms']['max']:.1f}" if r["loop_lag_ms"] else "-"
         cpu = f"{r['cpu_seconds']['total']:.2f}" if r.get("cpu_seconds") else "-"
         servers = r.get("server_loop_lag_ms")
         srv = f"{servers['coordinator']:.1f}/{servers['engines']:.1f}" if servers else "-"
-        rows.append(f"{r['method']:<18} {r['transport'] or '-':<9} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
+        rows.append(f"{r['method']:<18} {r['transport'] or '-':<13} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
                     f"{r['engines']:>7} {r['seconds']['median']:>9.3f} {r['seconds']['min']:>8.3f} "
                     f"{r['gbps']:>7.2f} {cpu:>6} {lag:>15} {srv:>10}  {'+'.join(r.get('read') or []) or '-'}")
     return "\n".join(rows)
