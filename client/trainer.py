@@ -252,7 +252,8 @@ class TrainerClient(AsyncClient):
         measure_loop_lag: run a LoopLagProbe during every update_weights; the result
             carries it and the ``weightsync_trainer_loop_lag_ms`` gauge exports it.
         group_layout: for the group transport, ``"auto"`` (the default: ``"flattened"``
-            for a round whose engines all take it, else ``"tensors"``), ``"tensors"`` (a
+            when the tensors average under 1 MiB and the round's engines all take it,
+            else ``"tensors"``), ``"tensors"`` (a
             broadcast per tensor, what every SGLang takes) or ``"flattened"`` (runs of
             tensors up to a bucket in one broadcast each: SGLang's
             ``load_format="flattened_bucket"``, which SGLang releases since late 2025

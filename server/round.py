@@ -198,13 +198,23 @@ def plan_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str
 
 
 
-def pick_group_layout(asked: str, members: list[EngineRecord]) -> str:
+# ``auto`` flattens a plan whose mean tensor is smaller than this. Measured on CPU (1
+# GiB, two engines, one sweep): with a broadcast per tensor at about 0.3 ms each
+# against packing and unpacking every byte of the flattened runs, 509 tensors (2 MiB
+# on average) went faster one by one (0.70 s against 0.91), 2045 (0.5 MiB) flattened
+# (0.65 against 1.13 s), 20k (50 KB) flattened by 8.7x; 89 tensors tied.
+FLATTEN_BELOW_MEAN_BYTES = 1 << 20
+
+
+def pick_group_layout(asked: str, members: list[EngineRecord], plan: BucketPlan) -> str:
     """The group transport's layout for a round: what the trainer asked for, or for
-    ``auto`` the flattened layout (a broadcast per run of tensors) when every engine
-    of the round takes it, else a broadcast per tensor."""
+    ``auto`` the flattened layout (a broadcast per run of tensors) when the plan's
+    tensors are small on average and every engine of the round takes that layout,
+    else a broadcast per tensor."""
     if asked != AUTO_LAYOUT:
         return asked
-    return FLATTENED if all(FLATTENED in r.state.group_layouts for r in members) else TENSORS
+    small = plan.total_bytes < len(plan.names) * FLATTEN_BELOW_MEAN_BYTES
+    return FLATTENED if small and all(FLATTENED in r.state.group_layouts for r in members) else TENSORS
 
 
 class SyncRound:
@@ -433,7 +443,7 @@ class SyncRound:
             # a relay's upstream lane: the trainer and the relay (one process, whatever its engine's workers)
             world_size=2 if lane.serves else 1 + sum(widths[e] for e in lane.receivers),
             session_id=session if len(layout) == 1 else f"{session}-{i}", group_backend=request.group_backend,
-            group_layout=pick_group_layout(request.group_layout, members),
+            group_layout=pick_group_layout(request.group_layout, members, plan),
             store_secret=request.store_secret, lane=lane.name, engine_ids=lane.serves or lane.receivers,
             relayed_by=lane.relayed_by, sender=lane.sender)
             for i, lane in enumerate(layout)]

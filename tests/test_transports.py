@@ -606,3 +606,25 @@ def test_segments_of_senders_that_died_are_removed_and_no_live_one(tmp_path):
         foreign_owner.stdin.close()
         foreign_owner.wait(timeout=30)
     assert not foreign.exists()  # its owner unlinked it on close
+
+
+def test_auto_flattens_a_plan_of_small_tensors_that_every_engine_takes():
+    from weightsync.server.registry import EngineRecord
+    from weightsync.server.round import FLATTEN_BELOW_MEAN_BYTES, pick_group_layout
+
+    def engine(*layouts: str) -> EngineRecord:
+        return EngineRecord("e", "127.0.0.1:1", "reference", channel=None, stub=None,
+                            state=common_pb2.EngineState(group_layouts=layouts))
+
+    def plan(count: int, elements: int) -> BucketPlan:
+        return BucketPlan.build([(f"t{i}", torch.float32, (elements,)) for i in range(count)])
+
+    small = plan(64, FLATTEN_BELOW_MEAN_BYTES // 4 // 2)  # half a MiB each
+    large = plan(8, FLATTEN_BELOW_MEAN_BYTES // 4 * 2)
+    both, old = engine("tensors", "flattened"), engine()  # an older agent reports none
+    assert pick_group_layout("auto", [both, both], small) == "flattened"
+    assert pick_group_layout("auto", [both, engine("tensors")], small) == "tensors"
+    assert pick_group_layout("auto", [both, old], small) == "tensors"
+    assert pick_group_layout("auto", [both], large) == "tensors"
+    assert pick_group_layout("flattened", [old], large) == "flattened"  # asked for: the agent decides
+    assert pick_group_layout("", [both], small) == ""  # empty means tensors on the wire, as before
