@@ -197,7 +197,6 @@ def plan_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str
     return lanes
 
 
-
 # ``auto`` flattens a plan whose mean tensor is smaller than this. Measured on CPU (1
 # GiB, two engines, one sweep): with a broadcast per tensor at about 0.3 ms each
 # against packing and unpacking every byte of the flattened runs, 509 tensors (2 MiB
@@ -213,7 +212,7 @@ def pick_group_layout(asked: str, members: list[EngineRecord], plan: BucketPlan)
     else a broadcast per tensor."""
     if asked != AUTO_LAYOUT:
         return asked
-    small = plan.total_bytes < len(plan.names) * FLATTEN_BELOW_MEAN_BYTES
+    small = plan.total_bytes < len(plan) * FLATTEN_BELOW_MEAN_BYTES
     return FLATTENED if small and all(FLATTENED in r.state.group_layouts for r in members) else TENSORS
 
 

@@ -129,6 +129,7 @@ async def _shm_variant(transport: str):
 # takes the default, auto).
 GROUP_LAYOUTS = {"group-flat": FLATTENED, "group-tensors": TENSORS}
 
+
 async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list[str], steps: int,
                            bucket_bytes: int, engines: int, progress: Progress, attest: bool,
                            agents: list[str], processes: dict[str, list[int]],
