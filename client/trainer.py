@@ -123,6 +123,15 @@ class SyncFailed(TransferError):
         super().__init__(message, metadata={"failed": ",".join(e.engine_id for e in result.failed)})
         self.result = result
 
+    def __reduce__(self):
+        # Pickled whole (a bench sweep's child process raises it to its parent): the
+        # default would call __init__ without ``result`` and lose the failure's message.
+        return _sync_failed, (self.message, self.result)
+
+
+def _sync_failed(message: str, result: SyncResult) -> SyncFailed:
+    return SyncFailed(message, result=result)
+
 
 AttestArg = Probe | Callable[[], Probe] | None
 

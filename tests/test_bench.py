@@ -127,3 +127,19 @@ def test_cpu_meter_counts_each_roles_processes_apart():
         for proc in (busy, idle):
             proc.stdin.close()
             proc.wait(timeout=30)
+
+
+def test_a_failed_sync_survives_the_trip_from_a_sweeps_child_process():
+    # A sweep runs each count in a child process, which raises its failure to the parent.
+    import pickle
+
+    from weightsync.client import SyncFailed
+    from weightsync.client.trainer import EngineResult, SyncResult
+
+    failed = EngineResult(engine_id="engine-1", ok=False, weight_version=0, torn=True, seconds=0.1,
+                          error_reason="TRANSFER_FAILED", error_message="connection closed")
+    error = SyncFailed("1 engine failed: engine-1", result=SyncResult(version=3, ok=False, bytes=0,
+                                                                    transfer_seconds=0.1, engines=(failed,)))
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is SyncFailed and str(again) == str(error)
+    assert again.result == error.result and again.metadata == {"failed": "engine-1"}
