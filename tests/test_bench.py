@@ -62,6 +62,15 @@ def test_bench_small_run_reports_every_method(tmp_path):
         assert r["cpu_seconds"]["total"] >= max(r["cpu_seconds"][role] for role in roles) - 1e-9
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "weightsync" in proc.stdout and "memcpy" in proc.stdout
+    # The comparison with the baselines, printed from the same medians as the JSON.
+    median = {(r["method"], r["transport"]): r["seconds"]["median"] for r in results}
+    best = min((t for m, t in median if m == "weightsync"), key=lambda t: median[("weightsync", t)])
+    ours = median[("weightsync", best)]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(f"{results[0]['tensors']} tensors: weightsync"))
+    assert f"weightsync {best} ({ours:.3f} s)" in line
+    assert f"{median[('disk', None)] / ours:.2f}x faster than disk" in line
+    assert f"{ours / (2 * median[('memcpy', None)]):.2f}x two memcpys" in line
+    assert f"weightsync gloo / flat-gloo {median[('weightsync', 'gloo')] / median[('flat-gloo', None)]:.2f}x" in line
 
 
 @pytest.mark.parametrize("args", [["--size", "0"], ["--transport", "nccl"], ["--engines", "0"],

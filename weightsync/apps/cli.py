@@ -307,7 +307,7 @@ def _bench_trainer_ranks(args) -> int:
 
 def _bench(args) -> int:
     from weightsync import transport as transports
-    from weightsync.apps.bench.runner import parse_size, ratios, run_bench, table
+    from weightsync.apps.bench.runner import against_baselines, parse_size, ratios, run_bench, table
 
     if args.hosts and args.trainer_ranks:
         print("weightsync bench: --hosts and --trainer-ranks are separate benchmarks; choose one", file=sys.stderr)
@@ -336,7 +336,7 @@ def _bench(args) -> int:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
     print(table(report))
-    for line in ratios(report):
+    for line in ratios(report) + against_baselines(report):
         print(line)
     return 0
 

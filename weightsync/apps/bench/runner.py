@@ -311,6 +311,31 @@ def ratios(report: dict) -> list[str]:
     return lines
 
 
+def against_baselines(report: dict) -> list[str]:
+    """Per tensor count run with the baselines: how the fastest weightsync transport
+    compares with each baseline (how many times faster), with two copies of the
+    payload at memcpy speed (how many times slower: a sync copies at least twice), and
+    weightsync gloo with one broadcast of a pre-flattened buffer (flat-gloo), all
+    from median seconds of this one run."""
+    lines = []
+    for count in sorted({r["tensors"] for r in report["results"]}):
+        rows = [r for r in report["results"] if r["tensors"] == count]
+        median = {(r["method"], r["transport"]): r["seconds"]["median"] for r in rows}
+        ours = {t: s for (m, t), s in median.items() if m == "weightsync"}
+        base = {m: s for (m, t), s in median.items() if t is None}
+        if not ours or not base:
+            continue
+        best = min(ours, key=ours.get)
+        parts = [f"{base[m] / ours[best]:.2f}x faster than {m}" for m in base if m != "memcpy"]
+        if "memcpy" in base:
+            parts.append(f"{ours[best] / (2 * base['memcpy']):.2f}x two memcpys")
+        line = f"{count} tensors: weightsync {best} ({ours[best]:.3f} s) " + ", ".join(parts)
+        if "gloo" in ours and "flat-gloo" in base:
+            line += f"; weightsync gloo / flat-gloo {ours['gloo'] / base['flat-gloo']:.2f}x"
+        lines.append(line)
+    return lines
+
+
 def plot(report: dict, path: str) -> None:
     """One count: throughput per method (bars). A sweep: median seconds against tensor
     count, a line per method."""
@@ -357,4 +382,4 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["run_bench", "parse_size", "table", "ratios", "plot", "machine"]
+__all__ = ["run_bench", "parse_size", "table", "ratios", "against_baselines", "plot", "machine"]
