@@ -148,7 +148,8 @@ def _add_bench(sub) -> None:
                    help="weightsync transport to measure (repeatable; default gloo and shm; with --hosts, "
                         "auto and gloo); shm-ring is shm with the direct reads off (every byte through the "
                         "shared-memory ring); group takes the layout a trainer gets by default (auto: "
-                        "flattened where every engine takes it, as the bench's do); group-flat asks for the "
+                        "flattened where the tensors average under 1 MiB and every engine takes it, as the "
+                        "bench's do); group-flat asks for the "
                         "flattened layout (SGLang's flattened_bucket: a broadcast per run of tensors), "
                         "group-tensors for a broadcast per tensor (SGLang's classic protocol)")
     p.add_argument("--hosts", type=int, default=0,

@@ -134,7 +134,7 @@ class SglangAdapter(HttpEngineAdapter):
             raise Unsupported("SGLang receives weights only through its update group: broadcast with "
                               "transport='group'", reason="TRANSPORT_UNSUPPORTED")
         group_backend(request.rendezvous)
-        if group_layout(request.rendezvous) == FLATTENED and not self.flattened:
+        if group_layout(request.rendezvous) not in self.group_layouts:
             raise Unsupported("this agent's SGLang is not known to take the flattened group layout: start the "
                               "agent with --sglang-flattened-bucket (SGLang releases that accept "
                               "load_format='flattened_bucket'), or broadcast with group_layout='tensors'",
