@@ -233,7 +233,11 @@ def test_an_unsupported_dtensor_placement_is_a_clear_error():
         "    holding_of('col', distribute_tensor(t, mesh, [Shard(1)]))\n"
         "except InvalidArgument as exc:\n"
         "    print('refused:', exc)\n"
-        "dist.destroy_process_group()\n")
+        "dist.destroy_process_group()\n"
+        # gloo's C++ worker threads can abort the interpreter's finalization ("terminate
+        # called without an active exception", a torch teardown race seen once in CI),
+        # which is not what this test checks: leave without finalizing.
+        "import sys; sys.stdout.flush(); os._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused:" in out.stdout and "'col'" in out.stdout and "Shard(0) and Replicate()" in out.stdout
