@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from weightsync.apps.bench.cpu import CpuMeter
-from weightsync.apps.bench.runner import parse_size
+from weightsync.apps.bench import cpu as cpu_module
+from weightsync.apps.bench.cpu import CpuMeter, machine_steal_s
+from weightsync.apps.bench.runner import _worst_where_nothing_stolen, parse_size
 
 METHODS = {"weightsync", "per-tensor-gloo", "flat-gloo", "disk", "grpc-stream", "memcpy"}
 
@@ -44,15 +46,22 @@ def test_bench_small_run_reports_every_method(tmp_path):
         "gloo": None, "shm": ["direct"], "shm-ring": ["ring"]}
     for r in results:
         assert set(r) == {"method", "transport", "bytes", "tensors", "engines", "seconds", "gbps", "loop_lag_ms",
-                          "server_loop_lag_ms", "read", "cpu_seconds"}
+                          "server_loop_lag_ms", "read", "cpu_seconds", "machine_stolen_ms"}
+        # The time the machine lost to its hypervisor in each step (Linux counts it).
+        assert 0 <= r["machine_stolen_ms"]["median"] <= r["machine_stolen_ms"]["max"], r
         assert r["engines"] == 2 and r["bytes"] > 3 * 2**20
         assert 0 < r["seconds"]["min"] <= r["seconds"]["median"] <= r["seconds"]["max"]
         assert r["gbps"] > 0
         assert (r["loop_lag_ms"] is None) == (not r["method"].startswith("weightsync"))
         # Each server's own gauge, over the rounds it took part in (the baselines have none).
         if r["method"].startswith("weightsync"):
-            assert set(r["server_loop_lag_ms"]) == {"coordinator", "engines"}
-            assert all(v >= 0 for v in r["server_loop_lag_ms"].values())
+            servers = r["server_loop_lag_ms"]
+            assert set(servers) == {"coordinator", "engines", "engines_nothing_stolen"}
+            assert servers["coordinator"] >= 0 and servers["engines"] >= 0
+            # one step each: the worst of the steps that lost nothing is that step's or none
+            stolen = r["machine_stolen_ms"]["max"]
+            assert servers["engines_nothing_stolen"] == (servers["engines"] if stolen == 0 else None), r
+            assert r["loop_lag_ms"]["max_nothing_stolen"] == (r["loop_lag_ms"]["max"] if stolen == 0 else None), r
         else:
             assert r["server_loop_lag_ms"] is None
         roles = ({"trainer", "coordinator", "engines"} if r["method"].startswith("weightsync")
@@ -152,3 +161,39 @@ def test_a_failed_sync_survives_the_trip_from_a_sweeps_child_process():
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is SyncFailed and str(again) == str(error)
     assert again.result == error.result and again.metadata == {"failed": "engine-1"}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="steal time is read from Linux's /proc/stat")
+def test_machine_steal_is_proc_stats_steal_column():
+    """The steal the meter reads is /proc/stat's eighth column, all CPUs together, in
+    seconds (read here straight from the file, between two reads through psutil)."""
+    before = machine_steal_s()
+    with open("/proc/stat") as f:
+        ticks = int(f.readline().split()[8])
+    after = machine_steal_s()
+    assert before <= ticks / os.sysconf("SC_CLK_TCK") <= after
+
+
+def test_cpu_meter_reports_the_time_stolen_per_step_per_cpu(monkeypatch):
+    """Steal is summed over CPUs: 0.2 s stolen on a 2-CPU machine is 100 ms the machine
+    was away; the worst loop lag of the steps that lost nothing is the one kept."""
+    readings = iter([10.0, 10.0, 10.0, 10.2, 10.2, 10.3])
+    monkeypatch.setattr(cpu_module, "machine_steal_s", lambda: next(readings))
+    monkeypatch.setattr(cpu_module.psutil, "cpu_count", lambda: 2)
+    meter = CpuMeter({"me": [os.getpid()]})
+    for _ in range(3):
+        meter.start()
+        meter.stop()
+    assert meter.stolen_ms == pytest.approx([0.0, 100.0, 50.0])
+    assert meter.stolen() == {"median": 50.0, "max": 100.0}
+    assert _worst_where_nothing_stolen([4.0, 35.0, 31.0], meter.stolen_ms) == 4.0
+    assert _worst_where_nothing_stolen([35.0, 31.0], [5.0, 5.0]) is None
+    assert _worst_where_nothing_stolen([35.0], []) is None  # no steal counted at all
+
+
+def test_cpu_meter_without_steal_counting_reports_none(monkeypatch):
+    monkeypatch.setattr(cpu_module, "machine_steal_s", lambda: None)
+    meter = CpuMeter({"me": [os.getpid()]})
+    meter.start()
+    meter.stop()
+    assert meter.stolen() is None and meter.stolen_ms == []

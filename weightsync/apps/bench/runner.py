@@ -6,7 +6,8 @@ real Pause/Broadcast/Resume rounds. The first round per transport is a warm-up (
 builds the group and the plan); the timed figure is the Broadcast, from the
 trainer's call to every engine having loaded the bytes. After the last step every
 engine's digest must equal the trainer's. Loop lag is sampled during each Broadcast,
-and the CPU seconds it cost every process of the run (``cpu.py``).
+the CPU seconds it cost every process of the run, and the time the machine lost
+to its hypervisor meanwhile (``cpu.py``).
 """
 
 from __future__ import annotations
@@ -72,7 +73,17 @@ def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engi
     return {"method": method, "transport": transport, "bytes": nbytes, "tensors": tensors, "engines": engines,
             "seconds": {"min": min(seconds), "median": median, "max": max(seconds)},
             "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag, "server_loop_lag_ms": server_lag, "read": read,
-            "cpu_seconds": cpu.summary() if cpu is not None and cpu.steps else None}
+            "cpu_seconds": cpu.summary() if cpu is not None and cpu.steps else None,
+            "machine_stolen_ms": cpu.stolen() if cpu is not None else None}
+
+
+def _worst_where_nothing_stolen(per_step: list[float], stolen_ms: list[float]) -> float | None:
+    """The largest of ``per_step`` over the steps in which the machine lost no time to
+    its hypervisor (None if it lost some in every step, or the OS does not say)."""
+    if len(stolen_ms) != len(per_step):
+        return None
+    kept = [value for value, stolen in zip(per_step, stolen_ms, strict=True) if stolen == 0]
+    return max(kept) if kept else None
 
 
 def _server_round_lags(metrics_ports: dict[str, int]) -> dict[str, float]:
@@ -172,9 +183,13 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
                     nbytes = result.bytes
                     lags.append(lag)
                     progress.step(f"{method}/{transport}")
-                lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags)}
-                server_lag = {"coordinator": max(x["coordinator"] for x in server_lags),
-                              "engines": max(v for x in server_lags for k, v in x.items() if k != "coordinator")}
+                # A loop stalls with the whole machine when the hypervisor takes its CPUs
+                # (see cpu.py); the worst lag of the steps that lost no time is weightsync's.
+                lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags),
+                       "max_nothing_stolen": _worst_where_nothing_stolen([x.max_ms for x in lags], cpu.stolen_ms)}
+                per_step = [max(v for k, v in x.items() if k != "coordinator") for x in server_lags]
+                server_lag = {"coordinator": max(x["coordinator"] for x in server_lags), "engines": max(per_step),
+                              "engines_nothing_stolen": _worst_where_nothing_stolen(per_step, cpu.stolen_ms)}
                 read = await _reads(agents, steps) if transport.startswith("shm") else None
                 results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read, cpu,
                                         server_lag))
@@ -275,15 +290,16 @@ def machine() -> dict:
 def table(report: dict) -> str:
     """The report as a fixed-width table."""
     rows = [f"{'method':<18} {'transport':<13} {'MiB':>8} {'tensors':>7} {'engines':>7} {'median s':>9} "
-            f"{'min s':>8} {'Gbit/s':>7} {'cpu s':>6} {'lag p99/max ms':>15} {'srv lag ms':>10}  read"]
+            f"{'min s':>8} {'Gbit/s':>7} {'cpu s':>6} {'lag p99/max ms':>15} {'srv lag ms':>10} {'stolen ms':>9}  read"]
     for r in report["results"]:
         lag = f"{r['loop_lag_ms']['p99']:.1f}/{r['loop_lag_ms']['max']:.1f}" if r["loop_lag_ms"] else "-"
         cpu = f"{r['cpu_seconds']['total']:.2f}" if r.get("cpu_seconds") else "-"
         servers = r.get("server_loop_lag_ms")
         srv = f"{servers['coordinator']:.1f}/{servers['engines']:.1f}" if servers else "-"
+        stolen = f"{r['machine_stolen_ms']['max']:.0f}" if r.get("machine_stolen_ms") else "-"
         rows.append(f"{r['method']:<18} {r['transport'] or '-':<13} {r['bytes'] / 2**20:>8.1f} {r['tensors']:>7} "
                     f"{r['engines']:>7} {r['seconds']['median']:>9.3f} {r['seconds']['min']:>8.3f} "
-                    f"{r['gbps']:>7.2f} {cpu:>6} {lag:>15} {srv:>10}  {'+'.join(r.get('read') or []) or '-'}")
+                    f"{r['gbps']:>7.2f} {cpu:>6} {lag:>15} {srv:>10} {stolen:>9}  {'+'.join(r.get('read') or []) or '-'}")
     return "\n".join(rows)
 
 
