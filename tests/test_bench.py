@@ -46,7 +46,13 @@ def test_bench_small_run_reports_every_method(tmp_path):
         "gloo": None, "shm": ["direct"], "shm-ring": ["ring"]}
     for r in results:
         assert set(r) == {"method", "transport", "bytes", "tensors", "engines", "seconds", "gbps", "loop_lag_ms",
-                          "server_loop_lag_ms", "read", "cpu_seconds", "machine_stolen_ms"}
+                          "server_loop_lag_ms", "read", "cpu_seconds", "machine_stolen_ms", "rounds"}
+        # Each timed step as measured (one here), the figures above taken from them.
+        assert [x["seconds"] for x in r["rounds"]] == [r["seconds"]["median"]]
+        assert [x["stolen_ms"] for x in r["rounds"]] == [r["machine_stolen_ms"]["max"]]
+        if r["method"].startswith("weightsync"):
+            assert [x["loop_lag_max_ms"] for x in r["rounds"]] == [r["loop_lag_ms"]["max"]]
+            assert set(r["rounds"][0]["server_loop_lag_ms"]) == {"coordinator", "engine-0", "engine-1"}
         # The time the machine lost to its hypervisor in each step (Linux counts it).
         assert 0 <= r["machine_stolen_ms"]["median"] <= r["machine_stolen_ms"]["max"], r
         assert r["engines"] == 2 and r["bytes"] > 3 * 2**20

@@ -68,13 +68,19 @@ class Progress:
 
 def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engines: int, seconds: list[float],
              lag: dict | None, read: list[str] | None = None, cpu: CpuMeter | None = None,
-             server_lag: dict | None = None) -> dict:
+             server_lag: dict | None = None, rounds: list[dict] | None = None) -> dict:
+    """One method's row of the report. ``rounds``: per timed step, what the row's
+    aggregates were taken from (its seconds; for weightsync, the loops' lag), plus the
+    ms the machine lost in that step, so a slow or stalled step can be told apart."""
     median = statistics.median(seconds)
+    stolen = cpu.stolen_ms if cpu is not None and len(cpu.stolen_ms) == len(seconds) else [None] * len(seconds)
+    rounds = rounds or [{"seconds": s} for s in seconds]
+    rounds = [{**r, "stolen_ms": ms} for r, ms in zip(rounds, stolen, strict=True)]
     return {"method": method, "transport": transport, "bytes": nbytes, "tensors": tensors, "engines": engines,
             "seconds": {"min": min(seconds), "median": median, "max": max(seconds)},
             "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag, "server_loop_lag_ms": server_lag, "read": read,
             "cpu_seconds": cpu.summary() if cpu is not None and cpu.steps else None,
-            "machine_stolen_ms": cpu.stolen() if cpu is not None else None}
+            "machine_stolen_ms": cpu.stolen() if cpu is not None else None, "rounds": rounds}
 
 
 def _worst_where_nothing_stolen(per_step: list[float], stolen_ms: list[float]) -> float | None:
@@ -191,8 +197,10 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
                 server_lag = {"coordinator": max(x["coordinator"] for x in server_lags), "engines": max(per_step),
                               "engines_nothing_stolen": _worst_where_nothing_stolen(per_step, cpu.stolen_ms)}
                 read = await _reads(agents, steps) if transport.startswith("shm") else None
+                rounds = [{"seconds": t, "loop_lag_max_ms": x.max_ms, "server_loop_lag_ms": servers}
+                          for t, x, servers in zip(seconds, lags, server_lags, strict=True)]
                 results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read, cpu,
-                                        server_lag))
+                                        server_lag, rounds))
             state = await client.get_state(include_digests=True)
             local = await asyncio.to_thread(weights_digest, model.named_parameters())
             if len(state.engines) != engines or any(e.weights_digest != local for e in state.engines):
