@@ -74,7 +74,7 @@ class CpuMeter:
         steal = machine_steal_s()
         self.steps.append({role: max(0.0, now[role] - self._started[role]) for role in now})
         if steal is not None and self._steal_started is not None:
-            self.stolen_ms.append(max(0.0, steal - self._steal_started) * 1000 / (psutil.cpu_count() or 1))
+            self.stolen_ms.append(round(max(0.0, steal - self._steal_started) * 1000 / (psutil.cpu_count() or 1), 1))
         self._started = None
 
     def summary(self) -> dict[str, float]:
