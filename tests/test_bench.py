@@ -9,10 +9,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from weightsync.apps.bench import cpu as cpu_module
 from weightsync.apps.bench.cpu import CpuMeter, machine_steal_s
-from weightsync.apps.bench.runner import _worst_where_nothing_stolen, parse_size
+from weightsync.apps.bench.runner import (
+    _check_engines_hold,
+    _worst_where_nothing_stolen,
+    parse_size,
+)
+from weightsync.client import TrainerClient
+from weightsync.engine.model import PRESETS, ReferenceLM
+from weightsync.packing import weights_digest
 
 METHODS = {"weightsync", "per-tensor-gloo", "flat-gloo", "disk", "grpc-stream", "memcpy"}
 
@@ -203,3 +211,23 @@ def test_cpu_meter_without_steal_counting_reports_none(monkeypatch):
     meter.start()
     meter.stop()
     assert meter.stolen() is None and meter.stolen_ms == []
+
+
+async def test_the_benchs_final_check_tells_other_bytes_from_a_missing_engine(cluster_factory):
+    """The check a bench run ends with, against a real coordinator and agent: it passes
+    when the engine holds the trainer's bytes, and otherwise says which engine holds
+    what (its digest and version), or how many engines were there at all."""
+    cluster = cluster_factory(1)
+    model = ReferenceLM(PRESETS["tiny"])
+    async with TrainerClient(cluster.address) as client:
+        await client.update_weights(model.named_parameters(), version=1, timeout_s=60)
+        sent = weights_digest(model.named_parameters())
+        await _check_engines_hold(client, sent, engines=1, version=1, transport="gloo")
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        with pytest.raises(RuntimeError, match=r"engine-0: digest [0-9a-f]{12} at version 1") as info:
+            await _check_engines_hold(client, weights_digest(model.named_parameters()), engines=1, version=1,
+                                      transport="gloo", within_s=1)
+        assert sent[:12] in str(info.value)  # what the engine holds: what was sent before the change
+        with pytest.raises(RuntimeError, match="1 of 2 engines registered"):
+            await _check_engines_hold(client, sent, engines=2, version=1, transport="gloo", within_s=1)

@@ -456,7 +456,7 @@ class EngineState(_message.Message):
     """the version a failed transfer was moving to"""
     model: _builtins.str
     weights_digest: _builtins.str
-    """only when asked for"""
+    """only when asked for; empty if the coordinator could not read the engine then (unavailable, or slow to answer)"""
     heartbeat_age_s: _builtins.float
     running_requests: _builtins.int
     queued_requests: _builtins.int

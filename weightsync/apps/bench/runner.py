@@ -201,11 +201,31 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
                           for t, x, servers in zip(seconds, lags, server_lags, strict=True)]
                 results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read, cpu,
                                         server_lag, rounds))
-            state = await client.get_state(include_digests=True)
             local = await asyncio.to_thread(weights_digest, model.named_parameters())
-            if len(state.engines) != engines or any(e.weights_digest != local for e in state.engines):
-                raise RuntimeError(f"weightsync/{transport}: engines do not hold the bytes that were sent")
+            await _check_engines_hold(client, local, engines=engines, version=version, transport=transport)
     return results
+
+
+async def _check_engines_hold(client: TrainerClient, digest: str, *, engines: int, version: int, transport: str,
+                              within_s: float = 60.0) -> None:
+    """Raises unless every engine holds exactly the trainer's bytes (``digest``) at
+    ``version``. An engine the coordinator could not read just then (its heartbeat late
+    or its answer slow on a loaded machine) has no digest in the answer, which is not
+    a different one: it is asked again, for up to ``within_s``."""
+    end = time.monotonic() + within_s
+    while True:
+        state = await client.get_state(include_digests=True)
+        unread = [e for e in state.engines if not e.weights_digest]
+        if (len(state.engines) == engines and not unread) or time.monotonic() >= end:
+            break
+        await asyncio.sleep(0.5)
+    wrong = [f"{e.engine_id}: " + (f"no digest (available={e.available}, fault={e.fault!r})" if not e.weights_digest
+                                   else f"digest {e.weights_digest[:12]} at version {e.weight_version}")
+             for e in state.engines if e.weights_digest != digest]
+    if len(state.engines) != engines or wrong:
+        raise RuntimeError(f"weightsync/{transport}: after version {version}, {len(state.engines)} of {engines} "
+                           f"engines registered; not holding the trainer's bytes (digest {digest[:12]}): "
+                           f"{'; '.join(wrong) or 'none'}")
 
 
 def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: list[str], steps: int,
