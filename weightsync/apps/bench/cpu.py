@@ -17,8 +17,9 @@ The meter also counts the time the machine itself lost during each step: Linux's
 *steal* time, what a hypervisor took from this virtual machine's CPUs to run
 something else. On the 2-core VM this project is measured on, both CPUs are taken
 together for ~35 ms at a time, in bursts, when both are busy: every process stalls at
-once, and the stall is no process's doing. A loop-lag maximum can only be blamed on
-weightsync in a step where the machine lost nothing.
+once, and the stall is no process's doing. The worst loop lag of the steps that lost
+nothing is where weightsync's own stalls show; the kernel accounts steal at its ticks,
+so a burst can now and then be counted in a neighbouring step instead.
 """
 
 from __future__ import annotations
