@@ -190,7 +190,8 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
                     lags.append(lag)
                     progress.step(f"{method}/{transport}")
                 # A loop stalls with the whole machine when the hypervisor takes its CPUs
-                # (see cpu.py); the worst lag of the steps that lost no time is weightsync's.
+                # (see cpu.py); the worst lag of the steps that lost no time is where
+                # weightsync's own stalls show (cpu.py says how exact that count is).
                 lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags),
                        "max_nothing_stolen": _worst_where_nothing_stolen([x.max_ms for x in lags], cpu.stolen_ms)}
                 per_step = [max(v for k, v in x.items() if k != "coordinator") for x in server_lags]
