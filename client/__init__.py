@@ -5,6 +5,7 @@ from weightsync.client.engine import EngineClient
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy
 from weightsync.client.trainer import EngineResult, SyncFailed, SyncResult, TrainerClient
+from weightsync.client.verify import EngineHolding, WeightsCheck
 
 __all__ = ["TrainerClient", "SyncResult", "EngineResult", "SyncFailed", "RetryPolicy", "LoopLagProbe",
-           "EngineClient", "Probe"]
+           "EngineClient", "Probe", "WeightsCheck", "EngineHolding"]

@@ -415,6 +415,15 @@ class DistributedTrainerClient(AsyncClient):
             raise InvalidArgument("get_state is asked on rank 0 (it drives the rounds)")
         return await self._driver.get_state(include_digests=include_digests)
 
+    async def check_engines(self, *, digest: str, version: int | None = None, engines: int | None = None,
+                            engine_ids=None, within_s: float = 60.0):
+        """Rank 0: ``TrainerClient.check_engines`` against the digest of the full,
+        unsharded weights (which only a collective can gather: the caller's)."""
+        if self._driver is None:
+            raise InvalidArgument("check_engines is asked on rank 0 (it drives the rounds)")
+        return await self._driver.check_engines(digest=digest, version=version, engines=engines,
+                                                engine_ids=engine_ids, within_s=within_s)
+
     def wait_key(self, key: str, *, operation: str, deadline_at: float | None = None) -> bytes:
         """Rank 0: waits (in this process) for a key another rank sets."""
         store = self._driver._store_host

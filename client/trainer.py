@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -40,6 +40,7 @@ from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.context import AsyncClient
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
+from weightsync.client.verify import WeightsCheck, check_engines, trainer_digest, validate_request
 from weightsync.dtypes import dtype_name
 from weightsync.errors import (
     EngineOutputMismatch,
@@ -735,6 +736,25 @@ class TrainerClient(AsyncClient):
             return await stub.GetState(coordinator_pb2.GetStateRequest(include_digests=include_digests),
                                        timeout=left if left is not None else 60.0)
         return await call_with_retry(self.retry, attempt, operation="get_state")
+
+    async def check_engines(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                            digest: str = "", version: int | None = None, engines: int | None = None,
+                            engine_ids: Collection[str] | None = None, within_s: float = 60.0) -> WeightsCheck:
+        """Whether every engine holds exactly the trainer's weights, bitwise: give the
+        tensors as sent (``named_tensors``; hashed off the event loop, cast to this
+        client's ``wire_dtype`` as the send does) or their ``digest``; ``version`` also
+        asks that each engine be at that weight version, ``engines`` that that many be
+        registered, ``engine_ids`` that only those be checked (say, the engines a round
+        reported synced). An engine the coordinator could not read is asked again until
+        ``within_s`` has passed, then reported as unread, not as different
+        (``WeightsCheck.unread`` / ``.different`` / ``.ok`` / ``.describe()``)."""
+        if (named_tensors is None) == (not digest):
+            raise InvalidArgument("check_engines takes the tensors or their digest, one of the two")
+        validate_request(engines=engines, engine_ids=engine_ids, within_s=within_s)
+        if named_tensors is not None:
+            digest = await asyncio.to_thread(trainer_digest, named_tensors, self.wire_dtype)
+        return await check_engines(lambda: self.get_state(include_digests=True), digest, version=version,
+                                   engines=engines, engine_ids=engine_ids, within_s=within_s)
 
 
 __all__ = ["TrainerClient", "SyncResult", "EngineResult", "SyncFailed", "PAUSE_MODES"]

@@ -23,7 +23,6 @@ import torch
 from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import EngineClient, LoopLagProbe, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.packing import weights_digest
 from weightsync.pki import generate_dev_pki, tls_args
 from weightsync.security import Security
 
@@ -116,13 +115,14 @@ async def _train(address: str, agents: list[str], *, steps: int, transport: str,
             for step in range(1, steps + 1):
                 loss = await asyncio.to_thread(train_step)  # the loop keeps serving the generators
                 result = await client.update_weights(model.named_parameters(), version=step, timeout_s=60)
-                state = await client.get_state(include_digests=True)
-                local = await asyncio.to_thread(weights_digest, model.named_parameters())
-                cells = []
-                for e in state.engines:
-                    equal = e.weights_digest == local and e.weight_version == step
-                    all_equal &= equal
-                    cells.append(f"{e.engine_id}: v{e.weight_version} {'equal' if equal else 'DIFFERENT'}")
+                check = await client.check_engines(model.named_parameters(), version=step, engines=len(engines))
+                all_equal &= check.ok
+                holding = set(check.holding)
+                cells = [f"{e.engine_id}: v{e.version} " + ("equal" if e.engine_id in holding
+                                                            else "UNREAD" if not e.digest else "DIFFERENT")
+                         for e in check.engines]
+                if len(check.engines) != len(engines):
+                    cells.append(check.describe())
                 print(f"{step:>4} {loss:>7.3f} {1000 * result.total_seconds:>8.1f} {result.bytes:>9}  "
                       + "; ".join(cells), flush=True)
                 await asyncio.sleep(0.05)  # let the engines generate a little with the new weights

@@ -8,8 +8,9 @@ prints one JSON line per round:
      "engines": {id: {"ok", "transport", "relayed_by", "host_id", "reason", "message",
                       "digest_ok"}}}
 
-``digest_ok`` compares the engine's digest with this process's own tensors, never
-with another engine. ``seconds`` is the whole ``update_weights`` (pause, broadcast,
+``digest_ok`` compares the digest of an engine the round synced with this process's own
+tensors, never with another engine (``TrainerClient.check_engines``; None for an engine
+whose round failed; ``digest_check`` says what the others hold where one differs). ``seconds`` is the whole ``update_weights`` (pause, broadcast,
 resume); the digest check after it is not counted.
 
 Usage: python -m weightsync.apps.bench.host_trainer COORDINATOR HOST --model JSON
@@ -29,7 +30,6 @@ import torch
 from weightsync.client import TrainerClient
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import WeightSyncError
-from weightsync.packing import weights_digest
 from weightsync.plan import DEFAULT_BUCKET_BYTES
 
 
@@ -47,7 +47,7 @@ async def run(args: argparse.Namespace) -> None:
     async with TrainerClient(args.coordinator, host=args.host, transport=args.transport,
                              bucket_bytes=args.bucket_bytes) as client:
         for r in range(args.first_version, args.first_version + args.rounds):
-            named = model_tensors(config, seed=r)
+            named = await asyncio.to_thread(model_tensors, config, r)
             line: dict = {"round": r, "ok": False, "error": "", "engines": {}, "began": time.time(),
                           "bytes": sum(t.numel() * t.element_size() for _, t in named)}
             started = time.monotonic()
@@ -59,16 +59,19 @@ async def run(args: argparse.Namespace) -> None:
                 outcomes = getattr(getattr(exc, "result", None), "engines", ())
             line["seconds"] = round(time.monotonic() - started, 4)
             line["ended"] = time.time()
-            state = await client.get_state(include_digests=True)
+            state = await client.get_state()
             engines = {e.engine_id: e for e in state.engines}
-            local = weights_digest(named)
+            synced = [o.engine_id for o in outcomes if o.ok]
+            check = await client.check_engines(named, version=r, engine_ids=synced) if synced else None
             for o in outcomes:
                 engine = engines.get(o.engine_id)
                 line["engines"][o.engine_id] = {
                     "ok": o.ok, "transport": o.transport, "relayed_by": o.relayed_by,
                     "host_id": engine.host_id if engine else "", "reason": o.error_reason,
                     "message": o.error_message[:300],
-                    "digest_ok": engine is not None and engine.weights_digest == local}
+                    "digest_ok": o.engine_id in check.holding if o.ok else None}
+            if check is not None and not check.ok:
+                line["digest_check"] = check.describe()
             print(json.dumps(line), flush=True)
             await asyncio.sleep(args.pause_between)
 

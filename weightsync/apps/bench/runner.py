@@ -210,23 +210,11 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
 async def _check_engines_hold(client: TrainerClient, digest: str, *, engines: int, version: int, transport: str,
                               within_s: float = 60.0) -> None:
     """Raises unless every engine holds exactly the trainer's bytes (``digest``) at
-    ``version``. An engine the coordinator could not read just then (its heartbeat late
-    or its answer slow on a loaded machine) has no digest in the answer, which is not
-    a different one: it is asked again, for up to ``within_s``."""
-    end = time.monotonic() + within_s
-    while True:
-        state = await client.get_state(include_digests=True)
-        unread = [e for e in state.engines if not e.weights_digest]
-        if (len(state.engines) == engines and not unread) or time.monotonic() >= end:
-            break
-        await asyncio.sleep(0.5)
-    wrong = [f"{e.engine_id}: " + (f"no digest (available={e.available}, fault={e.fault!r})" if not e.weights_digest
-                                   else f"digest {e.weights_digest[:12]} at version {e.weight_version}")
-             for e in state.engines if e.weights_digest != digest]
-    if len(state.engines) != engines or wrong:
-        raise RuntimeError(f"weightsync/{transport}: after version {version}, {len(state.engines)} of {engines} "
-                           f"engines registered; not holding the trainer's bytes (digest {digest[:12]}): "
-                           f"{'; '.join(wrong) or 'none'}")
+    ``version``, naming what each other engine holds (``TrainerClient.check_engines``:
+    an engine the coordinator could not read is asked again for up to ``within_s``)."""
+    check = await client.check_engines(digest=digest, version=version, engines=engines, within_s=within_s)
+    if not check.ok:
+        raise RuntimeError(f"weightsync/{transport}: after version {version}, {check.describe()}")
 
 
 def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: list[str], steps: int,

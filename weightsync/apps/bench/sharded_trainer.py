@@ -14,7 +14,8 @@ Each rank prints one JSON line per round:
     {"rank", "round", "ok", "error_type", "error", "seconds", "ended", "bytes", "digest_ok"}
 (``gather`` adds ``gather_s``: the all-gather's share of ``seconds``)
 ``digest_ok`` (rank 0; after a good round, not timed): every engine's digest equals the
-digest of the full, unsharded state dict (gathered for the check only). SIGINT cancels
+digest of the full, unsharded state dict (gathered for the check only; ``digest_check`` says what
+the engines hold where it is false). SIGINT cancels
 the running round on that rank: it prints the round's line and stops.
 Before each round a rank prints ``{"rank", "starting": VERSION}`` (a test that kills or
 signals a rank mid-round waits for it; its engines are slowed by fault injection).
@@ -113,9 +114,11 @@ async def run(args: argparse.Namespace) -> None:
             if (args.check_digests or (args.check_digests_last and last)) and line["ok"]:  # a collective: only when every rank is known alive
                 full = full_state(model)
                 if rank == 0:
-                    state = await (client.get_state(include_digests=True))
-                    local = weights_digest(full)
-                    line["digest_ok"] = bool(state.engines) and all(e.weights_digest == local for e in state.engines)
+                    local = await asyncio.to_thread(weights_digest, full)
+                    check = await client.check_engines(digest=local, version=r)
+                    line["digest_ok"] = check.ok
+                    if not check.ok:
+                        line["digest_check"] = check.describe()
             line["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
             print(json.dumps(line), flush=True)
     finally:
