@@ -47,6 +47,8 @@ async def test_three_rounds_bitwise_equal(cluster_factory, transport):
             result = await client.update_weights(model.named_parameters(), version=version, timeout_s=60)
             assert result.ok and result.version == version
             assert result.bytes >= sum(p.numel() * 4 for p in model.parameters())
+            assert 0.0 < result.transfer_seconds <= result.total_seconds, result  # the trainer's own clock
+            assert all(0.0 < e.seconds <= result.total_seconds for e in result.engines), result
             assert [e.engine_id for e in result.engines] == ["engine-0", "engine-1"]
             assert set(result.resumed) == {"engine-0", "engine-1"}
             await assert_engines_equal(client, model, version)

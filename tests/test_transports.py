@@ -32,28 +32,37 @@ def rendezvous(store, kind, world, group="g1"):
 
 def run_round(sender, receivers, rdzv, plan, sources, *, timeout_s=20.0, fail_rank=None, targets=None):
     """One round in threads; returns (each receiver's targets, errors by rank). ``targets``:
-    each receiver's own (default: zeros shaped like the plan)."""
+    each receiver's own (default: zeros shaped like the plan). Every end that finishes
+    must report how long it took (``TransferStats.seconds``) within the round's wall time."""
     if targets is None:
         targets = [[torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots] for _ in receivers]
     errors: dict[int, BaseException] = {}
+    stats = {}
 
     def receive(rank):
         try:
             if rank == fail_rank:
                 raise RuntimeError("injected receiver failure")
-            receivers[rank - 1].receive(rdzv, rank, plan, targets[rank - 1], deadline_at=time.monotonic() + timeout_s,
-                                        abort=threading.Event())
+            stats[rank] = receivers[rank - 1].receive(rdzv, rank, plan, targets[rank - 1],
+                                                      deadline_at=time.monotonic() + timeout_s,
+                                                      abort=threading.Event())
         except BaseException as exc:
             errors[rank] = exc
 
+    began = time.monotonic()
     threads = [threading.Thread(target=receive, args=(r,)) for r in range(1, len(receivers) + 1)]
     for t in threads:
         t.start()
     try:
-        sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + timeout_s, abort=threading.Event())
+        stats[0] = sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + timeout_s,
+                               abort=threading.Event())
     finally:
         for t in threads:
             t.join(timeout_s + 5)
+    took = time.monotonic() - began
+    for rank, stat in stats.items():
+        if stat is not None:
+            assert 0.0 <= stat.seconds <= took, f"rank {rank} reports {stat.seconds} s of a {took:.3f} s round"
     return targets, errors
 
 

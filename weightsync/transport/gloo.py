@@ -188,14 +188,14 @@ class GlooSender(Sender):
                     gathered = group.gathered[slot][:wire.gathered_bytes]
                     gather_ranges(buf, wire.gathered, gathered)
                     works[slot].append(broadcast_from_root(group.pg, gathered))
-                for start, end, piece in wire.ops:
+                for lo, hi, piece in wire.ops:  # not ``start``: that is the transfer's clock
                     data = None
                     if piece is not None:
                         index = piece.tensor_index
                         data = _wire_bytes(sources[index], plan.dtypes[index], piece)
                         if data is None:
                             pack_piece(plan, piece, sources, buf)
-                    works[slot].append(broadcast_from_root(group.pg, buf[start:end] if data is None else data))
+                    works[slot].append(broadcast_from_root(group.pg, buf[lo:hi] if data is None else data))
             wait(0)
             wait(1)
             # Every receiver read the format before its first broadcast completed.
@@ -258,14 +258,14 @@ class GlooReceiver(Receiver):
                 wire = plan.wire_ops(bucket)
                 if wire.gathered:
                     works[slot].append(broadcast_from_root(group.pg, group.gathered[slot][:wire.gathered_bytes]))
-                for start, end, piece in wire.ops:
+                for lo, hi, piece in wire.ops:  # not ``start``: that is the transfer's clock
                     into = None
                     if piece is not None:
                         index = piece.tensor_index
                         into = _wire_bytes(targets[index], plan.dtypes[index], piece)
                         if into is None:
                             staged[bucket].append(piece)
-                    works[slot].append(broadcast_from_root(group.pg, buf[start:end] if into is None else into))
+                    works[slot].append(broadcast_from_root(group.pg, buf[lo:hi] if into is None else into))
 
             post(0)
             for bucket in range(n):
