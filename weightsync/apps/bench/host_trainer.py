@@ -10,8 +10,9 @@ prints one JSON line per round:
 
 ``digest_ok`` compares the digest of an engine the round synced with this process's own
 tensors, never with another engine (``TrainerClient.check_engines``; None for an engine
-whose round failed; ``digest_check`` says what the others hold where one differs). ``seconds`` is the whole ``update_weights`` (pause, broadcast,
-resume); the digest check after it is not counted.
+whose round failed; ``digest_check`` says what the others hold where one differs).
+``seconds`` is the whole ``update_weights`` (pause, broadcast, resume); the digest check
+after it is not counted.
 
 Usage: python -m weightsync.apps.bench.host_trainer COORDINATOR HOST --model JSON
     [--rounds N] [--first-version V] [--transport T] [--timeout S] [--pause-between S] [--bucket-bytes B]

@@ -14,9 +14,9 @@ Each rank prints one JSON line per round:
     {"rank", "round", "ok", "error_type", "error", "seconds", "ended", "bytes", "digest_ok"}
 (``gather`` adds ``gather_s``: the all-gather's share of ``seconds``)
 ``digest_ok`` (rank 0; after a good round, not timed): every engine's digest equals the
-digest of the full, unsharded state dict (gathered for the check only; ``digest_check`` says what
-the engines hold where it is false). SIGINT cancels
-the running round on that rank: it prints the round's line and stops.
+digest of the full, unsharded state dict (gathered for the check only; ``digest_check``
+says what the engines hold where it is false). SIGINT cancels the running round on that
+rank: it prints the round's line and stops.
 Before each round a rank prints ``{"rank", "starting": VERSION}`` (a test that kills or
 signals a rank mid-round waits for it; its engines are slowed by fault injection).
 """
