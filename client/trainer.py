@@ -41,7 +41,7 @@ from weightsync.client.context import AsyncClient
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
 from weightsync.client.verify import WeightsCheck, check_engines, trainer_digest, validate_request
-from weightsync.dtypes import dtype_name
+from weightsync.dtypes import dtype_name, on_wire
 from weightsync.errors import (
     EngineOutputMismatch,
     InvalidArgument,
@@ -581,7 +581,7 @@ class TrainerClient(AsyncClient):
                 dtypes = [t.dtype for _, t in pairs]
                 shapes = [t.shape for _, t in pairs]
                 wire = self.wire_dtype
-                wire_dtypes = [wire if wire is not None and d.is_floating_point else d for d in dtypes]
+                wire_dtypes = [on_wire(d, wire) for d in dtypes]
                 plan = BucketPlan.build(zip(names, wire_dtypes, shapes, strict=True), bucket_bytes=self.bucket_bytes)
                 self._plan_cache = (self.bucket_bytes, wire, names, dtypes, shapes, plan,
                                     list(plan.dtypes) == dtypes)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.dtypes import on_wire
 from weightsync.errors import InvalidArgument
 from weightsync.packing import weights_digest
 from weightsync.v1 import coordinator_pb2
@@ -93,9 +94,10 @@ def trainer_digest(named_tensors: Iterable[tuple[str, torch.Tensor]], wire_dtype
     """The digest an engine holds after receiving ``named_tensors`` as a trainer with
     ``wire_dtype`` sends them (floating tensors cast to it). Reads every byte: run it
     off the event loop."""
-    def on_wire(t: torch.Tensor) -> torch.Tensor:
-        return t.to(wire_dtype) if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype else t
-    return weights_digest((name, on_wire(t)) for name, t in named_tensors)
+    def as_sent(t: torch.Tensor) -> torch.Tensor:
+        dtype = on_wire(t.dtype, wire_dtype)
+        return t.to(dtype) if t.dtype != dtype else t
+    return weights_digest((name, as_sent(t)) for name, t in named_tensors)
 
 
 def validate_request(*, engines: int | None, engine_ids: Collection[str] | None, within_s: float) -> None:

@@ -37,4 +37,10 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise InvalidArgument(f"unsupported dtype {dtype}") from None
 
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "ITEMSIZE", "DTYPE_CODES", "CODE_OF", "dtype_from_name", "dtype_name"]
+def on_wire(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels as when a trainer casts to ``wire_dtype``:
+    floating tensors are cast, the others (integers, bool) go as they are."""
+    return wire_dtype if wire_dtype is not None and dtype.is_floating_point else dtype
+
+
+__all__ = ["DTYPES", "DTYPE_NAMES", "ITEMSIZE", "DTYPE_CODES", "CODE_OF", "dtype_from_name", "dtype_name", "on_wire"]

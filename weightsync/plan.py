@@ -211,11 +211,9 @@ class BucketPlan:
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                      wire_dtype: torch.dtype | None = None) -> BucketPlan:
         """Plans ``named_tensors``; ``wire_dtype`` casts floating tensors on the way."""
-        def spec(t: torch.Tensor) -> torch.dtype:
-            if wire_dtype is not None and t.dtype.is_floating_point:
-                return wire_dtype
-            return t.dtype
-        return cls.build(((n, spec(t), tuple(t.shape)) for n, t in named_tensors),
+        from weightsync.dtypes import on_wire  # the caller holds tensors: torch is loaded
+
+        return cls.build(((n, on_wire(t.dtype, wire_dtype), tuple(t.shape)) for n, t in named_tensors),
                          bucket_bytes=bucket_bytes)
 
     @classmethod

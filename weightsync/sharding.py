@@ -353,7 +353,7 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
         InvalidArgument: ranks disagree on a tensor's dtype or shape, or a tensor is
             neither covered by shards nor held whole by any rank.
     """
-    from weightsync.dtypes import ITEMSIZE, dtype_from_name
+    from weightsync.dtypes import ITEMSIZE, dtype_from_name, on_wire
     order: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     shards: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(start, rows, rank)]
     whole: dict[str, list[int]] = {}
@@ -371,7 +371,7 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
             elif rows > 0:
                 shards.setdefault(name, []).append((start, rows, rank))
     names = list(order)
-    dtypes = [wire_dtype if wire_dtype is not None and order[n][0].is_floating_point else order[n][0] for n in names]
+    dtypes = [on_wire(order[n][0], wire_dtype) for n in names]
     plan = BucketPlan.build(((n, d, order[n][1]) for n, d in zip(names, dtypes, strict=True)),
                             bucket_bytes=bucket_bytes)
     sent = [0] * len(described)
