@@ -13,8 +13,9 @@ of that engine id honours the rule; the others drop it).
 - ``op: "receive"`` (agents' data plane), matched by ``version`` and ``bucket``:
   ``delay`` or ``fail`` after that bucket is loaded; ``stale_tensor`` keeps the
   tensor named ``tensor`` (default: the plan's first) at its old contents after the
-  receive, and ``skip_post_load`` has vLLM's worker skip re-processing tied layers
-  after its reload: two broken loads that attestation must catch.
+  receive, and ``skip_post_load`` has vLLM's worker reload as vLLM does by itself
+  (tied layers not re-processed, expert kernels not laid out anew): two broken
+  loads that attestation must catch.
 - ``op: "rpc"`` (any server, see ``server/fault_interceptor.py``), matched by
   ``method`` (e.g. "Broadcast"): ``drop_response`` (the handler runs, the caller
   gets UNAVAILABLE instead of the answer), ``duplicate`` (the request is delivered

@@ -21,7 +21,7 @@ MAX_POSITIONS = 2048
 
 
 def build(out: str, seed: int = 0, *, arch: str = "llama", tied: bool = False, hidden: int = 64,
-          layers: int = 2, intermediate: int = 128) -> str:
+          layers: int = 2, intermediate: int = 128, experts: int = 8) -> str:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -49,8 +49,14 @@ def build(out: str, seed: int = 0, *, arch: str = "llama", tied: bool = False, h
         config, model_class = LlamaConfig(num_key_value_heads=2, **common), LlamaForCausalLM
     elif arch == "qwen2":
         config, model_class = Qwen2Config(num_key_value_heads=1, **common), Qwen2ForCausalLM
+    elif arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        config = Qwen3MoeConfig(num_key_value_heads=1, num_experts=experts, num_experts_per_tok=2,
+                                moe_intermediate_size=intermediate // 2, decoder_sparse_step=1, norm_topk_prob=True,
+                                **common)
+        model_class = Qwen3MoeForCausalLM
     else:
-        raise SystemExit(f"unknown arch {arch!r}: llama or qwen2")
+        raise SystemExit(f"unknown arch {arch!r}: llama, qwen2 or qwen3_moe")
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():  # HF initialises biases to zero; a q/k/v bias mapped wrong must show
@@ -65,11 +71,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    ap.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe"])
     ap.add_argument("--tied", action="store_true", help="tie the output layer to the input embedding")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 32: heads of 32)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=8, help="qwen3_moe: routed experts per layer")
     args = ap.parse_args()
     print(build(args.out, args.seed, arch=args.arch, tied=args.tied, hidden=args.hidden, layers=args.layers,
-                intermediate=args.intermediate))
+                intermediate=args.intermediate, experts=args.experts))

@@ -138,7 +138,8 @@ class VllmAdapter(HttpEngineAdapter):
 
     def receive(self, delivery: Delivery) -> None:
         """Runs the receive inside vLLM's worker (blocking; the agent's transfer thread).
-        ``skip_post_load`` is fault injection: the tied layers keep their old kernels."""
+        ``skip_post_load`` is fault injection: vLLM's reload as it is (tied layers keep
+        their old kernels, expert kernels are not laid out anew)."""
         rendezvous, rank, plan = delivery.rendezvous, delivery.rank, delivery.plan
         deadline_at, skip_post_load = delivery.deadline_at, delivery.skip_post_load
         # The worker remembers plans it took whole: later rounds name the plan by id (a

@@ -30,8 +30,16 @@ class ProbeUnsupported(RuntimeError):
 
 
 def attention_layers(vllm_config) -> list[nn.Module]:
-    """Every attention layer vLLM registered for this model (one per decoder layer)."""
-    return list(vllm_config.compilation_config.static_forward_context.values())
+    """Every attention layer vLLM registered for this model (one per decoder layer).
+
+    vLLM's forward context registers other layers beside them (a mixture-of-experts
+    model's expert runners, LoRA's linear layers); those hold weights and run as they
+    are, so only its attention kinds (``AttentionLayerBase``: attention, MLA, state
+    space mixers) count here."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    return [layer for layer in vllm_config.compilation_config.static_forward_context.values()
+            if isinstance(layer, AttentionLayerBase)]
 
 
 def check_supported(vllm_config, longest: int) -> None:

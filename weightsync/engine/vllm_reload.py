@@ -13,8 +13,22 @@ new weights with the old output layer, while every byte check passes.
 ``reload_in_place`` therefore re-runs the post-load processing of every layer whose
 parameters all alias parameters of another layer, after the reload, when the shared
 tensors hold the new values. Every other layer is covered: the agent refuses a plan
-that lacks any tensor of the served checkpoint. What the engine then computes is
-checked independently of this path by the attestation probe (``vllm_probe.py``).
+that lacks any tensor of the served checkpoint.
+
+Mixture-of-experts layers have a second gap. A fused-MoE layer's post-load step
+builds its expert kernel once; on a weight update (its kernel already built) vLLM
+copies the new weights into the kernel's tensors and skips the experts' own
+post-load step. Where that step is what makes the kernel's layout (vLLM's CPU
+experts prepack every expert matrix into blocks), the experts then compute with the
+new values read in the wrong layout: a tiny Qwen3-MoE synced this way answered
+nothing like a fresh boot of the same checkpoint, every byte check passing. So, for
+each layer whose experts have a post-load step of their own, ``reload_in_place``
+drops the built kernel before the reload: vLLM then processes the new weights as it
+did at boot (kernel, padding, prepacking) and copies the result into the tensors
+the engine computes with.
+
+What the engine then computes is checked independently of this path by the
+attestation probe (``vllm_probe.py``).
 """
 
 from __future__ import annotations
@@ -41,16 +55,43 @@ def tied_layers(model: nn.Module) -> list[nn.Module]:
     return tied
 
 
-def reload_in_place(model_runner, named: Iterable[tuple[str, torch.Tensor]], *, reprocess_tied: bool = True) -> None:
+def experts_built_once(model: nn.Module) -> list:
+    """The quantisation methods of fused-MoE layers whose built expert kernel has a
+    post-load step of its own, which vLLM runs when it builds the kernel and skips on
+    a weight update (see the module docstring)."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    base_step = FusedMoEExperts.process_weights_after_loading
+    methods = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is not None and type(experts).process_weights_after_loading is not base_step:
+            methods.append(method)
+    return methods
+
+
+def reload_in_place(model_runner, named: Iterable[tuple[str, torch.Tensor]], *, repair: bool = True) -> None:
     """Reloads ``named`` (checkpoint names and formats; an iterator is consumed as vLLM
-    loads, so tensors can arrive while earlier ones load) into the runner's model, then
-    re-processes tied layers. ``reprocess_tied=False`` exists only for fault injection:
-    it reproduces vLLM's own behaviour so that attestation can be shown to catch it.
+    loads, so tensors can arrive while earlier ones load) into the runner's model,
+    with the mixture-of-experts kernels rebuilt as at boot, then re-processes tied
+    layers. ``repair=False`` exists only for fault injection: it reproduces vLLM's own
+    behaviour (neither) so that attestation can be shown to catch it.
     """
     model = model_runner.get_model()
     tied = tied_layers(model)
-    model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-    if not reprocess_tied:
+    experts = experts_built_once(model) if repair else []
+    kernels = [(method, method.moe_kernel) for method in experts]
+    for method in experts:
+        method.moe_kernel = None  # vLLM's post-load step then builds it, and lays the experts out, anew
+    try:
+        model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+    except BaseException:
+        for method, kernel in kernels:  # a layer the failed reload never reached keeps its kernel
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
+        raise
+    if not repair:
         return
     for layer in tied:
         _process_after_loading(layer)
@@ -68,4 +109,4 @@ def _process_after_loading(layer: nn.Module) -> None:
         process(layer)
 
 
-__all__ = ["reload_in_place", "tied_layers"]
+__all__ = ["reload_in_place", "tied_layers", "experts_built_once"]

@@ -11,7 +11,7 @@ with string arguments (JSON), never pickle:
   worker joins at its own rank (``rank`` plus the worker's rank in vLLM's parallel world), joins
   the weightsync transport (shm, gloo, group, nccl or cuda-ipc), and receives into checkpoint-shaped
   tensors (host memory; the worker's GPU for nccl and cuda-ipc, and when the group backend is nccl) that go to
-  vLLM's in-place reload, tied layers included (``vllm_reload.py``), as each one
+  vLLM's in-place reload, tied layers and expert kernels included (``vllm_reload.py``), as each one
   completes (``streamed_load.py``: the worker's extra memory is a few buckets and the
   tensors being filled, not a second model). Returns the digest of what it loaded and
   the peak bytes of received tensors alive at once; network transports listen on ``data_host`` (the agent's
@@ -69,7 +69,7 @@ class WeightsyncWorkerExtension:
             digest, peak = receive_and_load(
                 receiver, rendezvous, int(rank) + int(getattr(self, "rank", 0) or 0), plan, device=device,
                 deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event(),
-                load=lambda weights: reload_in_place(self.model_runner, weights, reprocess_tied=skip_post_load != "1"),
+                load=lambda weights: reload_in_place(self.model_runner, weights, repair=skip_post_load != "1"),
                 max_ready_bytes=2 * plan.bucket_bytes)
             return {"digest": digest, "bytes": plan.total_bytes, "peak_target_bytes": peak}
         except Exception as exc:  # reported to the agent as data; the agent marks the engine torn
