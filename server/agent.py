@@ -81,6 +81,21 @@ DEFAULT_TIMEOUT_S = 60.0
 COORDINATOR_SILENCE_S = KEEPALIVE_S + KEEPALIVE_TIMEOUT_S + 1.0
 
 
+def _fused_experts_hint(unknown: list[str], specs) -> str:
+    """A hint for the commonest such refusal: a trainer whose model holds a layer's
+    experts fused into one tensor (transformers 5 loads Qwen-MoE and Mixtral so:
+    ``mlp.experts.gate_up_proj``), against an engine whose checkpoint keeps every
+    expert's matrices apart (``mlp.experts.0.gate_proj.weight``). Empty otherwise."""
+    for name in unknown:
+        parent = name.rpartition(".")[0] + "."
+        example = next((n for n in specs if n.startswith(parent) and n[len(parent):len(parent) + 1].isdigit()), None)
+        if example is not None:
+            return (f"; the engine's checkpoint keeps each expert's matrices apart (e.g. {example!r}) where the "
+                    f"plan has one tensor for all of a layer's experts: send the model's tensors by checkpoint "
+                    f"names (README: 'Mixture-of-experts models')")
+    return ""
+
+
 def _never_started(error: BaseException) -> WeightSyncError:
     """``error`` (of a rendezvous that wrote nothing), saying so; typed as before."""
     prefix = "the transfer never started; nothing was written and the engine keeps its weights: "
@@ -485,7 +500,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         unknown = list(islice((n for n in head if n not in specs), 5))
         if unknown:
             raise InvalidArgument(f"plan names tensors the engine does not have: {unknown} (it lists {count} "
-                                  f"tensors; the engine has {len(specs)})", metadata={"tensor": unknown[0]})
+                                  f"tensors; the engine has {len(specs)}){_fused_experts_hint(unknown, specs)}",
+                                  metadata={"tensor": unknown[0]})
         raise InvalidArgument(f"plan lists {count} tensors; the engine has {len(specs)}")
 
     def _check_plan_fits(self, plan: BucketPlan) -> None:
@@ -496,8 +512,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         names = plan.names
         unknown = list(islice((n for n in names if n not in specs), 5))
         if unknown:
-            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown}",
-                                  metadata={"tensor": unknown[0]})
+            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown}"
+                                  f"{_fused_experts_hint(unknown, specs)}", metadata={"tensor": unknown[0]})
         if len(names) != len(specs):  # every name is the engine's and names are unique: some are missing
             planned = set(names)
             missing = list(islice((n for n in specs if n not in planned), 5))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync.client import TrainerClient
-from weightsync.engine.model import PRESETS, ReferenceLM
+from weightsync.engine.model import PRESETS, ReferenceLM, config_for_size
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.packing import weights_digest
 from weightsync.plan import BucketPlan
@@ -136,3 +136,41 @@ async def test_broadcast_without_pause_is_refused(cluster):
         assert "Pause" in str(info.value)
         state = await client.get_state()
     assert state.weight_version == 0
+
+
+def fuse_experts(tensors):
+    """What a trainer whose model fuses each layer's experts (transformers 5 does, for
+    Qwen-MoE and Mixtral) would send: one stacked tensor per layer and matrix kind in
+    place of a tensor per expert."""
+    out, fused = [], {}
+    for name, t in tensors:
+        head, sep, rest = name.partition(".experts.")
+        if not sep:
+            out.append((name, t))
+            continue
+        kind = rest.split(".", 1)[1]  # "<expert>.<kind>"
+        fused.setdefault(f"{head}.experts.{kind.removesuffix('.weight')}", []).append(t)
+    return out + [(name, torch.stack(ts)) for name, ts in fused.items()]
+
+
+async def test_fused_experts_are_refused_with_the_checkpoint_names_to_send(cluster_factory):
+    """An engine whose checkpoint keeps each expert apart, a plan with the experts of
+    each layer fused: refused before anything changes, naming one of the engine's
+    per-expert tensors and where the README says how to send them."""
+    config = config_for_size(1 << 20, 200, profile="moe")
+    cluster = cluster_factory(1, agent_args=("--model", config.to_json()))
+    tensors = named(ReferenceLM(config))
+    fused = fuse_experts(tensors)
+    assert len(fused) < len(tensors) and any(n.endswith(".experts.gate") for n, _ in fused)
+    async with TrainerClient(cluster.address) as client:
+        before = await client.get_state(include_digests=True)
+        await client.pause()
+        with pytest.raises(InvalidArgument) as info:
+            await client.broadcast(fused, version=1, timeout_s=30)
+        await client.resume()
+        after = await client.get_state(include_digests=True)
+    message = str(info.value)
+    assert "keeps each expert's matrices apart" in message and "Mixture-of-experts models" in message, message
+    assert ".moe.experts.0." in message, message
+    assert after.weight_version == before.weight_version == 0
+    assert after.engines[0].weights_digest == before.engines[0].weights_digest and not after.engines[0].torn

@@ -40,7 +40,7 @@ from tests.vllm.harness import (
     trainer_logits_fn,
 )
 from weightsync.client import Probe, TrainerClient
-from weightsync.errors import EngineOutputMismatch
+from weightsync.errors import EngineOutputMismatch, InvalidArgument
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -90,13 +90,28 @@ def trainer_reference(base_dir: str, weights, out: str):
 async def test_moe_rounds_match_a_fresh_boot_and_the_trainer(moe):
     """shm and gloo: after each round vLLM's greedy tokens and log-probs equal the
     trainer's model (after the last round, also a vLLM booted fresh on its
-    checkpoint), and the attestation probe passes within the fp32 tolerance."""
+    checkpoint), and the attestation probe passes within the fp32 tolerance. The
+    first round sends the checkpoint's tensors, the last the trainer's model as the
+    README says (its fused experts by checkpoint names, ``revert_weight_conversion``),
+    after the model's own tensors were refused, naming the checkpoint's per-expert
+    names, with nothing changed."""
+    from transformers.core_model_loading import revert_weight_conversion
+
     stack, fresh_url, base_dir, tmp, rounds = moe
     previous = greedy_all(stack.url)
     async with TrainerClient(stack.address) as client:
         for r, transport in enumerate(TRANSPORTS):
             model, attest = trainer_reference(base_dir, rounds[r], os.path.join(tmp, f"reference-{r}"))
-            result = await client.update_weights(rounds[r], version=r + 1, transport=transport, timeout_s=180,
+            sent = rounds[r]
+            if r == len(TRANSPORTS) - 1:
+                with pytest.raises(InvalidArgument) as refused:
+                    await client.update_weights(list(model.named_parameters()), version=r + 1, timeout_s=180)
+                assert "mlp.experts.gate_up_proj" in str(refused.value), refused.value
+                assert "keeps each expert's matrices apart" in str(refused.value), refused.value
+                assert (await client.get_state()).engines[0].weight_version == r
+                sent = list(revert_weight_conversion(model, model.state_dict()).items())
+                assert sorted(n for n, _ in sent) == sorted(n for n, _ in rounds[r])
+            result = await client.update_weights(sent, version=r + 1, transport=transport, timeout_s=180,
                                                  verify_digest=True, attest=attest)
             engine = result.engines[0]
             assert result.ok and engine.weight_version == r + 1 and result.resumed == ("vllm-0",)
