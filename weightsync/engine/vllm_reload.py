@@ -22,10 +22,10 @@ post-load step. Where that step is what makes the kernel's layout (vLLM's CPU
 experts prepack every expert matrix into blocks), the experts then compute with the
 new values read in the wrong layout: a tiny Qwen3-MoE synced this way answered
 nothing like a fresh boot of the same checkpoint, every byte check passing. So, for
-each layer whose experts have a post-load step of their own, ``reload_in_place``
-drops the built kernel before the reload: vLLM then processes the new weights as it
-did at boot (kernel, padding, prepacking) and copies the result into the tensors
-the engine computes with.
+each such layer on CPU, ``reload_in_place`` drops the built kernel before the
+reload: vLLM then processes the new weights as it did at boot (kernel, padding,
+prepacking) and copies the result into the tensors the engine computes with (GPU:
+see ``experts_built_once``).
 
 What the engine then computes is checked independently of this path by the
 attestation probe (``vllm_probe.py``).
@@ -56,9 +56,14 @@ def tied_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def experts_built_once(model: nn.Module) -> list:
-    """The quantisation methods of fused-MoE layers whose built expert kernel has a
-    post-load step of its own, which vLLM runs when it builds the kernel and skips on
-    a weight update (see the module docstring)."""
+    """The quantisation methods of fused-MoE layers on CPU whose built expert kernel
+    has a post-load step of its own, which vLLM runs when it builds the kernel and
+    skips on a weight update (see the module docstring).
+
+    CPU only: that is where the gap was found and the rebuild is tested (against the
+    trainer's model and a fresh boot). GPU expert kernels with a post-load step of
+    their own exist too, but rebuilding a kernel under captured CUDA graphs has not
+    run on a GPU here; there, vLLM's update stands and attestation is the check."""
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
 
     base_step = FusedMoEExperts.process_weights_after_loading
@@ -66,7 +71,9 @@ def experts_built_once(model: nn.Module) -> list:
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-        if experts is not None and type(experts).process_weights_after_loading is not base_step:
+        weight = getattr(module, "w13_weight", None)
+        if (experts is not None and type(experts).process_weights_after_loading is not base_step
+                and isinstance(weight, torch.Tensor) and weight.device.type == "cpu"):
             methods.append(method)
     return methods
 
