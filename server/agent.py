@@ -571,7 +571,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             restore_stale()
         if job.error is None and request.weights_digest:
             digest = await job.wait(asyncio.ensure_future(self.run_on_engine(self.adapter.weights_digest)))
-            if job.error is None and digest != request.weights_digest:
+            if job.error is None and len(digest) != len(request.weights_digest):
+                job.error = TransferError(
+                    f"the trainer's weights digest is of another kind than this agent's ({len(request.weights_digest)}"
+                    f" hex digits, this side's {len(digest)}): run the same weightsync release on both sides")
+            elif job.error is None and digest != request.weights_digest:
                 job.error = TransferError("received weights do not match the trainer's digest")
         if job.error is None and job.probe is not None:
             # Invariant 11: the engine's own outputs, not the bytes, decide "ok".

@@ -18,7 +18,8 @@ import torch
 
 from tests.conftest import Cluster
 from weightsync.attest import MAX_SEQUENCES, Probe, default_tolerance
-from weightsync.client import EngineClient, TrainerClient
+from weightsync.client import EngineClient, SyncFailed, TrainerClient
+from weightsync.client import trainer as trainer_module
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.engine.reference import ReferenceEngine
 from weightsync.errors import EngineOutputMismatch, InvalidArgument
@@ -130,6 +131,35 @@ async def test_an_engine_that_does_not_compute_with_the_new_weights_is_torn_and_
                                              attest=probe_of(second))
         assert result.ok and len(result.resumed) == 2
         assert all(e.attest_max_diff < 1e-5 for e in result.engines)
+
+
+async def test_verify_digest_catches_a_stale_tensor_and_names_a_digest_of_another_kind(cluster_factory, monkeypatch):
+    """The same stale output layer, checked by bytes instead of outputs: with
+    ``verify_digest`` every engine's digest of what it holds differs from the
+    trainer's, the round fails and leaves them torn. A trainer whose digests are of
+    another kind (a release that hashed otherwise: 40 hex digits) is told so, not that
+    the weights differ."""
+    rules = [{"op": "receive", "action": "stale_tensor", "version": 2, "tensor": "head.weight"}]
+    cluster = cluster_factory(2, agent_args=("--enable-fault-injection",),
+                              agent_env={"WEIGHTSYNC_FAULTS": json.dumps(rules)})
+    first, second, third = perturbed(1), perturbed(2), perturbed(3)
+    async with TrainerClient(cluster.address) as client:
+        await client.update_weights(first.named_parameters(), version=1, timeout_s=60, verify_digest=True)
+        with pytest.raises(SyncFailed) as caught:
+            await client.update_weights(second.named_parameters(), version=2, timeout_s=60, verify_digest=True)
+        assert all(not e.ok and "do not match the trainer's digest" in e.error_message
+                   for e in caught.value.result.engines), caught.value
+        state = await client.get_state()
+        assert state.weight_version == 1 and all(e.torn and e.torn_version == 2 for e in state.engines)
+
+        monkeypatch.setattr(trainer_module, "weights_digest", lambda _named: "ab" * 20)
+        with pytest.raises(SyncFailed) as other_kind:
+            await client.update_weights(third.named_parameters(), version=3, timeout_s=60, verify_digest=True)
+        assert all("digest is of another kind" in e.error_message and "40 hex digits" in e.error_message
+                   for e in other_kind.value.result.engines), other_kind.value
+        monkeypatch.undo()
+        result = await client.update_weights(third.named_parameters(), version=4, timeout_s=60, verify_digest=True)
+        assert result.ok and len(result.resumed) == 2
 
 
 async def test_an_engine_that_fails_its_checks_does_not_stop_a_slower_engine_on_the_same_lane(cluster_factory):

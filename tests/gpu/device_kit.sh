@@ -27,6 +27,7 @@ WHEELS=(
   protobuf==7.36.2 googleapis-common-protos==1.76.0
   cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-asyncio==1.5.0 pytest-timeout==2.4.0
+  xxhash==4.1.0
 )
 
 download() {
