@@ -314,3 +314,37 @@ def trainer_greedy(model, prompt, max_tokens: int = 12) -> Greedy:
             logprobs.append(float(lp[nxt]))
             tokens.append(nxt)
     return Greedy(out, logprobs)
+
+
+async def assert_broken_round_caught_then_healed(stack: Stack, weights, version: int, model, attest) -> None:
+    """A round whose reload fault injection breaks (the agent's ``skip_post_load`` rule
+    for ``version``): the bytes and their digest are right, the outputs are not.
+    Attestation fails the round (ENGINE_OUTPUT_MISMATCH), the engine torn and still
+    paused at its previous version, a plain resume refused; the next good round heals
+    it, and vLLM then answers as ``model`` (the trainer's) does."""
+    import pytest
+
+    from weightsync.client import TrainerClient
+    from weightsync.errors import EngineOutputMismatch
+
+    async with TrainerClient(stack.address) as client:
+        before = (await client.get_state()).engines[0].weight_version
+        assert before < version
+        with pytest.raises(EngineOutputMismatch) as caught:
+            await client.update_weights(weights, version=version, timeout_s=180, verify_digest=True, attest=attest)
+        engine = caught.value.result.engines[0]
+        assert not engine.ok and engine.error_reason == "ENGINE_OUTPUT_MISMATCH"
+        assert engine.attest_max_diff > 0.1, engine
+        assert "log-prob difference" in engine.error_message
+        state = (await client.get_state()).engines[0]
+        assert state.torn and state.paused and state.weight_version == before
+        assert get(stack.url, "/is_paused")["is_paused"] is True, "nothing may resume onto mixed weights"
+        resumed = await client.resume()
+        assert not resumed.engines[0].ok and resumed.engines[0].error_reason == "TORN_WEIGHTS"
+        assert get(stack.url, "/is_paused")["is_paused"] is True
+
+        result = await client.update_weights(weights, version=version + 1, timeout_s=180, attest=attest)
+        assert result.ok and result.engines[0].attest_max_diff <= 1e-3
+    assert get(stack.url, "/is_paused")["is_paused"] is False
+    assert_same_outputs(greedy_all(stack.url), [trainer_greedy(model, p) for p in PROMPTS],
+                        "the good round after the broken one")

@@ -24,9 +24,9 @@ from tests.vllm.harness import (
     PROMPTS,
     FreshVllms,
     agent_stack,
+    assert_broken_round_caught_then_healed,
     assert_same_outputs,
     checkpoint,
-    get,
     greedy_all,
     make_model,
     ready_for_a_test,
@@ -37,7 +37,6 @@ from tests.vllm.harness import (
     trainer_model,
 )
 from weightsync.client import Probe, TrainerClient
-from weightsync.errors import EngineOutputMismatch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -113,25 +112,4 @@ async def test_a_reload_that_skips_the_tied_layer_is_caught_by_attestation(tied)
     stack, _, base_dir, _ = tied
     weights = round_weights(checkpoint(base_dir), 200)
     model, attest = probe_for(base_dir, weights)
-    async with TrainerClient(stack.address) as client:
-        before = (await client.get_state()).engines[0].weight_version
-        assert before < BROKEN_VERSION
-        with pytest.raises(EngineOutputMismatch) as caught:
-            await client.update_weights(weights, version=BROKEN_VERSION, timeout_s=180, verify_digest=True,
-                                        attest=attest)
-        engine = caught.value.result.engines[0]
-        assert not engine.ok and engine.error_reason == "ENGINE_OUTPUT_MISMATCH"
-        assert engine.attest_max_diff > 0.1, engine
-        assert "log-prob difference" in engine.error_message
-        state = (await client.get_state()).engines[0]
-        assert state.torn and state.paused and state.weight_version == before
-        assert get(stack.url, "/is_paused")["is_paused"] is True, "nothing may resume onto mixed weights"
-        resumed = await client.resume()
-        assert not resumed.engines[0].ok and resumed.engines[0].error_reason == "TORN_WEIGHTS"
-        assert get(stack.url, "/is_paused")["is_paused"] is True
-
-        result = await client.update_weights(weights, version=BROKEN_VERSION + 1, timeout_s=180, attest=attest)
-        assert result.ok and result.engines[0].attest_max_diff <= 1e-3
-    assert get(stack.url, "/is_paused")["is_paused"] is False
-    assert_same_outputs(greedy_all(stack.url), [trainer_greedy(model, p) for p in PROMPTS],
-                        "the good round after the broken one")
+    await assert_broken_round_caught_then_healed(stack, weights, BROKEN_VERSION, model, attest)
