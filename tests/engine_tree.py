@@ -1,7 +1,8 @@
 """A multi-process stand-in for an engine such as vLLM (a test helper, not a fake of our code).
 
 The top process forks two workers; each worker forks a grandchild; one grandchild
-ignores SIGTERM, like a stuck worker. All pids go to PIDS_FILE. The top process
+ignores SIGTERM, like a stuck worker, and maps the shared memory named in its
+environment (``map_shared_memory``). All pids go to PIDS_FILE. The top process
 serves an HTTP health check on PORT (default: ephemeral), written to PORT_FILE.
 
     python engine_tree.py PIDS_FILE PORT_FILE [PORT]
@@ -18,9 +19,34 @@ import threading
 import time
 
 
+def map_shared_memory() -> list:
+    """With ENGINE_TREE_SHM=NAME: makes /dev/shm/NAME and maps it, never to unlink it
+    (as a killed engine, or vLLM, leaves its segments); with ENGINE_TREE_SHM_MAP=PATH[:PATH]
+    also maps those files (other processes' segments) once they exist."""
+    import mmap
+
+    maps = []
+    paths = []
+    if os.environ.get("ENGINE_TREE_SHM"):
+        path = os.path.join("/dev/shm", os.environ["ENGINE_TREE_SHM"])
+        with open(path, "wb") as f:
+            f.truncate(1 << 20)
+        paths.append(path)
+    if os.environ.get("ENGINE_TREE_SHM_MAP"):
+        paths += os.environ["ENGINE_TREE_SHM_MAP"].split(":")
+    for path in paths:
+        end = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < end:  # the test may make it later
+            time.sleep(0.05)
+        with open(path, "r+b") as f:
+            maps.append(mmap.mmap(f.fileno(), 0))
+    return maps
+
+
 def sleeper(ignore_term: bool) -> None:
     if ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        held = map_shared_memory()  # noqa: F841 - mapped for as long as this process lives
     while True:
         time.sleep(1)
 

@@ -258,3 +258,39 @@ def test_an_agent_whose_deregistration_is_cancelled_exits_0(cluster_factory):
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.proc.wait(30) == 0, open(agent.log_path).read()[-2000:]
     assert "could not deregister from the coordinator (CANCELLED)" in open(agent.log_path).read()
+
+
+def test_shared_memory_the_engine_left_is_removed_and_another_processs_is_not(launched):
+    """The stuck grandchild makes a /dev/shm segment and maps it; it also maps one this
+    test makes after the launch and keeps mapped, and one made before the launch that
+    nothing else maps. It is SIGKILLed at the end of the grace period and unlinks
+    nothing. Once the tree is gone its own segment is removed; the one this test still
+    maps stays, and so does the one that was there before the engine."""
+    import mmap
+    import uuid
+
+    make, tmp = launched
+    tag = uuid.uuid4().hex[:8]
+    own, held, before = f"/dev/shm/engine-tree-{tag}", f"/dev/shm/test-held-{tag}", f"/dev/shm/test-before-{tag}"
+    Path(before).write_bytes(b"\0" * 4096)
+    time.sleep(2.0)  # well before the launch: file times are coarser than the clock
+    try:
+        agent, pids, _ = make(env={"ENGINE_TREE_SHM": os.path.basename(own), "ENGINE_TREE_SHM_MAP": f"{held}:{before}"})
+        Path(held).write_bytes(b"\0" * 4096)
+        with open(held, "r+b") as f, mmap.mmap(f.fileno(), 0):
+            end = time.monotonic() + 10
+            while not os.path.exists(own) and time.monotonic() < end:
+                time.sleep(0.05)
+            assert os.path.exists(own)
+            time.sleep(2.5)  # the grandchild maps them all; the reaper looks every 2 s
+            agent.send_signal(signal.SIGTERM)
+            assert agent.wait(timeout=30) == 0, Path(tmp, "agent.log").read_text()[-3000:]
+            assert wait_gone(pids, 5) == []
+            assert not os.path.exists(own), "the engine's segment was left in shared memory"
+            assert os.path.exists(held), "a segment another live process maps was removed"
+        assert os.path.exists(before), "a segment made before the engine started was removed"
+        assert f"removed {own}" in Path(tmp, "agent.log").read_text()
+    finally:
+        for path in (own, held, before):
+            if os.path.exists(path):
+                os.unlink(path)

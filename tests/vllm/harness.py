@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 
 from tests.conftest import start_coordinator, wait_available
@@ -122,31 +121,11 @@ def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vl
     return agent, url
 
 
-def _vllm_shm_segments(root: int) -> set[str]:
-    """The /dev/shm files of vLLM's CPU communicator that ``root`` and its descendants
-    have mapped (a tensor-parallel vLLM's workers share two per server)."""
-    found: set[str] = set()
-    try:
-        procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
-    except psutil.Error:
-        return found
-    for proc in procs:
-        try:
-            found.update(m.path for m in proc.memory_maps(grouped=True) if m.path.startswith("/dev/shm/vllm_dist_"))
-        except psutil.Error:
-            continue
-    return found
-
-
 def stop_vllm_agent(agent: subprocess.Popen) -> None:
-    """Stops an agent and the vLLM it launched, then removes the shared-memory files
-    that vLLM's workers mapped and did not remove themselves (vLLM's CPU communicator
-    creates them in C++ and never unlinks them; each test run left 8 MiB in /dev/shm)."""
-    segments = _vllm_shm_segments(agent.pid)
+    """Stops an agent, and with it the vLLM it launched. The agent's reaper removes the
+    shared-memory files vLLM leaves (its CPU communicator never unlinks its own; a
+    tensor-parallel vLLM stopped mid-way left its message queues, 400 MiB)."""
     stop_process(agent, grace_s=20)
-    for path in segments:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 @contextlib.contextmanager
