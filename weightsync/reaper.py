@@ -13,12 +13,12 @@ grace period, SIGKILL. A repeated signal never cuts that short.
 Then it removes the shared memory the tree left behind: every file under /dev/shm
 that one of its processes had mapped, that was made after the engine started, and
 that no live process maps once the tree is gone (weightsync's own transport
-segments excepted: their senders own them). A process killed mid-run never unlinks its segments, and neither does vLLM:
-its multiprocessing executor's message queues (240 and 160 MiB) and the named
-semaphore beside them stayed in /dev/shm after a tensor-parallel vLLM was stopped,
-and its CPU communicator never unlinks its own files at all. Memory in /dev/shm is
-RAM, held until the machine restarts. A segment another process still maps (a
-trainer's, for instance) is left alone.
+segments excepted: their senders own them). A process killed mid-run never unlinks
+its segments, and vLLM does not always: in one test-suite run its executor's message
+queues (240 and 160 MiB) and the named semaphore beside them stayed in /dev/shm after
+a vLLM was stopped, and its CPU communicator never unlinks its own files at all.
+Memory in /dev/shm is RAM, held until the machine restarts. A segment another
+process still maps (a trainer's, for instance) is left alone.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vl
 def stop_vllm_agent(agent: subprocess.Popen) -> None:
     """Stops an agent, and with it the vLLM it launched. The agent's reaper removes the
     shared-memory files vLLM leaves (its CPU communicator never unlinks its own; a
-    tensor-parallel vLLM stopped mid-way left its message queues, 400 MiB)."""
+    stopped vLLM once left its executor's message queues, 400 MiB)."""
     stop_process(agent, grace_s=20)
 
 
