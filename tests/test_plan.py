@@ -243,3 +243,41 @@ def test_bucket_ops_cut_each_bucket_into_ranges_with_every_large_piece_on_its_ow
                 assert torch.equal(landed[a:b], expected[a:b])
         else:
             assert wire == ((), 0, ops)
+
+
+def test_small_pieces_are_copied_without_openmp_regions_where_a_large_piece_shares_their_bucket(monkeypatch):
+    """gloo packs only the pieces under 1 MiB (``small_only``); those are all small, so
+    they go without a parallel region each even in a bucket that a large tensor's piece
+    also crosses (with regions, a gloo round of 1 GiB in 509 tensors spent 25 ms of CPU
+    per round packing what takes 2 ms, and its receivers likewise)."""
+    import weightsync.packing as packing
+    from weightsync.plan import SERIAL_COPY_BYTES
+    from weightsync.serial_copy import _openmp
+
+    if _openmp() is None or torch.get_num_threads() < 2:
+        pytest.skip("needs torch's OpenMP runtime and at least 2 threads")
+    mib = 1 << 20
+    # bucket 1 holds t0's 0.5 MiB tail, t1 whole and t2's 1.5 MiB head
+    sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (5 * mib // 2, 1024, 2 * mib)]
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=2 * mib)
+    pieces = plan.bucket_pieces(1)
+    assert {p.length < SERIAL_COPY_BYTES for p in pieces if p.length != plan.sizes[p.tensor_index]} == {True, False}
+
+    threads_seen = []
+
+    def recording(copy):
+        def record(plan_, split_or_piece, *args):
+            copied = split_or_piece if isinstance(split_or_piece, list) else [split_or_piece]
+            threads_seen.extend(torch.get_num_threads() for p in copied if p.length < SERIAL_COPY_BYTES)
+            return copy(plan_, split_or_piece, *args)
+        return record
+
+    monkeypatch.setattr(packing, "_pack_split", recording(packing._pack_split))
+    monkeypatch.setattr(packing, "unpack_piece", recording(packing.unpack_piece))
+    buf = torch.zeros(plan.bucket_bytes, dtype=torch.uint8)
+    targets = [torch.zeros_like(t) for t in sources]
+    pack_bucket(plan, 1, sources, buf, small_only=True)
+    unpack_bucket(plan, 1, buf, targets, small_only=True)
+    assert threads_seen and set(threads_seen) == {1}
+    assert torch.equal(targets[0][2 * mib:], sources[0][2 * mib:])  # the small tail landed
+    assert torch.equal(targets[1], sources[1])

@@ -73,9 +73,7 @@ class GlooGroup:
         self.gathered_bytes = gathered_bytes
         self.slots = slots
         self.timeout_s = max(deadline_at - time.monotonic(), 0.001)  # every op's; retire() waits it out
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timedelta(seconds=self.timeout_s)
-        options._devices = [data_device(bind_host)]
+        options = gloo_options(bind_host, timedelta(seconds=self.timeout_s))
         self.pg = join_in_background(
             lambda store: dist.ProcessGroupGloo(prefixed(store, f"ws/{rendezvous.group_id}/gloo"), rank,
                                                 rendezvous.world_size, options),
@@ -93,6 +91,26 @@ class GlooGroup:
         if plan.gathered_bytes != self.gathered_bytes:
             self.gathered_bytes = plan.gathered_bytes
             self.gathered = [torch.empty(plan.gathered_bytes, dtype=torch.uint8) for _ in range(self.slots)]
+
+
+# Worker threads of each side's gloo group. gloo runs a queued op on one of its
+# worker threads from start to end (the root's thread until every receiver has the
+# bytes), so their number is how many broadcasts are in flight at once. A plan has
+# hundreds of broadcasts where a model has hundreds of tensors of 1 MiB or more
+# (``BucketPlan.wire_ops``); with gloo's default of two they went two at a time, each
+# paced by its round trip and by thread wake-ups on a busy host. Measured in
+# docs/benchmarks.md, "gloo: worker threads and small copies".
+GLOO_THREADS = 8
+
+
+def gloo_options(bind_host: str, timeout: timedelta) -> dist.ProcessGroupGloo._Options:
+    """Options of a gloo group this side joins: listening on ``bind_host``
+    (``data_device``), ``GLOO_THREADS`` worker threads, every op bounded by ``timeout``."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [data_device(bind_host)]
+    options._threads = GLOO_THREADS
+    return options
 
 
 def data_device(bind_host: str):
@@ -318,4 +336,4 @@ class GlooReceiver(Receiver):
         self._store = None
 
 
-__all__ = ["GlooSender", "GlooReceiver", "GlooGroup", "data_device", "retire_group"]
+__all__ = ["GlooSender", "GlooReceiver", "GlooGroup", "data_device", "gloo_options", "retire_group"]

@@ -48,7 +48,7 @@ from weightsync.transport.flattened import (
     copy_all,
     flattened_calls,
 )
-from weightsync.transport.gloo import data_device
+from weightsync.transport.gloo import gloo_options
 from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
 
@@ -104,10 +104,8 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
             return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", keyed), rank, world_size, options)
         if not bind_host:
             return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, timeout)
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [data_device(bind_host)]
-        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, options)
+        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size,
+                                     gloo_options(bind_host, timeout))
 
     return join_in_background(build, rendezvous, operation=f"{backend} group setup", deadline_at=deadline_at,
                               abort=abort, watch=watch, stop_keys=stop_keys)
