@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -231,3 +234,32 @@ async def test_the_benchs_final_check_tells_other_bytes_from_a_missing_engine(cl
         assert sent[:12] in str(info.value)  # what the engine holds: what was sent before the change
         with pytest.raises(RuntimeError, match="1 of 2 engines registered"):
             await _check_engines_hold(client, sent, engines=2, version=1, transport="gloo", within_s=1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_bench_that_is_stopped_leaves_no_process_behind(sig):
+    """A sweep runs each count in a child process with a cluster of its own. Whether the
+    bench is sent SIGTERM (it unwinds as Ctrl-C does and exits 143) or SIGKILLed (its
+    child gets SIGTERM as its parent dies), the child and its cluster stop; a process
+    pool's worker used to outlive it, waiting for work forever."""
+    bench = subprocess.Popen([sys.executable, "-m", "weightsync", "bench", "--size", "16MiB", "--tensors", "12,40",
+                              "--engines", "2", "--steps", "100000", "--transport", "gloo", "--no-baselines"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        root, deadline = psutil.Process(bench.pid), time.monotonic() + 120
+        while True:  # until the child's cluster is up: a coordinator and two agents
+            started = root.children(recursive=True)
+            lines = [" ".join(p.cmdline()) for p in started if p.is_running()]
+            if sum(" coordinator " in c for c in lines) == 1 and sum(" agent " in c for c in lines) == 2:
+                break
+            assert bench.poll() is None and time.monotonic() < deadline, "the bench's cluster never came up"
+            time.sleep(0.2)
+        bench.send_signal(sig)
+        code = bench.wait(timeout=60)
+        assert code == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
+        _, alive = psutil.wait_procs(started, timeout=60)
+        assert alive == [], f"left running: {[' '.join(p.cmdline()) for p in alive]}"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()

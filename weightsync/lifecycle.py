@@ -22,13 +22,39 @@ import psutil
 _PR_SET_PDEATHSIG = 1
 
 
+def die_with_parent(sig: int) -> None:
+    """Has this process get ``sig`` when its parent dies (Linux ``PR_SET_PDEATHSIG``;
+    elsewhere nothing). A parent that died before this call is not noticed: check
+    ``os.getppid()`` after it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    except OSError:
+        pass
+
+
 def _parent_death_signal(sig: int):
     def arm() -> None:  # runs in the child between fork and exec
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-        except OSError:
-            pass
+        die_with_parent(sig)
     return arm
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so that ``with`` blocks and ``finally``
+    clauses stop what they started (``interrupt_on_sigterm``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def interrupt_on_sigterm() -> None:
+    """From now on, this process's first SIGTERM raises ``Terminated`` in its main thread
+    (as Ctrl-C raises KeyboardInterrupt) instead of ending it on the spot; later ones are
+    ignored, so that they cannot cut the clean-up short. Call it from the main thread."""
+    def on_signal(signum, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated(signum)
+    signal.signal(signal.SIGTERM, on_signal)
 
 
 def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, stdout=None, stderr=None,
@@ -112,4 +138,5 @@ def wait_for_file(path: str, *, timeout_s: float, proc: subprocess.Popen | None 
     raise TimeoutError(f"{path} did not appear within {timeout_s}s")
 
 
-__all__ = ["spawn", "weightsync_command", "terminate_tree", "stop_process", "wait_for_file"]
+__all__ = ["spawn", "weightsync_command", "terminate_tree", "stop_process", "wait_for_file", "die_with_parent",
+           "interrupt_on_sigterm", "Terminated"]

@@ -7,10 +7,12 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 
 from weightsync.engine import ENGINES
 from weightsync.errors import WeightSyncError
+from weightsync.lifecycle import Terminated, interrupt_on_sigterm
 from weightsync.logs import configure_logging
 from weightsync.options import AGENT_DEFAULTS, COORDINATOR_DEFAULTS
 from weightsync.security import TOKEN_ENV, Security
@@ -232,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    if args.command in ("bench", "demo"):
+        # These run a local cluster in this process (or in a child of it): a SIGTERM
+        # unwinds them as Ctrl-C does, so they stop what they started and remove
+        # their files (the server commands handle their signals themselves).
+        interrupt_on_sigterm()
     try:
         if args.command == "coordinator":
             from weightsync.options import CoordinatorOptions
@@ -271,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     except WeightSyncError as exc:
         print(f"weightsync {args.command}: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return 128 + (exc.signum if isinstance(exc, Terminated) else signal.SIGINT)
     return 2
 
 

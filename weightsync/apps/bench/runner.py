@@ -13,12 +13,12 @@ to its hypervisor meanwhile (``cpu.py``).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import multiprocessing
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -33,6 +33,7 @@ from weightsync.apps.bench.cpu import CpuMeter
 from weightsync.apps.local_cluster import LocalCluster
 from weightsync.client import EngineClient, LoopLagProbe, Probe, TrainerClient
 from weightsync.engine.model import SHAPE_PROFILES, ModelConfig, ReferenceLM, config_for_size
+from weightsync.lifecycle import die_with_parent, interrupt_on_sigterm
 from weightsync.packing import weights_digest
 from weightsync.plan import DEFAULT_BUCKET_BYTES
 from weightsync.transport import AUTO_LAYOUT, FLATTENED, TENSORS
@@ -250,11 +251,9 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
         # previous shape's freed gigabyte leaves this process's heap fragmented, and
         # the next shape measured 15-20 % slower in it than in a process of its own.
         # A trainer holds one model per process, as each count does here.
-        context = multiprocessing.get_context("spawn")
         for count in counts:
             cfg = config_for_size(nbytes_requested, count, profile=shape_profile)
-            with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as child:
-                results += child.submit(_run_shape_in_child, cfg.to_json(), per_count, shape_args).result()
+            results += _run_shape_in_child(cfg, per_count, shape_args, label=f"--tensors {count}")
     report = {"machine": machine(), "results": results,
               "config": {"size": size, "tensors_requested": counts if len(counts) > 1 else counts[0],
                          "shape_profile": shape_profile, "bucket_bytes": bucket_bytes, "steps": steps,
@@ -267,8 +266,64 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     return report
 
 
-def _run_shape_in_child(cfg_json: str, steps_total: int, shape_args: dict) -> list[dict]:
-    return _run_one_shape(ModelConfig.from_json(cfg_json), progress=Progress(steps_total), **shape_args)
+def _run_shape_in_child(cfg: ModelConfig, steps_total: int, shape_args: dict, *, label: str) -> list[dict]:
+    """``_run_one_shape`` in a fresh process (spawned), whose errors are raised here.
+
+    That process dies with this one (parent-death signal, SIGTERM) and is stopped if
+    this one is interrupted while it runs; either way it stops its own cluster first.
+    (A process pool's worker outlived a bench that was sent SIGTERM: it waited for
+    work forever, and the pool's semaphores stayed in /dev/shm.)"""
+    context = multiprocessing.get_context("spawn")
+    outcome, sent = context.Pipe(duplex=False)
+    child = context.Process(target=_shape_process, name="weightsync-bench-shape",
+                            args=(sent, os.getpid(), cfg.to_json(), steps_total, shape_args))
+    child.start()
+    sent.close()
+    try:
+        while not outcome.poll(0.5):
+            if not child.is_alive() and not outcome.poll(0):
+                raise RuntimeError(f"the bench's process for {label} exited with code {child.exitcode} "
+                                   "before it reported")
+        kind, value = outcome.recv()
+    except BaseException:
+        _stop_child(child)
+        raise
+    finally:
+        outcome.close()
+    child.join(timeout=60)  # it exits once it has reported
+    _stop_child(child)
+    if kind == "error":
+        raise value
+    return value
+
+
+def _stop_child(child: multiprocessing.process.BaseProcess) -> None:
+    if child.is_alive():
+        child.terminate()  # SIGTERM: it stops its cluster (interrupt_on_sigterm)
+        child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join(timeout=10)
+
+
+def _shape_process(report, parent_pid: int, cfg_json: str, steps_total: int, shape_args: dict) -> None:
+    """The body of ``_run_shape_in_child``'s process: reports ("ok", results) or
+    ("error", exception) through ``report``."""
+    die_with_parent(signal.SIGTERM)
+    interrupt_on_sigterm()
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        return
+    try:
+        results = _run_one_shape(ModelConfig.from_json(cfg_json), progress=Progress(steps_total), **shape_args)
+    except KeyboardInterrupt:
+        return
+    except Exception as exc:
+        try:
+            report.send(("error", exc))
+        except Exception:  # an exception that does not pickle
+            report.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+        return
+    report.send(("ok", results))
 
 
 def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, baselines: bool, bucket_bytes: int,
