@@ -69,7 +69,15 @@ from weightsync.host_identity import host_id
 from weightsync.idempotency import validate_key
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from weightsync.security import Security
-from weightsync.sharding import Holding, Owners, assign, describe, holding_of, sources_for
+from weightsync.sharding import (
+    HeldReplay,
+    Holding,
+    Owners,
+    assign,
+    describe,
+    holding_of,
+    sources_for,
+)
 from weightsync.threads import run_in
 from weightsync.transport.base import Sender, TransferStats
 from weightsync.transport.secure_store import SecureStore, StoreHost
@@ -166,6 +174,7 @@ class _ShardedDriver(TrainerClient):
         self.owner = owner
         self._described: dict[int, tuple[str, dict]] = {}  # rank -> (signature, description)
         self._assigned: tuple[tuple, BucketPlan, Owners] | None = None  # (holdings key, plan, owners)
+        self._sources: tuple[Owners, dict, list[torch.Tensor]] | None = None  # rank 0's, for those owners and holdings
         self.holdings: dict[str, Holding] = {}
         self.prefix = ""
         self.common_host = ""
@@ -179,8 +188,8 @@ class _ShardedDriver(TrainerClient):
                                   "cannot offer it (engines still check every part's layout)")
         if attest is not None:
             raise InvalidArgument("attest needs the full model on one rank; not offered for a sharded trainer")
-        self.holdings = _holdings(named_tensors)
-        mine = describe(self.holdings.values())
+        replay = self.owner.hold(named_tensors)
+        self.holdings, mine = replay.holdings, replay.described
         described = [mine]
         hosts = {host_id()}
         store = self._store_host
@@ -203,13 +212,17 @@ class _ShardedDriver(TrainerClient):
         # reading the last round's result when this one starts).
         self.owner.forget_rounds_before(self.prefix)
         self.common_host = next(iter(hosts)) if len(hosts) == 1 else ""
-        sigs = (_signature(mine), *(self._described[r][0] for r in range(1, self.owner.world_size)))
+        sigs = (replay.signature, *(self._described[r][0] for r in range(1, self.owner.world_size)))
         key = (sigs, self.bucket_bytes, str(self.wire_dtype))
         if self._assigned is None or self._assigned[0] != key:
             plan, owners = assign(described, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype)
             self._assigned = (key, plan, owners)
         _, plan, owners = self._assigned
-        sources = sources_for(owners, 0, self.holdings) if 0 in owners.sender_ranks else []
+        sources: list[torch.Tensor] = []
+        if 0 in owners.sender_ranks:  # the same list while the owners and the holdings stay
+            if self._sources is None or self._sources[0] is not owners or self._sources[1] is not self.holdings:
+                self._sources = (owners, self.holdings, sources_for(owners, 0, self.holdings))
+            sources = self._sources[2]
         return _Prepared(plan, sources, "", None, owners)
 
     def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
@@ -296,6 +309,7 @@ class DistributedTrainerClient(AsyncClient):
         self._send_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank-send")
         self._senders: dict[tuple[int, str], Sender] = {}
         self._published: str = ""  # signature of the holdings this rank last described
+        self.held = HeldReplay()  # this rank's holdings, replayed from round to round
         self._round = 0
         self._forgotten = 0  # rank 0: rounds whose store keys are gone
         self._closed = False
@@ -424,6 +438,24 @@ class DistributedTrainerClient(AsyncClient):
         return await self._driver.check_engines(digest=digest, version=version, engines=engines,
                                                 engine_ids=engine_ids, within_s=within_s)
 
+    def hold(self, named_tensors) -> HeldReplay:
+        """This rank's holdings for a round (``held``): last round's, replayed where the
+        tensors are the same ones (``HeldReplay``), else worked out again.
+
+        Raises:
+            InvalidArgument: not (name, tensor) pairs, a name twice, a layout a sharded
+                send cannot take (``holding_of``).
+        """
+        try:
+            pairs = list(named_tensors)  # walked twice where the replay fails
+        except TypeError:
+            raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs") from None
+        if not self.held.replay(pairs):
+            holdings = _holdings(pairs)
+            described = describe(holdings.values())
+            self.held.remember(pairs, holdings, described, _signature(described))
+        return self.held
+
     def wait_key(self, key: str, *, operation: str, deadline_at: float | None = None) -> bytes:
         """Rank 0: waits (in this process) for a key another rank sets."""
         store = self._driver._store_host
@@ -449,11 +481,10 @@ class DistributedTrainerClient(AsyncClient):
         try:
             held: dict[str, Holding] | None = None
             try:
-                held = _holdings(named_tensors)
-                described = describe(held.values())
-                sig = _signature(described)
+                replay = self.hold(named_tensors)
+                held, sig = replay.holdings, replay.signature
                 if sig != self._published:
-                    store.set(f"ws-dist/{self.session}/described/{rank}/{sig}", json.dumps(described))
+                    store.set(f"ws-dist/{self.session}/described/{rank}/{sig}", json.dumps(replay.described))
                     self._published = sig
                 store.set(f"{prefix}/holding/{rank}", json.dumps({"sig": sig, "host": host_id()}))
             except WeightSyncError as exc:

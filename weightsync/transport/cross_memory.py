@@ -168,11 +168,17 @@ class AddressedTensors(list):
         self.sizes = sizes
 
 
+def carries_addresses(tensors, sizes: Sequence[int]) -> bool:
+    """Whether ``tensors`` carries the addresses of its tensors, taken for a plan of
+    these ``sizes`` (the same tuple object: a plan's sizes are made once)."""
+    return getattr(tensors, "sizes", None) is sizes and hasattr(tensors, "addresses")
+
+
 def addresses_for(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype],
                   sizes: Sequence[int]) -> np.ndarray | None:
-    """``tensor_addresses``, taken from ``tensors`` itself where it is an
-    ``AddressedTensors`` made for these ``sizes``."""
-    if isinstance(tensors, AddressedTensors) and tensors.sizes is sizes:
+    """``tensor_addresses``, taken from ``tensors`` itself where it carries them for
+    these ``sizes`` (an ``AddressedTensors``, or ``sharding.PartViews`` of one)."""
+    if carries_addresses(tensors, sizes):
         return tensors.addresses
     return tensor_addresses(tensors, dtypes, sizes)
 
@@ -256,4 +262,4 @@ def _split_runs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
     return local[run] + offset, remote[run] + offset, np.minimum(np.uint64(most), lengths[run] - offset)
 
 
-__all__ = ["AddressedTensors", "Beacon", "RemoteMemory", "addresses_for", "advise_hugepages_once", "direct_enabled", "hugepage_advice", "tensor_addresses"]
+__all__ = ["AddressedTensors", "Beacon", "RemoteMemory", "addresses_for", "carries_addresses", "advise_hugepages_once", "direct_enabled", "hugepage_advice", "tensor_addresses"]

@@ -47,6 +47,7 @@ from weightsync.transport.cross_memory import (
     RemoteMemory,
     addresses_for,
     advise_hugepages_once,
+    carries_addresses,
     direct_enabled,
 )
 from weightsync.transport.store import StoreLink, session_key, wait_for_keys
@@ -373,7 +374,8 @@ class ShmReceiver(Receiver):
         # parameters): every address at once (kept by the engine, or taken here in one
         # pass), then whole-array work per bucket. A
         # streamed load (targets made bucket by bucket) or a bounced target: per tensor.
-        writable = addresses_for(targets, dtypes, sizes) if isinstance(targets, (list, tuple)) else None
+        writable = addresses_for(targets, dtypes, sizes) \
+            if isinstance(targets, (list, tuple)) or carries_addresses(targets, sizes) else None
         nbytes = plan._nbytes.astype(np.uint64)
         next_check = 0.0
         for bucket in range(plan.num_buckets):
