@@ -19,7 +19,16 @@ from weightsync import transport as transports
 from weightsync.errors import InvalidArgument, TransferError
 from weightsync.packing import weights_digest
 from weightsync.plan import BucketPlan
-from weightsync.sharding import Holding, Owners, SenderParts, assign, describe, sources_for
+from weightsync.sharding import (
+    HeldReplay,
+    Holding,
+    Owners,
+    SenderParts,
+    assign,
+    describe,
+    sources_for,
+)
+from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses
 from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
 from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2
@@ -130,18 +139,29 @@ def _lanes(kind, store, owners, receivers_per_sender, group):
                                   session_id=f"{session}-{s}", sender=s) for s in owners.sender_ranks]
 
 
+@pytest.mark.parametrize("addressed", [False, True], ids=["plain-targets", "addressed-targets"])
 @pytest.mark.parametrize("name", ["gloo", "shm"])
-def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name):
+def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addressed):
+    """``addressed``: the targets carry their addresses, as the reference engine's do,
+    and stay the same from round to round (zeroed in place between rounds): the part
+    views and their addresses made in the first round must land the second's bytes."""
     kind = {"gloo": common_pb2.TRANSPORT_KIND_GLOO, "shm": common_pb2.TRANSPORT_KIND_SHM}[name]
     holdings = chunk_holdings(3)
     plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
     store = host_store("127.0.0.1", timeout_s=20)
     senders = {r: transports.make_sender(kind, store) for r in owners.sender_ranks}
     receivers = [transports.make_receiver(kind) for _ in owners.sender_ranks]
+    kept = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
+    kept = AddressedTensors(kept, tensor_addresses(kept, plan.dtypes, plan.sizes), plan.sizes)
     try:
         for step in range(2):
             lanes = _lanes(kind, store, owners, 1, f"{name}-{step}")
-            targets = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
+            if addressed:
+                targets = kept
+                for t in targets:
+                    t.zero_()
+            else:
+                targets = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
             engine_lanes = [SenderLane(lane, owners.part_plan(r), receivers[i], r)
                             for i, (r, lane) in enumerate(zip(owners.sender_ranks, lanes, strict=True))]
             deadline_at = time.monotonic() + 20
@@ -163,6 +183,88 @@ def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name):
             s.close()
         for r in receivers:
             r.close()
+
+
+def test_part_views_of_addressed_targets_carry_each_views_address_and_serve_every_round():
+    holdings = chunk_holdings(3)
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    full = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
+    targets = AddressedTensors(full, tensor_addresses(full, plan.dtypes, plan.sizes), plan.sizes)
+    for r in owners.sender_ranks:
+        views = owners.part_views(r, targets)
+        assert views.sizes is owners.part_plan(r).sizes
+        # Checked against the views themselves, made the ordinary way (narrow).
+        assert views.addresses.tolist() == [views[i].data_ptr() for i in range(len(views))]
+        assert [views[i].nbytes for i in range(len(views))] == list(owners.part_plan(r).sizes)
+        assert owners.part_views(r, targets) is views  # the same targets: the same views, next round too
+    plain = owners.part_views(owners.sender_ranks[0], list(full))
+    assert plain.addresses is None  # no addresses carried: none made up
+    again = AddressedTensors(list(full), targets.addresses, plan.sizes)  # a new list: new views
+    assert owners.part_views(owners.sender_ranks[0], again) is not owners.part_views(owners.sender_ranks[0], targets)
+
+
+def _remember(replay: HeldReplay, pairs) -> None:
+    from weightsync.client.distributed import _holdings, _signature
+    held = _holdings(pairs)
+    described = describe(held.values())
+    replay.remember(pairs, held, described, _signature(described))
+
+
+def test_holdings_are_replayed_only_while_every_tensor_is_the_same_one():
+    pairs = [(name, t.clone()) for name, t in FULL.items()]
+    replay = HeldReplay()
+    assert not replay.replay(pairs)  # nothing remembered yet
+    _remember(replay, pairs)
+    held = replay.holdings
+    assert replay.replay(list(pairs))  # the same tensors, in a new list
+    pairs[1][1].add_(1.0)  # updated in place, as an optimizer step does
+    assert replay.replay(pairs) and replay.holdings is held and held["w"].local is pairs[1][1]
+    changed = {
+        "a tensor replaced": [pairs[0], ("w", pairs[1][1].clone()), *pairs[2:]],
+        "renamed": [pairs[0], ("w2", pairs[1][1]), *pairs[2:]],
+        "one more": [*pairs, ("extra", torch.ones(2))],
+        "one fewer": pairs[:-1],
+        "reordered": [pairs[1], pairs[0], *pairs[2:]],
+        "not pairs": [pairs[0], "w"],
+    }
+    for why, other in changed.items():
+        assert not replay.replay(other), why
+    pairs[2][1].resize_(3)  # the same object, another shape
+    assert not replay.replay(pairs)
+    # A tensor that is not contiguous is sent from a copy made that round: never replayed.
+    transposed = [("wt", torch.randn(3, 5).t())]
+    _remember(replay, transposed)
+    assert not replay.replay(transposed)
+    assert torch.equal(replay.holdings["wt"].local, transposed[0][1])  # this round's copy stands
+
+
+def test_dtensor_holdings_are_replayed_while_the_same_local_shard_stands():
+    """A one-rank gloo world in a child process (torch.distributed is global)."""
+    code = (
+        "import os, torch, torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import distribute_tensor, Shard\n"
+        "from weightsync.sharding import HeldReplay, describe\n"
+        "from weightsync.client.distributed import _holdings, _signature\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29000 + os.getpid() % 1000))\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "mesh = init_device_mesh('cpu', (1,))\n"
+        "pairs = [('a', distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)])),\n"
+        "         ('b', torch.nn.Parameter(distribute_tensor(torch.randn(8), mesh, [Shard(0)])))]\n"
+        "replay = HeldReplay()\n"
+        "held = _holdings(pairs); d = describe(held.values()); replay.remember(pairs, held, d, _signature(d))\n"
+        "assert replay.replay(pairs), 'same DTensors'\n"
+        "with torch.no_grad():\n"
+        "    pairs[1][1].to_local().mul_(2)\n"
+        "assert replay.replay(pairs) and torch.equal(replay.holdings['b'].local, pairs[1][1].to_local())\n"
+        "other = [pairs[0], ('b', distribute_tensor(torch.randn(8), mesh, [Shard(0)]))]\n"
+        "assert not replay.replay(other), 'a new DTensor'\n"
+        "print('replayed as expected')\n"
+        "dist.destroy_process_group()\n"
+        "import sys; sys.stdout.flush(); os._exit(0)\n")  # see the test above: no finalization race
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "replayed as expected" in out.stdout
 
 
 def test_one_lane_failing_stops_every_lane_and_tells_their_senders():
