@@ -310,6 +310,7 @@ class DistributedTrainerClient(AsyncClient):
         self._senders: dict[tuple[int, str], Sender] = {}
         self._published: str = ""  # signature of the holdings this rank last described
         self.held = HeldReplay()  # this rank's holdings, replayed from round to round
+        self._lane_sources: tuple[BucketPlan, dict, list[torch.Tensor]] | None = None  # ranks > 0: (plan, holdings, sources)
         self._round = 0
         self._forgotten = 0  # rank 0: rounds whose store keys are gone
         self._closed = False
@@ -545,13 +546,19 @@ class DistributedTrainerClient(AsyncClient):
             bytes.fromhex(store.get(f"{prefix}/plan/{rank}").decode())))
         report: dict
         try:
-            sources = []
-            for name, shape in zip(plan.names, plan.shapes, strict=True):
-                local = held[name].local if name in held else None
-                if local is None or tuple(local.shape) != shape:
-                    raise InvalidArgument(f"rank {rank} was asked to send {name!r} {list(shape)}, which it does not "
-                                          "hold")
-                sources.append(local)
+            # The same list while the part plan (a repeat parses to the same object) and
+            # the holdings (replayed) stay: a per-part pass costs ~8 ms at 20k parts.
+            if self._lane_sources is not None and self._lane_sources[0] is plan and self._lane_sources[1] is held:
+                sources = self._lane_sources[2]
+            else:
+                sources = []
+                for name, shape in zip(plan.names, plan.shapes, strict=True):
+                    local = held[name].local if name in held else None
+                    if local is None or tuple(local.shape) != shape:
+                        raise InvalidArgument(f"rank {rank} was asked to send {name!r} {list(shape)}, which it does "
+                                              "not hold")
+                    sources.append(local)
+                self._lane_sources = (plan, held, sources)
             abort = threading.Event()
             sending = self._send_thread.submit(self._send, rendezvous, plan, sources, deadline_at, abort)
             stop_key = f"{prefix}/stop/{rank}"
