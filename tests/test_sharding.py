@@ -4,11 +4,13 @@ store; the processes-and-FSDP2 path is tests/test_sharded_trainer.py."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -185,7 +187,7 @@ def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addre
             r.close()
 
 
-def test_part_views_of_addressed_targets_carry_each_views_address_and_serve_every_round():
+def test_part_views_of_addressed_targets_carry_each_views_address_worked_out_once():
     holdings = chunk_holdings(3)
     plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
     full = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
@@ -196,11 +198,20 @@ def test_part_views_of_addressed_targets_carry_each_views_address_and_serve_ever
         # Checked against the views themselves, made the ordinary way (narrow).
         assert views.addresses.tolist() == [views[i].data_ptr() for i in range(len(views))]
         assert [views[i].nbytes for i in range(len(views))] == list(owners.part_plan(r).sizes)
-        assert owners.part_views(r, targets) is views  # the same targets: the same views, next round too
-    plain = owners.part_views(owners.sender_ranks[0], list(full))
-    assert plain.addresses is None  # no addresses carried: none made up
-    again = AddressedTensors(list(full), targets.addresses, plan.sizes)  # a new list: new views
-    assert owners.part_views(owners.sender_ranks[0], again) is not owners.part_views(owners.sender_ranks[0], targets)
+        # The same targets next round: the same addresses, not worked out again; new
+        # views (views kept between rounds would keep the engine's old weights alive).
+        assert owners.part_views(r, targets).addresses is views.addresses
+    first = owners.sender_ranks[0]
+    assert owners.part_views(first, list(full)).addresses is None  # no addresses carried: none made up
+    moved = [t.clone() for t in full]  # the engine's weights in new storage (after a wake, say)
+    moved = AddressedTensors(moved, tensor_addresses(moved, plan.dtypes, plan.sizes), plan.sizes)
+    views = owners.part_views(first, moved)
+    assert views.addresses.tolist() == [views[i].data_ptr() for i in range(len(views))]
+    # Nothing of the targets is held once the engine lets them go.
+    gone = weakref.ref(moved[0])
+    del moved, views
+    gc.collect()
+    assert gone() is None
 
 
 def _remember(replay: HeldReplay, pairs) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ class Owners:
         self._check()
         self._part_plans: dict[int, BucketPlan] = {}
         self._layouts: dict[int, tuple[list[int], list[int], list[int], list[bool]]] = {}
-        self._views: dict[int, tuple[Sequence, PartViews]] = {}  # per sender: (addressed targets, their views)
+        self._addresses: dict[int, tuple[weakref.ref, np.ndarray]] = {}  # per sender: (addressed targets, parts')
         self._lock = threading.Lock()
 
     @classmethod
@@ -228,26 +229,27 @@ class Owners:
 
         Targets that carry their addresses (``cross_memory.AddressedTensors``: the
         reference engine's parameters, kept while the plan and their storage stay, and
-        never changed once made) give part views that carry theirs too, worked out with
-        whole-array arithmetic (a part starts ``start`` rows into its tensor), so shm's
-        direct reads need no view at all; and the same part views serve every round
-        those targets do. An engine made 40k views a round at 20k tensors from two
-        ranks, most of its CPU in such a round."""
+        never changed once made) give part views that carry theirs too, worked out once
+        with whole-array arithmetic (a part starts ``start`` rows into its tensor) and
+        reused while those same targets come back, so shm's direct reads need no view:
+        an engine made 40k views a round at 20k tensors from two ranks, most of its CPU
+        in such a round. Only the addresses are kept, and the targets only weakly: views
+        kept from round to round would keep an engine's old weights alive after it let
+        them go (sleep frees them)."""
+        layout = self._layout(sender)
         addresses = getattr(targets, "addresses", None)
         if addresses is None or getattr(targets, "sizes", None) is not self.plan.sizes:
-            return PartViews(self._layout(sender), targets)
+            return PartViews(layout, targets)
         with self._lock:
-            known = self._views.get(sender)
-        if known is not None and known[0] is targets:
-            return known[1]
-        parts = self.parts_of(sender)
-        row_bytes = self.plan._nbytes // np.maximum(_row_counts(self.plan), 1)
-        at = addresses[parts.tensors].astype(np.int64) + parts.starts * row_bytes[parts.tensors]
-        views = PartViews(self._layout(sender), targets, addresses=at.astype(np.uint64),
-                          sizes=self.part_plan(sender).sizes)
-        with self._lock:
-            self._views[sender] = (targets, views)
-        return views
+            known = self._addresses.get(sender)
+        if known is None or known[0]() is not targets:
+            parts = self.parts_of(sender)
+            row_bytes = self.plan._nbytes // np.maximum(_row_counts(self.plan), 1)
+            at = addresses[parts.tensors].astype(np.int64) + parts.starts * row_bytes[parts.tensors]
+            known = (weakref.ref(targets), at.astype(np.uint64))
+            with self._lock:
+                self._addresses[sender] = known
+        return PartViews(layout, targets, addresses=known[1], sizes=self.part_plan(sender).sizes)
 
     def _layout(self, sender: int) -> tuple[list[int], list[int], list[int], list[bool]]:
         """``sender``'s parts as Python lists (tensor, start, rows, whole), made once."""
@@ -264,7 +266,7 @@ class Owners:
 
 class PartViews(Sequence):
     """One sender's part views of a set of full tensors (see ``Owners.part_views``):
-    a sequence whose items are made on first access and kept while it lives.
+    a sequence whose items are made on first access and kept for this receive.
 
     ``addresses`` (uint64, one per part) and ``sizes`` (the part plan's byte sizes),
     where the targets carried their addresses: as ``cross_memory.AddressedTensors``
