@@ -346,6 +346,10 @@ class DistributedTrainerClient(AsyncClient):
             for sender in self._senders.values():
                 sender.close()
             self._senders.clear()
+            self.held.forget()  # the tensors last replayed, and the lists made of them
+            self._lane_sources = None
+            if self._driver is not None:
+                self._driver._sources, self._driver.holdings = None, {}
             if self._store is not None:
                 self._store.close()
         try:

@@ -242,6 +242,12 @@ def test_holdings_are_replayed_only_while_every_tensor_is_the_same_one():
         assert not replay.replay(other), why
     pairs[2][1].resize_(3)  # the same object, another shape
     assert not replay.replay(pairs)
+    _remember(replay, pairs[:2])
+    gone = weakref.ref(pairs[0][1])
+    replay.forget()  # as at close: nothing of the tensors is held any more
+    del pairs[:2], held, changed, other  # the test's own references
+    gc.collect()
+    assert gone() is None and not replay.replay([])
     # A tensor that is not contiguous is sent from a copy made that round: never replayed.
     transposed = [("wt", torch.randn(3, 5).t())]
     _remember(replay, transposed)

@@ -370,9 +370,12 @@ class HeldReplay:
     for 20k DTensors), and the 20k new objects a round soon set off a full garbage
     collection of the trainer's heap (0.5 s). ``replay`` is one pass that checks each
     tensor is the same object, over the same local tensor, of the same dtype, shape
-    and layout as last round, and if so returns last round's holdings, description
-    and signature unchanged; else None, and the caller works them out again
-    (``remember``).
+    and layout as last round: then last round's holdings, description and signature
+    stand unchanged; else the caller works them out again (``remember``).
+
+    It holds last round's tensors (as the holdings' senders do during a round) until
+    the next round replaces them or ``forget``: a trainer that replaces its model
+    between syncs has the old one's tensors released at its next sync, or at close.
     """
 
     def __init__(self) -> None:
@@ -405,6 +408,10 @@ class HeldReplay:
         except (AttributeError, TypeError, ValueError):
             return False
         return i == n
+
+    def forget(self) -> None:
+        """Lets go of every tensor held; the next round works its holdings out again."""
+        self._seen, self.holdings, self.described, self.signature = None, {}, {}, ""
 
     def remember(self, named_tensors, holdings: dict[str, Holding], described: dict, signature: str) -> None:
         """This round's holdings (worked out by ``holding_of``), kept as the ones that
