@@ -128,6 +128,24 @@ def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("baselines", [True, False], ids=["with-gather", "no-baselines"])
+def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked(tmp_path, baselines):
+    """``weightsync bench --trainer-ranks 2`` end to end at a toy size: two FSDP2 rank
+    processes, one engine; the bench itself fails unless the engine ends bitwise equal
+    to the trainer's full state dict. ``--no-baselines`` leaves the all-gather out."""
+    out = tmp_path / "ranks.json"
+    proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--trainer-ranks", "2", "--size", "1MiB",
+                           "--tensors", "40", "--engines", "1", "--steps", "1", "--transport", "shm",
+                           "--json", str(out), *([] if baselines else ["--no-baselines"])],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["results"]] == (["sharded", "gather"] if baselines else ["sharded"])
+    assert all(r["median_s"] > 0 and len(r["rounds_s"]) == 1 for r in report["results"])
+    assert ("gather / sharded" in proc.stdout) == baselines
+    assert ("gather_over_sharded" in report) == baselines
+
+
 @pytest.mark.parametrize("value", ["0", "12,x", ""])
 def test_bench_bad_tensor_counts_exit_2(value):
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--tensors", value, "--no-baselines"],

@@ -164,7 +164,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed rounds per method")
     p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run per-tensor-gloo, flat-gloo, disk, grpc-stream, memcpy")
+                   help="also run per-tensor-gloo, flat-gloo, disk, grpc-stream, memcpy (with --trainer-ranks: "
+                        "the all-gather to rank 0)")
     p.add_argument("--attest", action="store_true",
                    help="also run every weightsync round with the attestation probe (method weightsync+attest)")
     p.add_argument("--json", default="", help="write the report here")
@@ -305,7 +306,8 @@ def _bench_trainer_ranks(args) -> int:
         report = run_sharded_bench(ranks=args.trainer_ranks, engines=args.engines, size=args.size,
                                    tensors=args.tensors[0], rounds=args.steps,
                                    transport=(args.transport or ["auto"])[0],
-                                   bucket_bytes=parse_size(args.bucket_bytes), json_path=args.json)
+                                   bucket_bytes=parse_size(args.bucket_bytes), json_path=args.json,
+                                   baselines=args.baselines)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
