@@ -134,6 +134,7 @@ class BucketPlan:
         ends = np.cumsum(aligned)
         self._nbytes = nbytes
         self._offsets = ends - aligned
+        self._ends = ends  # each tensor's end in the stream, alignment padding included
         self.total_bytes = int(ends[-1]) if len(ends) else 0
         self._wire = wire
         self._embedded: dict[int, bytes] = {}  # field number -> the plan encoded as that field
@@ -476,6 +477,39 @@ class BucketPlan:
                 out.append(WireOps(small, sum(end - start for start, end in small),
                                    tuple(op for op in ops if op[2] is not None)))
         return tuple(out)
+
+    def memory_run(self, bucket: int, start: int, end: int, addresses: np.ndarray) -> tuple[int, int] | None:
+        """Where bytes ``[start, end)`` of ``bucket`` lie as one run of memory, if they do.
+
+        ``addresses``: each tensor's first byte (``cross_memory.tensor_addresses``).
+        The range is one run when the tensors it covers sit in memory the same distance
+        apart as in the stream and none of its bytes is alignment padding (those would
+        land between two tensors, in memory that belongs to neither). Returns
+        ``(index, address)``: a tensor of the range with bytes in it (whose memory
+        the run lies in) and the address of the range's first byte; None otherwise.
+
+        An engine that keeps its weights end to end in one arena, in the plan's order
+        (``engine.arena``), has every bucket of small tensors as one run: a network
+        transport lands it there in one operation, with no copy out of a bucket buffer.
+        Whole-array work, a few numpy calls per range whatever its tensor count.
+        """
+        base = bucket * self.bucket_bytes
+        lo, hi = base + start, base + end
+        first = int(np.searchsorted(self._ends, lo, side="right"))  # the first tensor ending after lo
+        last = int(np.searchsorted(self._offsets, hi, side="left"))  # past the last starting before hi
+        if first >= last or len(addresses) != len(self):
+            return None
+        offsets, sizes, ends = self._offsets[first:last], self._nbytes[first:last], self._ends[first:last]
+        padding = offsets + sizes
+        if np.any((ends > padding) & (padding < hi) & (ends > lo)):
+            return None
+        present = np.flatnonzero(sizes > 0)
+        if not len(present):
+            return None
+        delta = addresses[first:last][present].astype(np.int64) - offsets[present]
+        if np.any(delta != delta[0]):
+            return None
+        return first + int(present[0]), int(delta[0]) + lo
 
     @cached_property
     def gathered_bytes(self) -> int:

@@ -10,7 +10,9 @@ What goes through the buffers is only what must: each bucket is cut into ranges
 (``BucketPlan.bucket_ops``), and every piece of 1 MiB or more is a broadcast of its
 own, sent straight from the trainer's tensor and landing straight in the engine's
 (where the dtype matches and the tensor is a contiguous CPU tensor; else that range is
-staged in the buffer). Only the small tensors between them are packed and unpacked.
+staged in the buffer). Only the small tensors between them are packed and unpacked,
+and not even those on a side whose tensors lie end to end in memory as the plan lays
+them out (``memory_runs``: the reference engine's arena).
 On a machine where the network is loopback, those two copies cost as much CPU as the
 wire itself (1 GiB in 509 tensors, 2 engines: 1.59 s with every byte packed). Where a
 bucket has two or more runs of small tensors between its large pieces, the runs go as
@@ -56,6 +58,7 @@ from weightsync.transport.collective import (
     retire,
     wait_polling,
 )
+from weightsync.transport.memory_runs import bucket_runs
 from weightsync.transport.store import connect_store, prefixed, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
@@ -200,7 +203,8 @@ class GlooSender(Sender):
                 wait(slot)
                 buf = group.buffers[slot]
                 wire = plan.wire_ops(bucket)
-                if wire.packs:
+                runs = bucket_runs(plan, bucket, sources)  # small tensors end to end in memory: sent from there
+                if wire.packs and runs is None:
                     pack_bucket(plan, bucket, sources, buf, small_only=True)
                 if wire.gathered:
                     gathered = group.gathered[slot][:wire.gathered_bytes]
@@ -213,6 +217,8 @@ class GlooSender(Sender):
                         data = _wire_bytes(sources[index], plan.dtypes[index], piece)
                         if data is None:
                             pack_piece(plan, piece, sources, buf)
+                    elif runs is not None:
+                        data = runs[lo]
                     works[slot].append(broadcast_from_root(group.pg, buf[lo:hi] if data is None else data))
             wait(0)
             wait(1)
@@ -270,10 +276,17 @@ class GlooReceiver(Receiver):
             # loading) must not have every target made at the start.
             staged: dict[int, list[Piece]] = {}
 
+            # Buckets whose small tensors landed straight in the targets' memory (it lies
+            # as one run: ``memory_runs``): nothing of them to unpack.
+            landed: set[int] = set()
+
             def post(bucket: int) -> None:
                 buf, slot = group.buffers[bucket % 2], bucket % 2
                 staged[bucket] = []
                 wire = plan.wire_ops(bucket)
+                runs = bucket_runs(plan, bucket, targets)
+                if runs is not None:
+                    landed.add(bucket)
                 if wire.gathered:
                     works[slot].append(broadcast_from_root(group.pg, group.gathered[slot][:wire.gathered_bytes]))
                 for lo, hi, piece in wire.ops:  # not ``start``: that is the transfer's clock
@@ -283,6 +296,8 @@ class GlooReceiver(Receiver):
                         into = _wire_bytes(targets[index], plan.dtypes[index], piece)
                         if into is None:
                             staged[bucket].append(piece)
+                    elif runs is not None:
+                        into = runs[lo]
                     works[slot].append(broadcast_from_root(group.pg, buf[lo:hi] if into is None else into))
 
             post(0)
@@ -299,8 +314,9 @@ class GlooReceiver(Receiver):
                 wire = plan.wire_ops(bucket)
                 if wire.gathered:
                     scatter_ranges(group.gathered[slot], wire.gathered, buf)
-                if wire.packs:
+                if wire.packs and bucket not in landed:
                     unpack_bucket(plan, bucket, buf, targets, small_only=True)
+                landed.discard(bucket)
                 for piece in staged.pop(bucket):
                     unpack_piece(plan, piece, buf, targets)
                 if on_bucket is not None:
