@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from weightsync import transport as transports
+from weightsync.engine.arena import place_in_arena
 from weightsync.engine.model import ReferenceLM, config_for_size, resolve_config
 from weightsync.engine.reference import ReferenceAdapter
 from weightsync.plan import ALIGN, BucketPlan
@@ -59,24 +60,23 @@ def test_a_range_is_one_run_only_where_its_tensors_lie_as_the_stream_lays_them_o
     assert plan.memory_run(0, 0, 64, laid_out[:-1]) is None  # addresses of another plan
 
 
-def _flat_sources(shapes, seed=0):
-    """Tensors end to end in one flat buffer as the plan lays them out, as a trainer
-    that keeps its parameters in one buffer has them."""
-    generator = torch.Generator().manual_seed(seed)
-    sizes = [int(np.prod(s)) * 4 for s in shapes]
-    total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes)
-    flat = torch.zeros(total, dtype=torch.uint8)
+def _flat(tensors):
+    """Copies of ``tensors`` end to end in one flat buffer as a plan lays them out (each
+    start aligned to 8 bytes), as a trainer that keeps its parameters in one buffer has
+    them. Returns the buffer and the copies (views of it)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    flat = torch.zeros(sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes), dtype=torch.uint8)
     out, at = [], 0
-    for shape, n in zip(shapes, sizes, strict=True):
-        view = flat[at:at + n].view(torch.float32).view(shape)
-        view.copy_(torch.randn(shape, generator=generator))
+    for t, n in zip(tensors, sizes, strict=True):
+        view = flat[at:at + n].view(t.dtype).view(t.shape)
+        view.copy_(t.detach())
         out.append(view)
         at += (n + ALIGN - 1) // ALIGN * ALIGN
     return flat, out
 
 
 def test_a_run_view_never_reaches_past_one_storage_nor_trusts_stale_addresses():
-    flat, tensors = _flat_sources([(16,), (16,), (16,)])
+    flat, tensors = _flat([torch.randn(16) for _ in range(3)])
     plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(tensors)], bucket_bytes=1024)
     addressed = AddressedTensors(tensors, tensor_addresses(tensors, plan.dtypes, plan.sizes), plan.sizes)
     view = run_view(plan, 0, 0, plan.total_bytes, addressed)
@@ -149,10 +149,7 @@ def test_gloo_sends_small_tensors_from_a_flat_buffer_into_an_engines_arena_with_
             for p in trainer.parameters():
                 p.add_(torch.randn_like(p))  # a trained step: nothing like the engine's boot weights
         named = list(trainer.named_parameters())
-        flat, views = _flat_sources([tuple(p.shape) for _, p in named])
-        with torch.no_grad():
-            for view, (_, p) in zip(views, named, strict=True):
-                view.copy_(p)
+        flat, views = _flat([p for _, p in named])
         plan = BucketPlan.from_tensors(named, bucket_bytes=4096)
         assert plan.num_buckets > 4 and max(plan.sizes) < 1 << 20  # small tensors only: all would be packed
         sources = AddressedTensors(views, tensor_addresses(views, plan.dtypes, plan.sizes), plan.sizes)
@@ -227,4 +224,82 @@ def test_the_reference_engine_keeps_its_weights_in_one_arena_from_boot_and_after
         assert woken.nbytes() == storage.nbytes() and all(not p.any() for _, p in named)
         assert [tuple(p.shape) for _, p in named] == [tuple(q.shape) for _, q in fresh.named_parameters()]
     finally:
+        adapter.close()
+
+
+def test_a_flattened_call_is_one_run_only_where_its_tensors_lie_end_to_end_as_it_carries_them():
+    from weightsync.transport.flattened import flattened_calls
+
+    # 2-byte elements, no padding in a call: t1 (3 bf16, 6 bytes) is followed at once by t2.
+    plan = BucketPlan.build([("t0", torch.bfloat16, (4,)), ("t1", torch.bfloat16, (3,)),
+                             ("t2", torch.bfloat16, (0,)), ("t3", torch.bfloat16, (5,))], bucket_bytes=1024)
+    calls = flattened_calls(plan)
+    assert calls.bounds == ((0, 4),)
+    end_to_end = np.array([4096, 4104, 0, 4110], dtype=np.uint64)  # an empty tensor's address is anything
+    assert calls.memory_run(0, end_to_end) == (0, 4096)
+    # laid out with the plan's 8-byte alignment instead: t3 is 2 bytes further on, not one run
+    assert calls.memory_run(0, np.array([4096, 4104, 0, 4112], dtype=np.uint64)) is None
+    assert calls.memory_run(0, end_to_end[:3]) is None
+
+
+def test_the_group_transports_flattened_calls_go_from_a_flat_buffer_into_an_arena_with_no_staging(monkeypatch):
+    """SGLang's flattened layout over weightsync's own group receiver: each call of
+    several tensors is one broadcast from the trainer's flat buffer straight into the
+    reference engine's arena (no staging copy on either side), bitwise."""
+    from weightsync.transport import flattened, group
+    from weightsync.transport.flattened import flattened_calls
+
+    config = resolve_config("tiny")
+    adapter = ReferenceAdapter(config)
+    kind = common_pb2.TRANSPORT_KIND_GROUP
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender, receiver = transports.make_sender(kind, store), transports.make_receiver(kind)
+    try:
+        trainer = ReferenceLM(config)
+        # bf16 on the wire: every tensor a multiple of 8 bytes, so the arena's alignment adds no gap
+        named = [(n, (p.detach() * 3).to(torch.bfloat16)) for n, p in trainer.named_parameters()]
+        assert all(t.numel() * 2 % ALIGN == 0 for _, t in named)
+        flat, views = _flat([t for _, t in named])
+        plan = BucketPlan.from_tensors(named, bucket_bytes=4096)
+        sources = AddressedTensors(views, tensor_addresses(views, plan.dtypes, plan.sizes), plan.sizes)
+        # The engine's weights in bf16 too (an arena of the wire's dtype), in model order.
+        params = adapter.engine.parameters_by_name()
+        place_in_arena(list(params.values()), [(torch.bfloat16, tuple(p.shape)) for p in params.values()],
+                       keep_values=False)
+        engine = [params[n] for n, _ in named]
+        targets = AddressedTensors(engine, tensor_addresses(engine, plan.dtypes, plan.sizes), plan.sizes)
+        calls = flattened_calls(plan)
+        several = [c for c, (a, b) in enumerate(calls.bounds) if b - a > 1]
+        assert several and all(calls.memory_run(c, targets.addresses) for c in several)
+        copies = {"n": 0}
+        real = flattened.copy_all
+
+        def counted(dsts, srcs):
+            copies["n"] += 1
+            real(dsts, srcs)
+
+        monkeypatch.setattr(group, "copy_all", counted)
+        rdzv = common_pb2.Rendezvous(group_id="flat-runs", transport=kind, store_host="127.0.0.1",
+                                     store_port=store.port, world_size=2, session_id=uuid.uuid4().hex,
+                                     group_layout=flattened.FLATTENED)
+        errors = []
+
+        def receive():
+            try:
+                receiver.receive(rdzv, 1, plan, targets, deadline_at=time.monotonic() + 20, abort=threading.Event())
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        try:
+            sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + 20, abort=threading.Event())
+        finally:
+            thread.join(25)
+        assert errors == [] and copies["n"] == 0
+        for (name, t), got in zip(named, targets, strict=True):
+            assert torch.equal(got, t), name
+    finally:
+        sender.close()
+        receiver.close()
         adapter.close()

@@ -15,7 +15,10 @@ plan order, at most the plan's bucket size of bytes per call (a larger tensor is
 of its own), and a new call wherever a tensor would start at an offset that is not a
 multiple of its element size. A call of one tensor goes straight from and into the
 tensor where it can; a call of several is packed into, and unpacked from, one of two
-staging buffers, used alternately (``Staging``).
+staging buffers, used alternately (``Staging``), except on a side whose tensors lie
+end to end in memory as the call carries them (``FlatCalls.memory_run``: the
+reference engine's arena, a trainer's flat buffer): the call goes from, or lands in,
+that memory.
 """
 
 from __future__ import annotations
@@ -41,10 +44,29 @@ class FlatCalls:
 
     bounds: tuple[tuple[int, int], ...]
     starts: np.ndarray  # int64, one per tensor and one past the last: bytes end to end, no padding
+    sizes: tuple[int, ...]  # the plan's (the same tuple: addresses taken for it stand for these calls)
 
     def nbytes(self, call: int) -> int:
         first, end = self.bounds[call]
         return int(self.starts[end] - self.starts[first])
+
+    def memory_run(self, call: int, addresses: np.ndarray) -> tuple[int, int] | None:
+        """Whether call ``call``'s tensors sit at ``addresses`` (each tensor's first
+        byte) end to end as the call carries them: ``(index, address)``, a tensor of
+        the call with bytes (whose memory the run lies in) and the address of the
+        call's first byte; None otherwise. Then the call goes on the wire from that
+        memory, or lands in it, with no staging copy (``memory_runs.call_view``)."""
+        first, end = self.bounds[call]
+        if len(addresses) != len(self.starts) - 1:
+            return None
+        starts = self.starts[first:end]
+        present = np.flatnonzero(self.starts[first + 1:end + 1] > starts)
+        if not len(present):
+            return None
+        delta = addresses[first:end][present].astype(np.int64) - starts[present]
+        if np.any(delta != delta[0]):
+            return None
+        return first + int(present[0]), int(delta[0] + self.starts[first])
 
     def views(self, buffer: torch.Tensor, call: int, plan: BucketPlan) -> list[torch.Tensor]:
         """The call's tensors as views of ``buffer`` (uint8, the call's bytes), each in
@@ -72,7 +94,7 @@ def flattened_calls(plan: BucketPlan) -> FlatCalls:
         used += size
     if len(sizes):
         bounds.append((first, len(sizes)))
-    return FlatCalls(tuple(bounds), starts)
+    return FlatCalls(tuple(bounds), starts, plan.sizes)
 
 
 def byte_flat(tensor: torch.Tensor) -> torch.Tensor:

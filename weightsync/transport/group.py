@@ -49,6 +49,7 @@ from weightsync.transport.flattened import (
     flattened_calls,
 )
 from weightsync.transport.gloo import gloo_options
+from weightsync.transport.memory_runs import call_view
 from weightsync.transport.store import connect_store, session_key
 from weightsync.v1 import common_pb2
 
@@ -224,8 +225,9 @@ class GroupSender(Sender):
     def _send_flattened(self, pg, plan, sources, device: torch.device, in_flight: _InFlight,
                         abort: threading.Event) -> None:
         """A broadcast per flattened call: a call of one tensor straight from the tensor
-        (cast or moved first where the wire needs it), a call of several packed into a
-        staging buffer while the previous one is on the wire."""
+        (cast or moved first where the wire needs it), a call of several from where its
+        tensors lie end to end if they do, else packed into a staging buffer while the
+        previous one is on the wire."""
         calls = flattened_calls(plan)
         self._staging.fit(plan, device)
         for call, (first, end) in enumerate(calls.bounds):
@@ -234,6 +236,10 @@ class GroupSender(Sender):
             if end - first == 1:
                 wire = byte_flat(sources[first].to(device=device, dtype=plan.dtypes[first]).contiguous())
                 in_flight.add(broadcast_from_root(pg, wire), wire)
+                continue
+            run = call_view(calls, call, sources) if device.type == "cpu" else None
+            if run is not None:  # the call's tensors lie end to end in memory: sent from there
+                in_flight.add(broadcast_from_root(pg, run), run)
                 continue
             slot, views = self._staging.take(calls, call, plan, in_flight.finish_through)
             copy_all(views, sources[first:end])
@@ -325,7 +331,8 @@ class GroupReceiver(Receiver):
     def _receive_flattened(self, pg, plan, targets, wire_device: torch.device, in_flight: _InFlight,
                            abort: threading.Event) -> None:
         """A broadcast per flattened call: a call of one tensor straight into the target
-        where it can take the wire's bytes, a call of several into a staging buffer,
+        where it can take the wire's bytes, a call of several straight into the targets
+        where they lie end to end as the call carries them, else into a staging buffer,
         copied out once it has arrived (while the next call arrives in the other)."""
         calls = flattened_calls(plan)
         self._staging.fit(plan, wire_device)
@@ -340,6 +347,10 @@ class GroupReceiver(Receiver):
                 else:
                     into = torch.empty(calls.nbytes(call), dtype=torch.uint8, device=wire_device)
                     in_flight.add(broadcast_from_root(pg, into), into, (first, end, into, None))
+                continue
+            run = call_view(calls, call, targets) if wire_device.type == "cpu" else None
+            if run is not None:  # the targets lie end to end as the call carries them: straight in
+                in_flight.add(broadcast_from_root(pg, run), run, (first, end, None, None))
                 continue
             slot, views = self._staging.take(calls, call, plan, in_flight.finish_through)
             buffer = self._staging.buffer(slot, calls.nbytes(call))

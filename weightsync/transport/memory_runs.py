@@ -19,12 +19,16 @@ trainer's per-step pass, the reference engine's targets). Tensors without them
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from weightsync.packing import byte_view
 from weightsync.plan import BucketPlan
 from weightsync.transport.cross_memory import carries_addresses
+
+if TYPE_CHECKING:
+    from weightsync.transport.flattened import FlatCalls
 
 
 def bucket_runs(plan: BucketPlan, bucket: int, tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor] | None:
@@ -53,21 +57,36 @@ def bucket_runs(plan: BucketPlan, bucket: int, tensors: Sequence[torch.Tensor]) 
 def run_view(plan: BucketPlan, bucket: int, start: int, end: int,
              tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A uint8 view of the memory that bytes ``[start, end)`` of ``bucket`` lie in, or
-    None unless they lie as one run inside one tensor's storage. ``tensors`` carries
-    its addresses; the tensor the run is found through is checked to still be there
-    (addresses are taken once a step, the tensors could have moved since)."""
+    None unless they lie as one run (``BucketPlan.memory_run``) inside one tensor's
+    storage. ``tensors`` carries its addresses."""
     found = plan.memory_run(bucket, start, end, tensors.addresses)
-    if found is None:
+    return None if found is None else view_at(tensors, *found, end - start)
+
+
+def call_view(calls: FlatCalls, call: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The flattened layout's counterpart of ``run_view``: a uint8 view of the memory
+    that call ``call``'s tensors lie in, end to end as the call carries them
+    (``FlatCalls.memory_run``); None where ``tensors`` carries no addresses for
+    ``sizes`` or they do not lie so."""
+    if not carries_addresses(tensors, calls.sizes) or tensors.addresses is None:
         return None
-    index, address = found
+    found = calls.memory_run(call, tensors.addresses)
+    return None if found is None else view_at(tensors, *found, calls.nbytes(call))
+
+
+def view_at(tensors: Sequence[torch.Tensor], index: int, address: int, length: int) -> torch.Tensor | None:
+    """``length`` bytes at ``address``, as a uint8 view of the storage of
+    ``tensors[index]``, or None unless they lie inside that one storage. The tensor is
+    checked to still be at its recorded address (addresses are taken once a step; the
+    tensors could have moved since)."""
     tensor = tensors[index].detach()
-    if tensor.data_ptr() != int(tensors.addresses[index]) or not tensor.is_cpu:
+    if not tensor.is_cpu or tensor.data_ptr() != int(tensors.addresses[index]):
         return None
     storage = tensor.untyped_storage()
     at = address - storage.data_ptr()
-    if at < 0 or at + (end - start) > storage.nbytes():  # one storage: never into a neighbour's memory
+    if at < 0 or at + length > storage.nbytes():  # one storage: never into a neighbour's memory
         return None
-    return byte_view(tensor).as_strided((end - start,), (1,), at)
+    return byte_view(tensor).as_strided((length,), (1,), at)
 
 
-__all__ = ["bucket_runs", "run_view"]
+__all__ = ["bucket_runs", "call_view", "run_view", "view_at"]
