@@ -303,3 +303,50 @@ def test_the_group_transports_flattened_calls_go_from_a_flat_buffer_into_an_aren
         sender.close()
         receiver.close()
         adapter.close()
+
+
+def _huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping that holds ``address``, from /proc/self/smaps."""
+    huge, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if not head.endswith(":"):  # a mapping's first line: its address range
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                huge = int(line.split()[1]) * 1024
+    return huge
+
+
+def _mapping_of(address: int) -> tuple[int, int] | None:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return lo, hi
+    return None
+
+
+def test_an_arena_is_a_mapping_of_its_own_on_huge_pages_where_the_kernel_gives_them_on_request():
+    import gc
+    from pathlib import Path
+
+    from weightsync.engine.arena import new_arena
+
+    assert new_arena(0).numel() == 0
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    params = [torch.nn.Parameter(torch.full((16 << 20,), 7, dtype=torch.uint8), requires_grad=False),
+              torch.nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)]
+    arena = place_in_arena(params, [(torch.uint8, (16 << 20,)), (torch.float32, (3,))], keep_values=True)
+    assert params[0].data_ptr() == arena.data_ptr() and bool((params[0] == 7).all()) and params[1].sum() == 3
+    if setting.exists() and ("[madvise]" in setting.read_text() or "[always]" in setting.read_text()):
+        assert _huge_bytes_at(arena.data_ptr()) >= 8 << 20
+    # The mapping goes with the last tensor over it.
+    mapping = _mapping_of(arena.data_ptr())
+    assert mapping is not None and mapping[1] - mapping[0] >= 16 << 20
+    del arena
+    for p in params:
+        p.data = torch.empty(0)
+    gc.collect()
+    assert _mapping_of(mapping[0]) != mapping
