@@ -11,9 +11,9 @@ orders differ nothing breaks: those buckets are unpacked as before.
 
 The arena asks the kernel for transparent huge pages (where its setting is
 ``madvise``, a process gets them only where it asks): a transfer writes every byte of
-it, and with 2 MiB pages instead of 4 KiB ones an engine's direct reads of 1 GiB in
-509 tensors took 0.49-0.50 CPU seconds a round against 0.60-0.70 (docs/benchmarks.md,
-"Small tensors landed in the engine's arena").
+it, and with 2 MiB pages instead of 4 KiB ones a round of 1 GiB in 509 tensors over
+shm's direct reads took 0.49-0.50 CPU seconds (every process) against 0.60-0.70
+(docs/benchmarks.md, "Small tensors landed in the engine's arena").
 """
 
 from __future__ import annotations
