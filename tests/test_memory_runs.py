@@ -97,12 +97,12 @@ def test_a_run_view_never_reaches_past_one_storage_nor_trusts_stale_addresses():
     assert bucket_runs(plan, 0, list(tensors)) is None
 
 
-def _gloo_round(plan, sources, targets, group):
-    kind = common_pb2.TRANSPORT_KIND_GLOO
+def _one_round(plan, sources, targets, group, kind=common_pb2.TRANSPORT_KIND_GLOO, **rendezvous):
+    """One round from a real sender to one real receiver (a thread), over real sockets."""
     store = host_store("127.0.0.1", timeout_s=20)
     sender, receiver = transports.make_sender(kind, store), transports.make_receiver(kind)
     rdzv = common_pb2.Rendezvous(group_id=group, transport=kind, store_host="127.0.0.1", store_port=store.port,
-                                 world_size=2, session_id=uuid.uuid4().hex)
+                                 world_size=2, session_id=uuid.uuid4().hex, **rendezvous)
     errors = []
 
     def receive():
@@ -159,7 +159,7 @@ def test_gloo_sends_small_tensors_from_a_flat_buffer_into_an_engines_arena_with_
         before = [t.data_ptr() for t in targets]
 
         calls = _counting_copies(monkeypatch)
-        _gloo_round(plan, sources, targets, "runs")
+        _one_round(plan, sources, targets, "runs")
         assert calls == {"pack": 0, "unpack": 0}
         assert [t.data_ptr() for t in targets] == before and targets[-1].untyped_storage().data_ptr() == arena.data_ptr()
         for (name, p), t in zip(named, targets, strict=True):
@@ -187,7 +187,7 @@ def test_gloo_packs_and_unpacks_where_the_orders_differ_and_still_lands_bitwise(
         assert not any(bucket_runs(plan, b, targets) for b in mixed)
         assert not any(bucket_runs(plan, b, sources) for b in mixed)
         calls = _counting_copies(monkeypatch)
-        _gloo_round(plan, sources, targets, "orders")
+        _one_round(plan, sources, targets, "orders")
         assert calls["pack"] > 0 and calls["unpack"] > 0
         for (name, t), got in zip(named, targets, strict=True):
             assert torch.equal(got, t), name
@@ -251,9 +251,6 @@ def test_the_group_transports_flattened_calls_go_from_a_flat_buffer_into_an_aren
 
     config = resolve_config("tiny")
     adapter = ReferenceAdapter(config)
-    kind = common_pb2.TRANSPORT_KIND_GROUP
-    store = host_store("127.0.0.1", timeout_s=20)
-    sender, receiver = transports.make_sender(kind, store), transports.make_receiver(kind)
     try:
         trainer = ReferenceLM(config)
         # bf16 on the wire: every tensor a multiple of 8 bytes, so the arena's alignment adds no gap
@@ -279,29 +276,12 @@ def test_the_group_transports_flattened_calls_go_from_a_flat_buffer_into_an_aren
             real(dsts, srcs)
 
         monkeypatch.setattr(group, "copy_all", counted)
-        rdzv = common_pb2.Rendezvous(group_id="flat-runs", transport=kind, store_host="127.0.0.1",
-                                     store_port=store.port, world_size=2, session_id=uuid.uuid4().hex,
-                                     group_layout=flattened.FLATTENED)
-        errors = []
-
-        def receive():
-            try:
-                receiver.receive(rdzv, 1, plan, targets, deadline_at=time.monotonic() + 20, abort=threading.Event())
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=receive)
-        thread.start()
-        try:
-            sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + 20, abort=threading.Event())
-        finally:
-            thread.join(25)
-        assert errors == [] and copies["n"] == 0
+        _one_round(plan, sources, targets, "flat-runs", common_pb2.TRANSPORT_KIND_GROUP,
+                   group_layout=flattened.FLATTENED)
+        assert copies["n"] == 0
         for (name, t), got in zip(named, targets, strict=True):
             assert torch.equal(got, t), name
     finally:
-        sender.close()
-        receiver.close()
         adapter.close()
 
 
