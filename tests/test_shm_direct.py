@@ -319,8 +319,8 @@ def test_addresses_kept_for_one_plan_are_not_used_for_another():
 def test_an_engines_kept_target_addresses_follow_its_weights_to_new_storage():
     """The reference engine's adapter keeps its parameters' addresses from round to round
     (shm's direct reads write there). Weights put to sleep and woken get new storage
-    (the freed memory is taken meanwhile, so it cannot be handed back): the next round
-    must land in the tensors the engine now computes with, not in the old memory."""
+    (the old arena is held meanwhile, so its memory cannot be handed back): the next
+    round must land in the tensors the engine now computes with, not in the old memory."""
     from weightsync.engine.model import config_for_size
     from weightsync.engine.reference import ReferenceAdapter
     from weightsync.v1 import common_pb2
@@ -336,10 +336,12 @@ def test_an_engines_kept_target_addresses_follow_its_weights_to_new_storage():
         receive_all(sender, [receiver], plan, sources, [adapter.load_targets(plan)])
         assert receiver.last_mode == "direct"
         before = [t.data_ptr() for _, t in adapter.engine.named_tensors()]
+        old = [t for _, t in adapter.engine.named_tensors()]
 
         adapter.pause(common_pb2.PAUSE_MODE_KEEP, timeout_s=10)
         adapter.sleep(["weights"])
-        squatters = [torch.empty_like(s) for s in sources]  # the freed memory, held elsewhere
+        # Views of the old arena, taken before sleep, hold its memory: the woken arena
+        # cannot be mapped where it was.
         adapter.wake(["weights"])
         assert [t.data_ptr() for _, t in adapter.engine.named_tensors()] != before
         for s in sources:
@@ -347,7 +349,7 @@ def test_an_engines_kept_target_addresses_follow_its_weights_to_new_storage():
         receive_all(sender, [receiver], plan, sources, [adapter.load_targets(plan)])
         assert receiver.last_mode == "direct"
         assert all(torch.equal(t, s) for (_, t), s in zip(adapter.engine.named_tensors(), sources, strict=True))
-        del squatters
+        assert not any(torch.equal(t, s) for t, s in zip(old, sources, strict=True))  # nothing went to the old
     finally:
         sender.close()
         receiver.close()
