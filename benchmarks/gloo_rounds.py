@@ -15,6 +15,12 @@ variants share the processes and the minutes:
 - ``flat``: one broadcast of a buffer as large as the model (the bench's flat-gloo),
   gloo's default threads.
 
+The receivers' targets are laid out as the reference engine's are: end to end in one
+arena, in model order, with their addresses at hand (``engine.arena``), so a bucket of
+small tensors lands there with no unpack; ``--plain-targets`` gives each target an
+allocation of its own instead (every small tensor unpacked, as in an engine that does
+not keep its weights so).
+
 Each round is timed in the trainer from the send's start until every receiver has
 said it is done; the trainer's asyncio loop ticks every millisecond on a thread of
 its own meanwhile (its largest lateness per round is the ``lag`` column).
@@ -43,9 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import weightsync.transport.gloo as gloo  # noqa: E402
 from weightsync import transport as transports  # noqa: E402
 from weightsync.apps.bench.runner import parse_size  # noqa: E402
+from weightsync.engine.arena import place_in_arena  # noqa: E402
 from weightsync.engine.model import ReferenceLM, config_for_size  # noqa: E402
 from weightsync.plan import BucketPlan  # noqa: E402
 from weightsync.transport.collective import broadcast_from_root  # noqa: E402
+from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses  # noqa: E402
 from weightsync.transport.store import host_store  # noqa: E402
 from weightsync.v1 import common_pb2  # noqa: E402
 
@@ -104,8 +112,20 @@ def set_threads(variant: str) -> None:
         gloo.GLOO_THREADS = int(variant.split(":", 1)[1])  # read when a group is made: one group per variant
 
 
-def receiver(port: int, rank: int, world: int, size: int, count: int, variants: list[str], rounds: int) -> None:
+def engine_targets(plan: BucketPlan, tensors: list[torch.Tensor]) -> AddressedTensors:
+    """``tensors`` moved into one arena as the reference engine keeps its weights, with
+    their addresses, as its adapter hands them to a receiver."""
+    params = [torch.nn.Parameter(t, requires_grad=False) for t in tensors]
+    place_in_arena(params, [(t.dtype, tuple(t.shape)) for t in tensors], keep_values=True)
+    targets = [p.data for p in params]
+    return AddressedTensors(targets, tensor_addresses(targets, plan.dtypes, plan.sizes), plan.sizes)
+
+
+def receiver(port: int, rank: int, world: int, size: int, count: int, variants: list[str], rounds: int,
+             plain_targets: bool) -> None:
     plan, targets = model_tensors(size, count)
+    if not plain_targets:
+        targets = engine_targets(plan, targets)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=OP_TIMEOUT)
     sides: dict = {}
     for i in range(rounds * len(variants)):
@@ -152,6 +172,8 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per variant (after one warm-up each)")
     parser.add_argument("--variants", default="threads:2,threads:8,posted,flat")
+    parser.add_argument("--plain-targets", action="store_true",
+                        help="each receiver target an allocation of its own, not the reference engine's arena")
     args = parser.parse_args()
     variants = args.variants.split(",")
     for v in variants:
@@ -161,7 +183,8 @@ def main() -> None:
     plan, sources = model_tensors(size, args.tensors)
     store = host_store("127.0.0.1", timeout_s=120)
     receivers = [subprocess.Popen([sys.executable, __file__, "--receiver", str(store.port), str(rank), str(world),
-                                   str(size), str(args.tensors), args.variants, str(rounds)])
+                                   str(size), str(args.tensors), args.variants, str(rounds),
+                                   "1" if args.plain_targets else "0"])
                  for rank in range(1, world)]
     lag = LoopLag()
     seconds: dict[str, list[float]] = {v: [] for v in variants}
@@ -207,7 +230,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--receiver"]:
-        port, rank, world, size, count, variants, rounds = sys.argv[2:9]
-        receiver(int(port), int(rank), int(world), int(size), int(count), variants.split(","), int(rounds))
+        port, rank, world, size, count, variants, rounds, plain = sys.argv[2:10]
+        receiver(int(port), int(rank), int(world), int(size), int(count), variants.split(","), int(rounds),
+                 plain == "1")
     else:
         main()
