@@ -112,6 +112,20 @@ class _Columns(NamedTuple):
     dims: np.ndarray    # int64: every tensor's dimensions, end to end
 
 
+def same_distances(addresses: np.ndarray, positions: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | None:
+    """Whether tensors with bytes (``sizes`` > 0) sit at ``addresses`` the same distance
+    apart as at ``positions`` (their places in a stream of bytes): ``(k, delta)``, the
+    first such tensor and ``address - position`` for all of them; None otherwise, or
+    when none has bytes. Empty tensors are left out: their addresses mean nothing."""
+    present = np.flatnonzero(sizes > 0)
+    if not len(present):
+        return None
+    delta = addresses[present].astype(np.int64) - positions[present]
+    if np.any(delta != delta[0]):
+        return None
+    return int(present[0]), int(delta[0])
+
+
 class BucketPlan:
     """Immutable transfer plan; see the module docstring.
 
@@ -503,13 +517,8 @@ class BucketPlan:
         padding = offsets + sizes
         if np.any((ends > padding) & (padding < hi) & (ends > lo)):
             return None
-        present = np.flatnonzero(sizes > 0)
-        if not len(present):
-            return None
-        delta = addresses[first:last][present].astype(np.int64) - offsets[present]
-        if np.any(delta != delta[0]):
-            return None
-        return first + int(present[0]), int(delta[0]) + lo
+        found = same_distances(addresses[first:last], offsets, sizes)
+        return None if found is None else (first + found[0], found[1] + lo)
 
     @cached_property
     def gathered_bytes(self) -> int:
@@ -642,4 +651,4 @@ def _sizes(columns: _Columns) -> np.ndarray:
     return numels * itemsizes
 
 
-__all__ = ["BucketPlan", "TensorSlot", "Piece", "WireOps", "is_reference", "WIRE_DTYPES", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["BucketPlan", "TensorSlot", "Piece", "WireOps", "is_reference", "same_distances", "WIRE_DTYPES", "DEFAULT_BUCKET_BYTES"]

@@ -19,6 +19,7 @@ shm's direct reads took 0.49-0.50 CPU seconds (every process) against 0.60-0.70
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 from collections.abc import Iterable
 
@@ -32,10 +33,7 @@ def arena_layout(tensors: Iterable[tuple[torch.dtype, tuple[int, ...]]]) -> tupl
     offsets, at = [], 0
     for dtype, shape in tensors:
         offsets.append(at)
-        count = 1
-        for dim in shape:
-            count *= dim
-        at += (count * dtype.itemsize + ALIGN - 1) // ALIGN * ALIGN
+        at += (math.prod(shape) * dtype.itemsize + ALIGN - 1) // ALIGN * ALIGN
     return offsets, at
 
 
@@ -64,10 +62,7 @@ def place_in_arena(parameters: list[torch.nn.Parameter], specs: list[tuple[torch
     offsets, total = arena_layout(specs)
     arena = new_arena(total)
     for p, (dtype, shape), at in zip(parameters, specs, offsets, strict=True):
-        count = 1
-        for dim in shape:
-            count *= dim
-        view = arena[at:at + count * dtype.itemsize].view(dtype).view(shape)
+        view = arena[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
         if keep_values:
             view.copy_(p.data)
         p.data = view

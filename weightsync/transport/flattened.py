@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from weightsync.dtypes import ITEMSIZE
-from weightsync.plan import BucketPlan
+from weightsync.plan import BucketPlan, same_distances
 from weightsync.serial_copy import serial_copies
 from weightsync.transport import FLATTENED, LAYOUTS, TENSORS
 
@@ -60,13 +60,8 @@ class FlatCalls:
         if len(addresses) != len(self.starts) - 1:
             return None
         starts = self.starts[first:end]
-        present = np.flatnonzero(self.starts[first + 1:end + 1] > starts)
-        if not len(present):
-            return None
-        delta = addresses[first:end][present].astype(np.int64) - starts[present]
-        if np.any(delta != delta[0]):
-            return None
-        return first + int(present[0]), int(delta[0] + self.starts[first])
+        found = same_distances(addresses[first:end], starts, self.starts[first + 1:end + 1] - starts)
+        return None if found is None else (first + found[0], found[1] + int(self.starts[first]))
 
     def views(self, buffer: torch.Tensor, call: int, plan: BucketPlan) -> list[torch.Tensor]:
         """The call's tensors as views of ``buffer`` (uint8, the call's bytes), each in
