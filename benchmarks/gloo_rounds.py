@@ -16,7 +16,7 @@ variants share the processes and the minutes:
   gloo's default threads.
 
 The receivers' targets are laid out as the reference engine's are: end to end in one
-arena, in model order, with their addresses at hand (``engine.arena``), so a bucket of
+arena, in model order, with their addresses at hand (``weightsync.arena``), so a bucket of
 small tensors lands there with no unpack; ``--plain-targets`` gives each target an
 allocation of its own instead (every small tensor unpacked, as in an engine that does
 not keep its weights so).
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import weightsync.transport.gloo as gloo  # noqa: E402
 from weightsync import transport as transports  # noqa: E402
 from weightsync.apps.bench.runner import parse_size  # noqa: E402
-from weightsync.engine.arena import place_in_arena  # noqa: E402
+from weightsync.arena import place_in_arena  # noqa: E402
 from weightsync.engine.model import ReferenceLM, config_for_size  # noqa: E402
 from weightsync.plan import BucketPlan  # noqa: E402
 from weightsync.transport.collective import broadcast_from_root  # noqa: E402

@@ -101,7 +101,8 @@ def test_bench_small_run_reports_every_method(tmp_path):
 
 @pytest.mark.parametrize("args", [["--size", "0"], ["--transport", "nccl"], ["--engines", "0"],
                                   ["--transport", "shm-ring", "--trainer-ranks", "2"],
-                                  ["--transport", "group-flat", "--trainer-ranks", "2"]])
+                                  ["--transport", "group-flat", "--trainer-ranks", "2"],
+                                  ["--trainer-memory", "huge-pages", "--trainer-ranks", "2"]])
 def test_bench_bad_arguments_exit_2(args):
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", *args, "--no-baselines"],
                           capture_output=True, text=True, timeout=120)
@@ -114,11 +115,13 @@ def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--size", "2MiB", "--tensors", "30,300",
                            "--shape-profile", "moe", "--engines", "1", "--steps", "1", "--bucket-bytes", "1MiB",
                            "--transport", "shm", "--transport", "group-flat", "--no-baselines", "--json", str(out),
-                           "--plot", str(png)],
+                           "--plot", str(png), "--trainer-memory", "huge-pages"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["config"]["shape_profile"] == "moe" and report["config"]["tensors_requested"] == [30, 300]
+    # The trainer's weights on huge pages in each count's process (place_on_huge_pages).
+    assert report["config"]["trainer_memory"] == "huge-pages"
     counts = sorted({r["tensors"] for r in report["results"]})
     assert len(counts) == 2 and 25 <= counts[0] <= 35 and 270 <= counts[1] <= 330
     # group-flat: the group transport with the flattened layout (the bench checks every

@@ -1,6 +1,6 @@
 """Small tensors moved straight from or into memory where they lie end to end as the
 plan lays them out (``plan.memory_run``, ``transport.memory_runs``), and the reference
-engine's arena that makes its weights lie so (``engine.arena``). gloo rounds here run
+engine's arena that makes its weights lie so (``weightsync.arena``). gloo rounds here run
 sender and receiver in threads of one process over real sockets."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from weightsync import transport as transports
-from weightsync.engine.arena import place_in_arena
+from weightsync.arena import place_in_arena
 from weightsync.engine.model import ReferenceLM, config_for_size, resolve_config
 from weightsync.engine.reference import ReferenceAdapter
 from weightsync.plan import ALIGN, BucketPlan
@@ -312,7 +312,7 @@ def test_an_arena_is_a_mapping_of_its_own_on_huge_pages_where_the_kernel_gives_t
     import gc
     from pathlib import Path
 
-    from weightsync.engine.arena import new_arena
+    from weightsync.arena import new_arena
 
     assert new_arena(0).numel() == 0
     setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")

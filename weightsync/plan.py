@@ -503,7 +503,7 @@ class BucketPlan:
         the run lies in) and the address of the range's first byte; None otherwise.
 
         An engine that keeps its weights end to end in one arena, in the plan's order
-        (``engine.arena``), has every bucket of small tensors as one run: a network
+        (``weightsync.arena``), has every bucket of small tensors as one run: a network
         transport lands it there in one operation, with no copy out of a bucket buffer.
         Whole-array work, a few numpy calls per range whatever its tensor count.
         """

@@ -144,6 +144,10 @@ def _add_bench(sub) -> None:
                    help="dense layers, or moe: most tensors are small expert matrices (128 experts per layer "
                         "where the count allows)")
     p.add_argument("--engines", type=int, default=2, help="receiving engines (agent processes)")
+    p.add_argument("--trainer-memory", default="plain", choices=["plain", "huge-pages"],
+                   help="where the trainer's weights lie: plain (an allocation each, as torch makes them: 4 KiB "
+                        "pages unless the machine says otherwise) or huge-pages (end to end on transparent huge "
+                        "pages, weightsync.client.place_on_huge_pages; the baselines' buffers too)")
     p.add_argument("--transport", action="append",
                    choices=["auto", "gloo", "shm", "shm-ring", "group", "group-flat", "group-tensors", "nccl",
                             "cuda-ipc"],
@@ -322,6 +326,9 @@ def _bench(args) -> int:
     if args.hosts and args.trainer_ranks:
         print("weightsync bench: --hosts and --trainer-ranks are separate benchmarks; choose one", file=sys.stderr)
         return 2
+    if (args.hosts or args.trainer_ranks) and args.trainer_memory != "plain":
+        print("weightsync bench: --trainer-memory is for the single-trainer benchmark", file=sys.stderr)
+        return 2
     if (args.hosts or args.trainer_ranks) and {"shm-ring", "group-flat", "group-tensors"} & set(args.transport or []):
         print("weightsync bench: shm-ring, group-flat and group-tensors are for the single-trainer benchmark",
               file=sys.stderr)
@@ -341,7 +348,7 @@ def _bench(args) -> int:
         report = run_bench(size=args.size, tensors=args.tensors, engines=args.engines, transports=chosen,
                            steps=args.steps, baselines=args.baselines, json_path=args.json, plot_path=args.plot,
                            bucket_bytes=parse_size(args.bucket_bytes), attest=args.attest,
-                           shape_profile=args.shape_profile)
+                           shape_profile=args.shape_profile, trainer_memory=args.trainer_memory)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2

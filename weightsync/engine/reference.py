@@ -11,7 +11,7 @@ Behaviour the rest of weightsync depends on, and the tests check:
 - ``sleep(["kv_cache"])`` frees the KV pool; ``wake`` reallocates it and requests
   recompute their cache (like vLLM after ``clear_cache``). ``sleep(["weights"])``
   frees the parameters; ``wake`` brings back zeroed storage that must be loaded.
-  The parameters lie end to end in one arena, in model order (``engine.arena``), made
+  The parameters lie end to end in one arena, in model order (``weightsync.arena``), made
   again on wake: a transfer lands a bucket of small tensors there in one operation.
 - ``resume`` does not look at sleep state (neither does vLLM's): a step with the KV
   cache or the weights asleep is a hard fault that kills the engine, so an ordering
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 
 import torch
 
+from weightsync.arena import place_in_arena
 from weightsync.attest import check_vocab, token_logprobs
 from weightsync.engine.adapter import EngineAdapter, Request, validate_tags
-from weightsync.engine.arena import place_in_arena
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import EngineFault, FailedPrecondition, InvalidArgument, StepTimeoutError
 from weightsync.packing import weights_digest
@@ -52,7 +52,7 @@ class ReferenceEngine:
         self.model = ReferenceLM(config).eval().requires_grad_(False)  # an engine never trains
         self._specs = {n: (p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()}
         self._params = dict(self.model.named_parameters())
-        # The weights end to end in one arena, in model order (``engine.arena``): a
+        # The weights end to end in one arena, in model order (``weightsync.arena``): a
         # transfer lands a bucket of small tensors there in one operation.
         place_in_arena(list(self._params.values()), list(self._specs.values()), keep_values=True)
         self.max_running = max_running

@@ -23,8 +23,9 @@ on 4 KiB pages is read at about half the speed of one on transparent huge pages 
 per reader: 0.16 s against 0.09 s on the CI machine, memcpy 0.08 s). torch puts CPU
 tensors of 2 MiB or more on huge pages when ``THP_MEM_ALLOC_ENABLE=1`` is set before
 the trainer starts, and glibc its heap (smaller tensors) with
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``; ``hugepage_advice`` says so once where they
-are not.
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``; or the trainer moves its weights onto huge
+pages itself, once (``weightsync.arena.place_on_huge_pages``). ``hugepage_advice``
+says so once where none of that was done.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from weightsync.arena import on_placed_arenas
 from weightsync.errors import TransferError
 
 # At most IOV_MAX (1024) segments per call. And at most 4 MiB per call: while a call
@@ -91,15 +93,17 @@ def hugepage_advice(setting_path: str | None = None, env: dict[str, str] | None 
     if not missing:
         return None
     return ("the trainer's tensors are on 4 KiB pages, which engines read at about half the speed of huge "
-            "pages: set " + " and ".join(missing) + " in the trainer's environment, before it starts")
+            "pages: call weightsync.client.place_on_huge_pages(model) once after building the model, or set "
+            + " and ".join(missing) + " in the trainer's environment, before it starts")
 
 
-def advise_hugepages_once() -> None:
-    """Logs ``hugepage_advice`` the first time this process offers direct reads."""
+def advise_hugepages_once(addresses: np.ndarray) -> None:
+    """Logs ``hugepage_advice`` the first time this process offers direct reads of
+    tensors at ``addresses``, unless they lie in arenas ``place_on_huge_pages`` made."""
     global _advised
     if not _advised:
         _advised = True
-        advice = hugepage_advice()
+        advice = None if on_placed_arenas(addresses.tolist()) else hugepage_advice()
         if advice is not None:
             log.info("shm direct reads: %s", advice)
 

@@ -4,7 +4,7 @@ lies as one run.
 A network transport packs the small tensors of a bucket into a buffer and sends
 the buffer; the receiver copies them out again. Where a side's tensors lie end to
 end in memory as the plan lays them out (an engine that keeps its weights in one
-arena, ``weightsync.engine.arena``; a trainer that keeps its parameters in one flat
+arena, ``weightsync.arena``; a trainer that keeps its parameters in one flat
 buffer), those two copies are not needed: the range goes on the wire from that
 memory, or lands in it. At 20k tensors of 1 GiB the two copies were a third of a
 gloo round's CPU on a 2-core machine (docs/benchmarks.md, "Small tensors landed in

@@ -212,7 +212,7 @@ class ShmSender(Sender):
         try:
             seg = self._ensure_segment(plan.bucket_bytes)
             if addresses is not None:
-                advise_hugepages_once()
+                advise_hugepages_once(addresses)
                 if self._beacon is None:
                     self._beacon = Beacon()
                 store.set(session_key(rendezvous, "direct"), self._beacon.describe())

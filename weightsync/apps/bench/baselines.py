@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.apps.bench.cpu import CpuMeter
+from weightsync.arena import new_arena
 from weightsync.dtypes import dtype_name
 from weightsync.lifecycle import spawn, stop_process
 from weightsync.packing import weights_digest
@@ -40,18 +41,26 @@ class Baselines:
     """Runs the baselines over one set of receiver processes."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], *, engines: int, steps: int, tmp: str,
-                 methods: tuple[str, ...] = METHODS) -> None:
+                 methods: tuple[str, ...] = METHODS, huge_pages: bool = False) -> None:
+        """``huge_pages``: the flat buffers (flat-gloo's, disk's and grpc-stream's source,
+        memcpy's both ends) on transparent huge pages, as a trainer's weights placed
+        there are (``weightsync.arena.place_on_huge_pages``)."""
         self.named = named
         self.tensors = [t for _, t in named]
         self.engines = engines
         self.steps = steps
         self.tmp = tmp
         self.methods = methods
-        self.flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in self.tensors])
+        self.huge_pages = huge_pages
+        self.flat = self._buffer(sum(t.nbytes for t in self.tensors))
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in self.tensors], out=self.flat)
         self.digest = weights_digest(named)
         self.store = host_store("127.0.0.1", timeout_s=600)
         self.procs = []
         self.pg = None
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        return new_arena(nbytes) if self.huge_pages else torch.empty(nbytes, dtype=torch.uint8)
 
     def __enter__(self) -> Baselines:
         plan_path = os.path.join(self.tmp, "plan.json")
@@ -161,7 +170,7 @@ class Baselines:
 
     def _memcpy(self, step: int) -> None:
         if not hasattr(self, "_dst"):
-            self._dst = torch.empty_like(self.flat)
+            self._dst = self._buffer(self.flat.numel())
         self._dst.copy_(self.flat)
 
 

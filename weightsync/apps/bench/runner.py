@@ -31,6 +31,7 @@ from weightsync import metrics
 from weightsync.apps.bench.baselines import METHODS, Baselines
 from weightsync.apps.bench.cpu import CpuMeter
 from weightsync.apps.local_cluster import LocalCluster
+from weightsync.arena import place_on_huge_pages
 from weightsync.client import EngineClient, LoopLagProbe, Probe, TrainerClient
 from weightsync.engine.model import SHAPE_PROFILES, ModelConfig, ReferenceLM, config_for_size
 from weightsync.lifecycle import die_with_parent, interrupt_on_sigterm
@@ -143,6 +144,10 @@ async def _shm_variant(transport: str):
             os.environ["WEIGHTSYNC_SHM_DIRECT"] = before
 
 
+# Where the bench's trainer keeps its weights (``--trainer-memory``).
+TRAINER_MEMORY = ("plain", "huge-pages")
+
+
 # The bench's names for the group transport with a layout asked for (plain "group"
 # takes the default, auto).
 GROUP_LAYOUTS = {"group-flat": FLATTENED, "group-tensors": TENSORS}
@@ -220,19 +225,23 @@ async def _check_engines_hold(client: TrainerClient, digest: str, *, engines: in
 
 def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: list[str], steps: int,
               baselines: bool, json_path: str = "", plot_path: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              attest: bool = False, shape_profile: str = "dense") -> dict:
+              attest: bool = False, shape_profile: str = "dense", trainer_memory: str = "plain") -> dict:
     """Runs the benchmark; returns (and optionally writes) the JSON report.
 
     ``tensors``: one count, or several for a sweep -- the same payload split into each
     count in turn, every method at every count, all in this one run (so the ratios
     between counts compare like with like). ``shape_profile``: ``dense`` layers, or
-    ``moe`` (most tensors are small expert matrices).
+    ``moe`` (most tensors are small expert matrices). ``trainer_memory``: ``plain`` (the
+    trainer's weights as torch allocates them) or ``huge-pages`` (end to end on huge
+    pages, ``place_on_huge_pages``; the baselines' flat buffers on huge pages too).
     """
     counts = [tensors] if isinstance(tensors, int) else list(tensors)
     if engines < 1 or steps < 1 or not counts or any(n < 1 for n in counts):
         raise ValueError("engines, steps and tensors must be >= 1")
     if shape_profile not in SHAPE_PROFILES:
         raise ValueError(f"unknown shape profile {shape_profile!r}; known: {', '.join(SHAPE_PROFILES)}")
+    if trainer_memory not in TRAINER_MEMORY:
+        raise ValueError(f"unknown trainer memory {trainer_memory!r}; known: {', '.join(TRAINER_MEMORY)}")
     if plot_path:
         try:
             import matplotlib  # noqa: F401
@@ -242,7 +251,7 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     per_count = len(transports) * (steps * (2 if attest else 1) + 1) + (len(METHODS) * steps if baselines else 0)
     results: list[dict] = []
     shape_args = {"engines": engines, "transports": transports, "steps": steps, "baselines": baselines,
-                  "bucket_bytes": bucket_bytes, "attest": attest}
+                  "bucket_bytes": bucket_bytes, "attest": attest, "huge_pages": trainer_memory == "huge-pages"}
     if len(counts) == 1:
         cfg = config_for_size(nbytes_requested, counts[0], profile=shape_profile)
         results += _run_one_shape(cfg, progress=Progress(per_count), **shape_args)
@@ -257,7 +266,7 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     report = {"machine": machine(), "results": results,
               "config": {"size": size, "tensors_requested": counts if len(counts) > 1 else counts[0],
                          "shape_profile": shape_profile, "bucket_bytes": bucket_bytes, "steps": steps,
-                         "attest": attest}}
+                         "attest": attest, "trainer_memory": trainer_memory}}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
@@ -327,10 +336,12 @@ def _shape_process(report, parent_pid: int, cfg_json: str, steps_total: int, sha
 
 
 def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, baselines: bool, bucket_bytes: int,
-                   attest: bool, progress: Progress) -> list[dict]:
+                   attest: bool, huge_pages: bool, progress: Progress) -> list[dict]:
     """Every method at one model shape: the weightsync transports on a fresh local
     cluster whose engines hold that shape, then the baselines."""
     model = ReferenceLM(cfg)
+    if huge_pages:
+        place_on_huge_pages(model)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
@@ -345,7 +356,7 @@ def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, base
                                                     metrics_ports=cluster.metrics_ports))
         if baselines:
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
-            with Baselines(named, engines=engines, steps=steps, tmp=tmp) as runs:
+            with Baselines(named, engines=engines, steps=steps, tmp=tmp, huge_pages=huge_pages) as runs:
                 for method in METHODS:
                     cpu = CpuMeter(runs.processes(method))
                     seconds = runs.run(method, progress=lambda _s, m=method: progress.step(m), cpu=cpu)
