@@ -63,7 +63,7 @@ from weightsync.sharding import Owners
 from weightsync.threads import run_in
 from weightsync.transport import AUTO_LAYOUT, LAYOUTS, is_relayed
 from weightsync.transport.base import Sender
-from weightsync.transport.cross_memory import AddressedTensors, direct_enabled
+from weightsync.transport.cross_memory import AddressedTensors
 from weightsync.transport.secure_store import StoreHost
 from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -165,6 +165,12 @@ class _Lane:
     rendezvous: common_pb2.Rendezvous
     transfer: asyncio.Future
     abort: threading.Event
+
+
+# The transports that use the tensors' addresses (``_prepare``): not nccl or cuda-ipc,
+# whose tensors are on a GPU.
+_ADDRESSED_KINDS = (common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_AUTO, common_pb2.TRANSPORT_KIND_GLOO,
+                    common_pb2.TRANSPORT_KIND_GROUP)
 
 
 class _Send:
@@ -433,8 +439,12 @@ class TrainerClient(AsyncClient):
         key = key or new_key("broadcast")
         with deadline.scope(timeout_s, operation="broadcast"), deadline.operation("broadcast"):
             store_port, secret = await self._in_thread(self._store_for, kind)
-            direct = kind in (common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_AUTO) and direct_enabled()
-            prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest, addresses=direct)
+            # Addresses for shm's direct reads, and for the network transports' runs of
+            # memory (``memory_runs``, ``whole_buckets``): taken in the per-step pass.
+            # (Taking them turns nothing on: shm asks ``direct_enabled`` itself.)
+            addresses = kind in _ADDRESSED_KINDS
+            prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest,
+                                             addresses=addresses)
             trainer_host = self._trainer_host_id() if kind == common_pb2.TRANSPORT_KIND_AUTO else ""
             # Built on the worker thread too: a request with the whole plan lists every tensor.
             by_reference = prepared.plan.plan_id in self._plans_sent
@@ -567,7 +577,8 @@ class TrainerClient(AsyncClient):
         mixture-of-experts model): no ``detach`` (the senders read under ``no_grad``), no
         copy of a tensor that is already contiguous, and the cached plan is checked
         against the names, dtypes and shapes, not rebuilt. ``addresses``: also take each
-        tensor's address in that pass (for shm's direct reads).
+        tensor's address in that pass (shm's direct reads, the network transports' runs
+        of memory).
         """
         pairs = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
         if not pairs:

@@ -12,7 +12,8 @@ own, sent straight from the trainer's tensor and landing straight in the engine'
 (where the dtype matches and the tensor is a contiguous CPU tensor; else that range is
 staged in the buffer). Only the small tensors between them are packed and unpacked,
 and not even those on a side whose tensors lie end to end in memory as the plan lays
-them out (``memory_runs``: the reference engine's arena).
+them out (``memory_runs``: the reference engine's arena). Where both ends' tensors lie
+so, a whole bucket is one broadcast (``whole_buckets``, agreed per round).
 On a machine where the network is loopback, those two copies cost as much CPU as the
 wire itself (1 GiB in 509 tensors, 2 engines: 1.59 s with every byte packed). Where a
 bucket has two or more runs of small tensors between its large pieces, the runs go as
@@ -51,6 +52,7 @@ from weightsync.packing import (
     unpack_piece,
 )
 from weightsync.plan import BucketPlan, Piece
+from weightsync.transport import whole_buckets
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.collective import (
     broadcast_from_root,
@@ -60,6 +62,7 @@ from weightsync.transport.collective import (
 )
 from weightsync.transport.memory_runs import bucket_runs
 from weightsync.transport.store import connect_store, prefixed, session_key, wait_for_keys
+from weightsync.transport.whole_buckets import whole_bucket_views
 from weightsync.v1 import common_pb2
 
 
@@ -142,7 +145,9 @@ def retire_group(group: GlooGroup | None, pending: Sequence[dist.Work | None] = 
 # different cuts would move wrong bytes without an error. The trainer names its cut in
 # the round's store; each receiver checks it before its first broadcast.
 # v1: every range of bucket_ops a broadcast; v2: a bucket's small ranges gathered into one.
-WIRE_FORMAT = b"ranges-v2:1MiB:gathered"
+# v3: and buckets that both ends hold as one run of memory go whole, as agreed per
+# round (``whole_buckets``).
+WIRE_FORMAT = b"ranges-v3:1MiB:gathered:whole"
 
 
 def announce_wire_format(store: dist.Store, rendezvous) -> None:
@@ -196,11 +201,17 @@ class GlooSender(Sender):
         try:
             announce_wire_format(self._store, rendezvous)
             group = self._ensure_group(rendezvous, plan, deadline_at, abort, stop)
+            views = whole_bucket_views(plan, sources)
+            whole = whole_buckets.choose(self._store, rendezvous, [v is not None for v in views],
+                                         deadline_at=deadline_at, abort=abort, stop_keys=stop)
             for bucket in range(plan.num_buckets):
                 if abort.is_set():
                     raise TransferError("send aborted")
                 slot = bucket % 2
                 wait(slot)
+                if whole[bucket]:  # one run of memory here and at every receiver: one broadcast
+                    works[slot].append(broadcast_from_root(group.pg, views[bucket]))
+                    continue
                 buf = group.buffers[slot]
                 wire = plan.wire_ops(bucket)
                 runs = bucket_runs(plan, bucket, sources)  # small tensors end to end in memory: sent from there
@@ -222,8 +233,10 @@ class GlooSender(Sender):
                     works[slot].append(broadcast_from_root(group.pg, buf[lo:hi] if data is None else data))
             wait(0)
             wait(1)
-            # Every receiver read the format before its first broadcast completed.
+            # Every receiver read the format and the whole-bucket choice before its first
+            # broadcast completed.
             self._store.delete_key(session_key(rendezvous, "gloo-wire"))
+            whole_buckets.forget(self._store, rendezvous)
         except BaseException as exc:
             try:  # receivers stop waiting for buckets that will never come
                 self._store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
@@ -269,6 +282,9 @@ class GlooReceiver(Receiver):
                 group = self._ensure_group(rendezvous, rank, plan, deadline_at, abort, stop)
                 store = self._store[1]
                 check_wire_format(store, rendezvous, deadline_at=deadline_at, abort=abort, stop_keys=stop)
+                views = whole_bucket_views(plan, targets)
+                whole = whole_buckets.offer(store, rendezvous, rank, [v is not None for v in views],
+                                            deadline_at=deadline_at, abort=abort, stop_keys=stop)
             n = plan.num_buckets
             # Ranges of bucket k staged in the buffer (copied out once k has arrived).
             # Targets are asked for when their bucket is posted, not all up front: a
@@ -283,6 +299,9 @@ class GlooReceiver(Receiver):
             def post(bucket: int) -> None:
                 buf, slot = group.buffers[bucket % 2], bucket % 2
                 staged[bucket] = []
+                if whole[bucket]:  # lands in the targets' memory as it lies: one broadcast
+                    works[slot].append(broadcast_from_root(group.pg, views[bucket]))
+                    return
                 wire = plan.wire_ops(bucket)
                 runs = bucket_runs(plan, bucket, targets)
                 if runs is not None:
@@ -312,6 +331,11 @@ class GlooReceiver(Receiver):
                     works[slot].pop(0)
                 buf = group.buffers[slot]
                 wire = plan.wire_ops(bucket)
+                if whole[bucket]:
+                    staged.pop(bucket)
+                    if on_bucket is not None:
+                        on_bucket(bucket)
+                    continue
                 if wire.gathered:
                     scatter_ranges(group.gathered[slot], wire.gathered, buf)
                 if wire.packs and bucket not in landed:

@@ -25,6 +25,7 @@ import torch
 from weightsync.errors import TransferError
 from weightsync.packing import scatter_ranges
 from weightsync.plan import BucketPlan
+from weightsync.transport import whole_buckets
 from weightsync.transport.base import TransferStats
 from weightsync.transport.collective import broadcast_from_root, wait_polling
 from weightsync.transport.gloo import GlooGroup, check_wire_format, retire_group
@@ -52,6 +53,9 @@ class HostRelay:
             store = self._connect(upstream, deadline_at)
             group = self._ensure_group(upstream, plan, deadline_at, abort, store, upstream_stop)
             check_wire_format(store, upstream, deadline_at=deadline_at, abort=abort, stop_keys=upstream_stop)
+            # Any bucket can land whole: it lands in an shm slot, a bucket's bytes as they lie.
+            whole = whole_buckets.offer(store, upstream, 1, [True] * plan.num_buckets, deadline_at=deadline_at,
+                                        abort=abort, stop_keys=upstream_stop)
             if self._shm is None:
                 self._shm = ShmSender(store)
 
@@ -60,6 +64,10 @@ class HostRelay:
                 # tensors on their own, several runs of small ones gathered into one):
                 # the ranges land in the slot where they lie in the bucket, the gathered
                 # runs in staging first, then scattered to their places.
+                if whole[bucket]:
+                    wait_polling(broadcast_from_root(group.pg, slot[:plan.bucket_size(bucket)]), deadline_at,
+                                 "relay receive", abort=abort, store=store, stop_keys=upstream_stop)
+                    return
                 wire = plan.wire_ops(bucket)
                 gathered = group.gathered[0][:wire.gathered_bytes]
                 works = [broadcast_from_root(group.pg, gathered)] if wire.gathered else []
