@@ -102,3 +102,42 @@ def test_shm_advises_huge_pages_only_for_tensors_that_are_not_placed(monkeypatch
         monkeypatch.setattr(cross_memory, "_advised", False)
         cross_memory.advise_hugepages_once(np.array([placed[0].data_ptr(), plain.data_ptr()], np.uint64))
         assert "4 KiB pages" in caplog.text and "place_on_huge_pages" in caplog.text
+
+
+def test_direct_reads_merge_segments_that_follow_one_another_on_both_sides(monkeypatch):
+    """shm's direct reads of tensors that lie end to end in the trainer and in the engine
+    go as one segment per run (split only at the per-call cap), and the bytes are the
+    same; segments with padding, or another order, between them on either side stay
+    apart. Read from this process itself (the kernel allows a process its own memory)."""
+    import os
+
+    from weightsync.arena import new_arena
+    from weightsync.transport import cross_memory
+
+    def merged(local, remote, lengths):
+        return [a.tolist() for a in cross_memory._coalesce(np.array(local, np.uint64), np.array(remote, np.uint64),
+                                                            np.array(lengths, np.uint64))]
+
+    assert merged([100, 110, 120], [1000, 1010, 1020], [10, 10, 5]) == [[100], [1000], [25]]
+    assert merged([100, 112, 122], [1000, 1010, 1020], [10, 10, 5]) == [[100, 112], [1000, 1010], [10, 15]]
+    assert merged([100, 110, 120], [1000, 1020, 1010], [10, 10, 10]) == [[100, 110, 120], [1000, 1020, 1010],
+                                                                         [10, 10, 10]]
+    assert merged([100], [1000], [10]) == [[100], [1000], [10]]
+
+    sizes = [4096 * (i % 5 + 1) for i in range(2000)]  # 2000 small tensors, 24 MiB in all
+    source, target = new_arena(sum(sizes)), new_arena(sum(sizes))
+    source.copy_(torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
+    calls = []
+    real = cross_memory._process_vm_readv()
+
+    def counted(*args):
+        calls.append(args[2])  # segments in the call
+        return real(*args)
+
+    monkeypatch.setattr(cross_memory, "_readv", counted)
+    memory = cross_memory.RemoteMemory(os.getpid(), 0, b"")
+    memory.read(starts + np.uint64(target.data_ptr()), starts + np.uint64(source.data_ptr()),
+                np.array(sizes, np.uint64))
+    assert torch.equal(target, source)
+    assert len(calls) == -(-sum(sizes) // cross_memory._MAX_CALL_BYTES) and max(calls) == 1

@@ -226,7 +226,7 @@ class RemoteMemory:
         for every i (uint64 arrays of one length); TransferError if any byte could not be
         read."""
         keep = lengths > 0
-        local, remote, lengths = local[keep], remote[keep], lengths[keep]
+        local, remote, lengths = _coalesce(local[keep], remote[keep], lengths[keep])
         if len(lengths) and int(lengths.max()) > _MAX_CALL_BYTES:
             local, remote, lengths = _split_runs(local, remote, lengths, _MAX_CALL_BYTES)
         n = len(lengths)
@@ -254,6 +254,26 @@ class RemoteMemory:
             if got != want:
                 raise TransferError(f"read {got} of {want} bytes of the trainer's memory (pid {self.pid})")
             start = stop
+
+
+def _coalesce(local: np.ndarray, remote: np.ndarray,
+              lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same copies with each run of segments that follow one another on both sides
+    (one ends where the next begins, here and in the trainer) made one segment.
+
+    Where the trainer's weights lie end to end (``place_on_huge_pages``) and so do the
+    engine's (the reference engine's arena), a bucket of 20k-tensor-model small
+    tensors is one segment instead of hundreds: the kernel's work per segment was what
+    made shm's rounds at 20k tensors cost more per byte than at 89. Whole-array work;
+    segments with anything between them on either side (alignment padding, another
+    allocation) stay apart."""
+    if len(lengths) < 2:
+        return local, remote, lengths
+    joins = (local[:-1] + lengths[:-1] == local[1:]) & (remote[:-1] + lengths[:-1] == remote[1:])
+    if not joins.any():
+        return local, remote, lengths
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return local[starts], remote[starts], np.add.reduceat(lengths, starts)
 
 
 def _split_runs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
