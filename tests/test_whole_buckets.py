@@ -182,3 +182,45 @@ def test_a_whole_bucket_choice_of_another_length_is_refused():
             assert "same weightsync release" in str(exc)
         else:
             raise AssertionError("accepted")
+
+
+def test_shms_ring_copies_a_bucket_that_lies_as_one_run_in_one_piece(monkeypatch):
+    """Through the ring (direct reads off), a placed trainer fills each slot with one
+    copy and an engine whose arena holds the bucket as one run empties it with one:
+    no per-tensor pack or unpack, and the engine's weights bitwise the trainer's."""
+    from weightsync.transport import shm as shm_module
+    from weightsync.transport.shm import ShmReceiver
+
+    trainer, named = _trained_trainer()
+    plan = BucketPlan.from_tensors(named, bucket_bytes=BUCKET)
+    sources = _addressed([p.detach() for _, p in named], plan)
+    adapter = ReferenceAdapter(CONFIG)
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender = transports.make_sender(KINDS["shm"], store)
+    receiver = ShmReceiver(direct=False)
+    calls = Counter()
+    for name in ("pack_bucket", "unpack_bucket"):
+        real = getattr(shm_module, name)
+        monkeypatch.setattr(shm_module, name, lambda *a, _real=real, _name=name, **k: (calls.update([_name]),
+                                                                                      _real(*a, **k))[1])
+    try:
+        targets = adapter.load_targets(plan)
+        _, errors = run_round(sender, [receiver], rendezvous(store, KINDS["shm"], 2, group="ring"), plan, sources,
+                              targets=[targets])
+        assert errors == {} and receiver.last_mode == "ring"
+        assert calls == Counter()
+        for (name, p), got in zip(named, targets, strict=True):
+            assert torch.equal(got, p.detach()), name
+        # Separate tensors on both sides: packed and unpacked per bucket, as before.
+        plain_sources = [p.detach().clone() for _, p in named]
+        plain = [torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots]
+        _, errors = run_round(sender, [receiver], rendezvous(store, KINDS["shm"], 2, group="ring2"), plan,
+                              plain_sources, targets=[plain])
+        assert errors == {}
+        assert calls == Counter({"pack_bucket": plan.num_buckets, "unpack_bucket": plan.num_buckets})
+        for (name, p), got in zip(named, plain, strict=True):
+            assert torch.equal(got, p.detach()), name
+    finally:
+        sender.close()
+        receiver.close()
+        adapter.close()

@@ -5,7 +5,9 @@ name in the rendezvous store. For bucket b it waits until every receiver has
 acknowledged bucket b-2 (the previous user of slot b % 2), packs b straight into the
 slot and sets ``ready/b``; each receiver waits for ``ready/b``, copies the slot into
 its engine's tensors and sets ``ack/b/<rank>``. So the sender packs b+1 while the
-receivers load b, and the bytes are copied exactly twice (into the slot, out of it).
+receivers load b, and the bytes are copied exactly twice (into the slot, out of it);
+a bucket that lies as one run of memory on a side (``whole_buckets``) is one copy
+there, not one per tensor.
 
 Direct mode: where the kernel lets an engine read the trainer's memory
 (``cross_memory``), the trainer also offers its tensors' addresses; each engine says
@@ -51,6 +53,7 @@ from weightsync.transport.cross_memory import (
     direct_enabled,
 )
 from weightsync.transport.store import StoreLink, session_key, wait_for_keys
+from weightsync.transport.whole_buckets import whole_bucket_views
 from weightsync.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -198,8 +201,13 @@ class ShmSender(Sender):
         """Sends ``sources``; or, with ``fill``, whatever ``fill(bucket, slot)`` writes into
         the bucket's slot (a host relay receiving it from the network), same pipeline."""
         if fill is None:
+            whole = whole_bucket_views(plan, sources)
+
             def fill(bucket: int, slot: torch.Tensor) -> None:
-                pack_bucket(plan, bucket, sources, slot)
+                if whole[bucket] is not None:  # the bucket lies as one run in the trainer: one copy
+                    slot[:whole[bucket].numel()].copy_(whole[bucket])
+                else:
+                    pack_bucket(plan, bucket, sources, slot)
             addresses = addresses_for(sources, plan.dtypes, plan.sizes) if direct_enabled() else None
         else:
             addresses = None  # the bytes arrive bucket by bucket: there is nothing to read directly
@@ -435,12 +443,16 @@ class ShmReceiver(Receiver):
         return [np.array(local, np.uint64)], [remote[at]], [np.array(lengths, np.uint64)]
 
     def _read_ring(self, store, rendezvous, rank, plan, seg, targets, stop, deadline_at, abort, on_bucket) -> None:
+        whole = whole_bucket_views(plan, targets)  # buckets that lie as one run in the targets: one copy each
         seg.acquire()
         try:
             for bucket in range(plan.num_buckets):
                 wait_for_keys(store, [session_key(rendezvous, "ready", bucket)], deadline_at=deadline_at,
                               operation="receive", abort=abort, fail_keys=stop)
-                unpack_bucket(plan, bucket, seg.slots[bucket % 2], targets)
+                if whole[bucket] is not None:
+                    whole[bucket].copy_(seg.slots[bucket % 2][:whole[bucket].numel()])
+                else:
+                    unpack_bucket(plan, bucket, seg.slots[bucket % 2], targets)
                 if on_bucket is not None:
                     on_bucket(bucket)
                 store.set(session_key(rendezvous, "ack", bucket, rank), b"1")
