@@ -45,6 +45,25 @@ def _addressed(tensors, plan):
     return AddressedTensors(tensors, tensor_addresses(tensors, plan.dtypes, plan.sizes), plan.sizes)
 
 
+def _placed_trainers_round() -> tuple[list, BucketPlan, AddressedTensors]:
+    """A placed trainer's named weights, its plan and its sources with their addresses
+    (as the trainer client's per-step pass makes them)."""
+    _, named = _trained_trainer()
+    plan = BucketPlan.from_tensors(named, bucket_bytes=BUCKET)
+    return named, plan, _addressed([p.detach() for _, p in named], plan)
+
+
+def _assert_holds(named, targets) -> None:
+    """Every target bitwise the trainer's weight of its name."""
+    for (name, p), got in zip(named, targets, strict=True):
+        assert torch.equal(got, p.detach()), name
+
+
+def _cut(plan: BucketPlan, buckets) -> int:
+    """Broadcasts of ``buckets`` when cut (``wire_ops``): one per range, one for the gathered runs."""
+    return sum(len(plan.wire_ops(b).ops) + (1 if plan.wire_ops(b).gathered else 0) for b in buckets)
+
+
 def _counting_broadcasts(monkeypatch, module) -> Counter:
     """Broadcasts posted, per thread (the sender is the test's main thread)."""
     counts: Counter = Counter()
@@ -62,11 +81,8 @@ def test_a_placed_trainer_sends_each_bucket_whole_into_engines_arenas(monkeypatc
     """Both ends hold every bucket as one run: one broadcast per bucket (against one per
     large piece and per gathered run when cut), nothing packed or unpacked, and the
     engines' weights bitwise the trainer's, in the engines' own memory."""
-    trainer, named = _trained_trainer()
-    plan = BucketPlan.from_tensors(named, bucket_bytes=BUCKET)
-    cut = sum(len(plan.wire_ops(b).ops) + (1 if plan.wire_ops(b).gathered else 0) for b in range(plan.num_buckets))
-    assert cut >= 2 * plan.num_buckets  # what gloo sent per round before
-    sources = _addressed([p.detach() for _, p in named], plan)
+    named, plan, sources = _placed_trainers_round()
+    assert _cut(plan, range(plan.num_buckets)) >= 2 * plan.num_buckets  # what gloo sent per round before
     adapters = [ReferenceAdapter(CONFIG) for _ in range(2)]
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(KINDS["gloo"], store)
@@ -84,8 +100,7 @@ def test_a_placed_trainer_sends_each_bucket_whole_into_engines_arenas(monkeypatc
         assert copies == {"pack": 0, "unpack": 0}
         for ts, before in zip(targets, where, strict=True):
             assert [t.data_ptr() for t in ts] == before
-            for (name, p), got in zip(named, ts, strict=True):
-                assert torch.equal(got, p.detach()), name
+            _assert_holds(named, ts)
     finally:
         sender.close()
         for r in receivers:
@@ -99,9 +114,7 @@ def test_buckets_go_whole_only_where_every_receiver_can_land_them(monkeypatch):
     run there), another's targets carry no addresses (a vLLM worker's): with the first,
     only the other buckets go whole; with the second, none does. Every engine still
     gets the trainer's bytes exactly."""
-    trainer, named = _trained_trainer()
-    plan = BucketPlan.from_tensors(named, bucket_bytes=BUCKET)
-    sources = _addressed([p.detach() for _, p in named], plan)
+    named, plan, sources = _placed_trainers_round()
     adapter = ReferenceAdapter(CONFIG)
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(KINDS["gloo"], store)
@@ -120,10 +133,8 @@ def test_buckets_go_whole_only_where_every_receiver_can_land_them(monkeypatch):
         _, errors = run_round(sender, [receiver], rendezvous(store, KINDS["gloo"], 2, group="some"), plan, sources,
                               targets=[displaced])
         assert errors == {}
-        cut = sum(len(plan.wire_ops(b).ops) + (1 if plan.wire_ops(b).gathered else 0) for b in split)
-        assert counts[threading.current_thread().name] == plan.num_buckets - len(split) + cut
-        for (name, p), got in zip(named, displaced, strict=True):
-            assert torch.equal(got, p.detach()), name
+        assert counts[threading.current_thread().name] == plan.num_buckets - len(split) + _cut(plan, split)
+        _assert_holds(named, displaced)
 
         # A receiver whose targets carry no addresses: every bucket cut as before.
         plain = [torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots]
@@ -131,11 +142,8 @@ def test_buckets_go_whole_only_where_every_receiver_can_land_them(monkeypatch):
         _, errors = run_round(sender, [receiver], rendezvous(store, KINDS["gloo"], 2, group="none"), plan, sources,
                               targets=[plain])
         assert errors == {}
-        every = sum(len(plan.wire_ops(b).ops) + (1 if plan.wire_ops(b).gathered else 0)
-                    for b in range(plan.num_buckets))
-        assert counts[threading.current_thread().name] == every
-        for (name, p), got in zip(named, plain, strict=True):
-            assert torch.equal(got, p.detach()), name
+        assert counts[threading.current_thread().name] == _cut(plan, range(plan.num_buckets))
+        _assert_holds(named, plain)
     finally:
         sender.close()
         receiver.close()
@@ -148,9 +156,7 @@ def test_a_host_relay_takes_whole_buckets_into_its_shm_slots(monkeypatch):
     relay get the trainer's bytes exactly."""
     from weightsync.transport.relay import HostRelay
 
-    trainer, named = _trained_trainer()
-    plan = BucketPlan.from_tensors(named, bucket_bytes=BUCKET)
-    sources = _addressed([p.detach() for _, p in named], plan)
+    named, plan, sources = _placed_trainers_round()
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(KINDS["gloo"], store)
     relay = HostRelay("127.0.0.1")
@@ -161,8 +167,7 @@ def test_a_host_relay_takes_whole_buckets_into_its_shm_slots(monkeypatch):
         assert errors == {} and relay_error is None and send_error is None
         assert sum(counts.values()) == plan.num_buckets  # the relay's side of the network lane
         for out in targets:
-            for (name, p), got in zip(named, out, strict=True):
-                assert torch.equal(got, p.detach()), name
+            _assert_holds(named, out)
     finally:
         sender.close()
         relay.close()
@@ -191,9 +196,7 @@ def test_shms_ring_copies_a_bucket_that_lies_as_one_run_in_one_piece(monkeypatch
     from weightsync.transport import shm as shm_module
     from weightsync.transport.shm import ShmReceiver
 
-    trainer, named = _trained_trainer()
-    plan = BucketPlan.from_tensors(named, bucket_bytes=BUCKET)
-    sources = _addressed([p.detach() for _, p in named], plan)
+    named, plan, sources = _placed_trainers_round()
     adapter = ReferenceAdapter(CONFIG)
     store = host_store("127.0.0.1", timeout_s=20)
     sender = transports.make_sender(KINDS["shm"], store)
@@ -209,8 +212,7 @@ def test_shms_ring_copies_a_bucket_that_lies_as_one_run_in_one_piece(monkeypatch
                               targets=[targets])
         assert errors == {} and receiver.last_mode == "ring"
         assert calls == Counter()
-        for (name, p), got in zip(named, targets, strict=True):
-            assert torch.equal(got, p.detach()), name
+        _assert_holds(named, targets)
         # Separate tensors on both sides: packed and unpacked per bucket, as before.
         plain_sources = [p.detach().clone() for _, p in named]
         plain = [torch.zeros(s.shape, dtype=s.dtype) for s in plan.slots]
@@ -218,8 +220,7 @@ def test_shms_ring_copies_a_bucket_that_lies_as_one_run_in_one_piece(monkeypatch
                               plain_sources, targets=[plain])
         assert errors == {}
         assert calls == Counter({"pack_bucket": plan.num_buckets, "unpack_bucket": plan.num_buckets})
-        for (name, p), got in zip(named, plain, strict=True):
-            assert torch.equal(got, p.detach()), name
+        _assert_holds(named, plain)
     finally:
         sender.close()
         receiver.close()
