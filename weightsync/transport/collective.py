@@ -39,13 +39,24 @@ PEER_CHECK_S = 0.05
 _RETIRED: queue.Queue = queue.Queue()
 
 
+# Held by the retire thread while it destroys a group; taken for good at exit, so that
+# the process never exits with that thread inside a destructor.
+_DROPPING = threading.Lock()
+_EXITING = False
+EXIT_WAIT_S = 10.0  # how long exit waits for a destruction under way
+
+
 def _drop_retired() -> None:
     while True:
         due, group = _RETIRED.get()
         wait_s = due - time.monotonic()
         if wait_s > 0:
             time.sleep(wait_s)  # in Python, not in a destructor, should the process exit meanwhile
-        del group  # its ops have timed out: immediate
+        with _DROPPING:
+            if _EXITING:  # exit has begun: kept, like the ones still queued
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+                continue
+            del group  # its ops have timed out (or it had none): immediate
 
 
 threading.Thread(target=_drop_retired, name="weightsync-retire", daemon=True).start()
@@ -53,9 +64,15 @@ threading.Thread(target=_drop_retired, name="weightsync-retire", daemon=True).st
 
 @atexit.register
 def _keep_retired_at_exit() -> None:
-    """Groups not yet dropped are never destroyed: their refcount is raised so that
+    """Lets a destruction under way finish (a group retired with no op running is
+    dropped at once, and a process that exited while the retire thread was inside its
+    destructor aborted: a trainer rank whose driver died before any broadcast); then
+    the groups not yet dropped are never destroyed: their refcount is raised so that
     interpreter exit does not free them (see the module docstring); the OS reclaims
     their sockets and threads."""
+    global _EXITING
+    _DROPPING.acquire(timeout=EXIT_WAIT_S)  # never released: the retire thread drops nothing more
+    _EXITING = True
     while True:
         try:
             _, group = _RETIRED.get_nowait()
