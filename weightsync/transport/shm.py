@@ -201,9 +201,11 @@ class ShmSender(Sender):
         """Sends ``sources``; or, with ``fill``, whatever ``fill(bucket, slot)`` writes into
         the bucket's slot (a host relay receiving it from the network), same pipeline."""
         if fill is None:
-            whole = whole_bucket_views(plan, sources)
+            whole: list = []  # made on the ring's first bucket: a round of direct reads never needs them
 
             def fill(bucket: int, slot: torch.Tensor) -> None:
+                if not whole:
+                    whole.extend(whole_bucket_views(plan, sources))
                 if whole[bucket] is not None:  # the bucket lies as one run in the trainer: one copy
                     slot[:whole[bucket].numel()].copy_(whole[bucket])
                 else:
