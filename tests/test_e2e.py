@@ -10,6 +10,7 @@ import torch
 from weightsync.client import EngineClient, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.packing import weights_digest
+from weightsync.transport.cross_memory import hugepage_advice
 
 
 def perturbed(model: ReferenceLM, step: int) -> None:
@@ -31,14 +32,21 @@ async def assert_engines_equal(client: TrainerClient, model: ReferenceLM, versio
         assert not e.torn and not e.paused
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm", "shm-ring"])
+SHM_VARIANTS = {"shm-ring": {"WEIGHTSYNC_SHM_DIRECT": "0"}, "shm-read": {"WEIGHTSYNC_SHM_PUSH": "0"}}
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm", "shm-read", "shm-ring"])
 async def test_three_rounds_bitwise_equal(cluster_factory, transport):
-    """shm reads straight from the trainer's memory where the kernel allows it (here:
-    same user, no Yama); "shm-ring" is shm with the agents opting out of that
-    (WEIGHTSYNC_SHM_DIRECT=0), so the shared-memory ring carries every byte."""
-    ring = transport == "shm-ring"
-    cluster = cluster_factory(2, agent_env={"WEIGHTSYNC_SHM_DIRECT": "0"} if ring else None)
-    transport = "shm" if ring else transport
+    """shm goes straight between the trainer's memory and the engines' where the kernel
+    allows it (here: same user, no Yama): the trainer writes into the agents' arenas
+    where its own tensors are on small pages (this model's are, unless the machine puts
+    every allocation on huge pages), else the engines read. "shm-read" is shm with the
+    agents opting out of the writes (WEIGHTSYNC_SHM_PUSH=0): they read the trainer's
+    memory; "shm-ring" with them opting out of both (WEIGHTSYNC_SHM_DIRECT=0), so the
+    shared-memory ring carries every byte."""
+    variant = transport
+    cluster = cluster_factory(2, agent_env=SHM_VARIANTS.get(variant))
+    transport = "shm" if variant.startswith("shm") else transport
     model = ReferenceLM(PRESETS["tiny"])
     # a small bucket forces tensors to span buckets and the double buffer to cycle
     async with TrainerClient(cluster.address, transport=transport, bucket_bytes=64 * 1024) as client:
@@ -61,7 +69,8 @@ async def test_three_rounds_bitwise_equal(cluster_factory, transport):
             assert kinds.count("transfer_done") == 3
             assert "transfer_failed" not in kinds
             reads = {e.fields.get("read") for e in events if e.kind == "transfer_done"}
-            assert reads == ({"ring"} if ring else {"direct"} if transport == "shm" else {None}), reads
+            pushed = "push" if hugepage_advice() is not None else "direct"
+            assert reads == {"gloo": {None}, "shm": {pushed}, "shm-read": {"direct"}, "shm-ring": {"ring"}}[variant], reads
 
 
 async def test_keep_pause_request_continues_with_new_version(cluster_factory):

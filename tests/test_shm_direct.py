@@ -316,25 +316,27 @@ def test_addresses_kept_for_one_plan_are_not_used_for_another():
     assert addresses_for(kept, other.dtypes, other.sizes).tolist() == [t.data_ptr() for t in tensors]
 
 
-def test_an_engines_kept_target_addresses_follow_its_weights_to_new_storage():
+@pytest.mark.parametrize("mode", ["direct", "push"])
+def test_an_engines_kept_target_addresses_follow_its_weights_to_new_storage(mode):
     """The reference engine's adapter keeps its parameters' addresses from round to round
-    (shm's direct reads write there). Weights put to sleep and woken get new storage
+    (shm's direct reads write there; in the push mode the trainer writes there). Weights put to sleep and woken get new storage
     (the old arena is held meanwhile, so its memory cannot be handed back): the next
     round must land in the tensors the engine now computes with, not in the old memory."""
     from weightsync.engine.model import config_for_size
     from weightsync.engine.reference import ReferenceAdapter
+    from weightsync.transport.shm import ShmReceiver, ShmSender
     from weightsync.v1 import common_pb2
 
     adapter = ReferenceAdapter(config_for_size(1 << 20, 60))
     store = host_store("127.0.0.1", timeout_s=20)
-    sender = transports.make_sender(SHM, store)
-    receiver = transports.make_receiver(SHM)
+    sender = ShmSender(store, push=True)
+    receiver = ShmReceiver(push=mode == "push")
     try:
         names = [n for n, _ in adapter.engine.named_tensors()]
         sources = [torch.randn_like(t) for _, t in adapter.engine.named_tensors()]
         plan = BucketPlan.from_tensors(list(zip(names, sources, strict=True)), bucket_bytes=64 << 10)
         receive_all(sender, [receiver], plan, sources, [adapter.load_targets(plan)])
-        assert receiver.last_mode == "direct"
+        assert receiver.last_mode == mode
         before = [t.data_ptr() for _, t in adapter.engine.named_tensors()]
         old = [t for _, t in adapter.engine.named_tensors()]
 
@@ -347,7 +349,7 @@ def test_an_engines_kept_target_addresses_follow_its_weights_to_new_storage():
         for s in sources:
             s.add_(1)
         receive_all(sender, [receiver], plan, sources, [adapter.load_targets(plan)])
-        assert receiver.last_mode == "direct"
+        assert receiver.last_mode == mode
         assert all(torch.equal(t, s) for (_, t), s in zip(adapter.engine.named_tensors(), sources, strict=True))
         assert not any(torch.equal(t, s) for t, s in zip(old, sources, strict=True))  # nothing went to the old
     finally:

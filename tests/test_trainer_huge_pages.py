@@ -129,13 +129,13 @@ def test_direct_reads_merge_segments_that_follow_one_another_on_both_sides(monke
     source.copy_(torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8))
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
     calls = []
-    real = cross_memory._process_vm_readv()
+    real = cross_memory._process_vm("readv")
 
     def counted(*args):
         calls.append(args[2])  # segments in the call
         return real(*args)
 
-    monkeypatch.setattr(cross_memory, "_readv", counted)
+    monkeypatch.setitem(cross_memory._calls, "readv", counted)
     memory = cross_memory.RemoteMemory(os.getpid(), 0, b"")
     memory.read(starts + np.uint64(target.data_ptr()), starts + np.uint64(source.data_ptr()),
                 np.array(sizes, np.uint64))

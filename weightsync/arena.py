@@ -28,8 +28,10 @@ import contextlib
 import math
 import mmap
 import threading
+import weakref
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from weightsync.plan import ALIGN
@@ -55,7 +57,26 @@ def new_arena(nbytes: int) -> torch.Tensor:
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(AttributeError, OSError):  # no madvise here, or the kernel says no
         memory.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor holds the mapping
+    arena = torch.frombuffer(memory, dtype=torch.uint8)  # the tensor holds the mapping
+    start = arena.data_ptr()
+    with _arenas_lock:
+        bisect.insort(_arenas, (start, start + nbytes))
+    weakref.finalize(memory, _forget_arena, start)  # unmapped: the range may be anyone's again
+    return arena
+
+
+# The address ranges of this process's live arenas, sorted (start, end): shm's engine
+# side asks ``in_arenas`` whether its targets lie on huge pages (then the trainer
+# writes into them, see ``transport.shm_push``).
+_arenas: list[tuple[int, int]] = []
+_arenas_lock = threading.Lock()
+
+
+def _forget_arena(start: int) -> None:
+    with _arenas_lock:
+        _arenas[:] = [r for r in _arenas if r[0] != start]
+    with _placed_lock:
+        _placed[:] = [r for r in _placed if r[0] != start]
 
 
 @torch.no_grad()
@@ -76,10 +97,10 @@ def place_in_arena(parameters: list[torch.nn.Parameter], specs: list[tuple[torch
     return arena
 
 
-# The address ranges of the arenas ``place_on_huge_pages`` made in this process, sorted
-# (start, end): shm's trainer side asks ``on_placed_arenas`` before advising a trainer
-# to put its tensors on huge pages. A range outlives its arena (an advice is all it
-# decides).
+# The address ranges of the live arenas ``place_on_huge_pages`` made in this process,
+# sorted (start, end): shm's trainer side asks ``on_placed_arenas`` whether its tensors
+# are on huge pages (engines then read them; else it advises placing them, and offers
+# to write into engines, ``transport.shm_push``).
 _placed: list[tuple[int, int]] = []
 _placed_lock = threading.Lock()
 
@@ -128,17 +149,31 @@ def place_on_huge_pages(weights: torch.nn.Module | Iterable[torch.Tensor]) -> in
 
 
 def on_placed_arenas(addresses) -> bool:
-    """Whether every address (ints) lies in an arena ``place_on_huge_pages`` made."""
+    """Whether every address (ints, or a uint64 array) lies in an arena
+    ``place_on_huge_pages`` made."""
     with _placed_lock:
         ranges = list(_placed)
-    if not ranges:
+    return _within(ranges, np.asarray(addresses, dtype=np.uint64))
+
+
+def in_arenas(addresses: np.ndarray) -> bool:
+    """Whether every address (uint64 array) lies in a live arena of this process
+    (``new_arena``: memory that asked for huge pages)."""
+    with _arenas_lock:
+        ranges = list(_arenas)
+    return _within(ranges, addresses)
+
+
+def _within(ranges: list[tuple[int, int]], addresses: np.ndarray) -> bool:
+    """Whether every address lies in one of ``ranges`` (sorted, apart). Whole-array
+    work: 20k addresses in well under a millisecond, so a round may ask."""
+    if len(addresses) == 0 or not ranges:
+        return len(addresses) == 0 and bool(ranges)
+    bounds = np.array(ranges, dtype=np.uint64)
+    at = np.searchsorted(bounds[:, 0], addresses, side="right").astype(np.int64) - 1
+    if (at < 0).any():
         return False
-    starts = [r[0] for r in ranges]
-    for address in addresses:
-        i = bisect.bisect_right(starts, int(address)) - 1
-        if i < 0 or not ranges[i][0] <= int(address) < ranges[i][1]:
-            return False
-    return True
+    return bool((addresses < bounds[at, 1]).all())
 
 
-__all__ = ["arena_layout", "new_arena", "on_placed_arenas", "place_in_arena", "place_on_huge_pages"]
+__all__ = ["arena_layout", "in_arenas", "new_arena", "on_placed_arenas", "place_in_arena", "place_on_huge_pages"]

@@ -35,7 +35,7 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -108,30 +108,31 @@ def advise_hugepages_once(addresses: np.ndarray) -> None:
             log.info("shm direct reads: %s", advice)
 
 
-_readv = None
+_calls: dict[str, object] = {}
 
 
-def _process_vm_readv():
-    global _readv
-    if _readv is None:
-        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+def _process_vm(direction: str):
+    """libc's ``process_vm_readv`` or ``process_vm_writev`` (``direction``), typed once."""
+    if direction not in _calls:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), f"process_vm_{direction}")
         fn.restype = ctypes.c_ssize_t
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
                        ctypes.c_ulong]
-        _readv = fn
-    return _readv
+        _calls[direction] = fn
+    return _calls[direction]
 
 
 class Beacon:
-    """The trainer's side: random bytes at a fixed address of this process, for readers
-    to check they are reading this process."""
+    """Random bytes at a fixed address of this process, for the other side to check it
+    is reading (or writing) this process: the trainer's, for readers; an engine's
+    (holding the trainer's nonce of the round, ``value``), for shm's push mode."""
 
-    def __init__(self) -> None:
-        self._value = secrets.token_bytes(_BEACON_BYTES)
+    def __init__(self, value: bytes | None = None) -> None:
+        self._value = secrets.token_bytes(_BEACON_BYTES) if value is None else value
         self._buffer = ctypes.create_string_buffer(self._value, _BEACON_BYTES)
 
     def describe(self) -> bytes:
-        """What a reader needs: ``pid|address|value`` (value in hex)."""
+        """What the other side needs: ``pid|address|value`` (value in hex)."""
         return f"{os.getpid()}|{ctypes.addressof(self._buffer)}|{self._value.hex()}".encode()
 
 
@@ -225,6 +226,18 @@ class RemoteMemory:
         """Copies ``lengths[i]`` bytes from the trainer's ``remote[i]`` to our ``local[i]``
         for every i (uint64 arrays of one length); TransferError if any byte could not be
         read."""
+        self._transfer(_process_vm("readv"), local, remote, lengths, "read", "from")
+
+    def write(self, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
+              before_call: Callable[[], None] | None = None) -> None:
+        """Copies ``lengths[i]`` bytes from our ``local[i]`` to the other process's
+        ``remote[i]`` (shm's push mode, the trainer writing into an engine);
+        ``before_call`` runs before each kernel call (at most 4 MiB each) and stops the
+        writes by raising. TransferError if any byte could not be written."""
+        self._transfer(_process_vm("writev"), local, remote, lengths, "write", "into", before_call)
+
+    def _transfer(self, call, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, verb: str, preposition: str,
+                  before_call: Callable[[], None] | None = None) -> None:
         keep = lengths > 0
         local, remote, lengths = _coalesce(local[keep], remote[keep], lengths[keep])
         if len(lengths) and int(lengths.max()) > _MAX_CALL_BYTES:
@@ -237,7 +250,6 @@ class RemoteMemory:
         remote_iov = np.empty((n, 2), np.uint64)
         local_iov[:, 0], local_iov[:, 1] = local, lengths
         remote_iov[:, 0], remote_iov[:, 1] = remote, lengths
-        readv = _process_vm_readv()
         cumulative = np.cumsum(lengths, dtype=np.uint64)
         start = 0
         while start < n:
@@ -247,12 +259,14 @@ class RemoteMemory:
             stop = max(stop, start + 1)
             want = int(cumulative[stop - 1]) - base
             count = stop - start
-            got = readv(self.pid, local_iov[start:].ctypes.data, count, remote_iov[start:].ctypes.data, count, 0)
+            if before_call is not None:
+                before_call()
+            got = call(self.pid, local_iov[start:].ctypes.data, count, remote_iov[start:].ctypes.data, count, 0)
             if got < 0:
                 err = ctypes.get_errno()
-                raise TransferError(f"cannot read the trainer's memory (pid {self.pid}): {os.strerror(err)}")
+                raise TransferError(f"cannot {verb} {preposition} the memory of pid {self.pid}: {os.strerror(err)}")
             if got != want:
-                raise TransferError(f"read {got} of {want} bytes of the trainer's memory (pid {self.pid})")
+                raise TransferError(f"{verb} {got} of {want} bytes {preposition} the memory of pid {self.pid}")
             start = stop
 
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.packing import byte_view, pack_bucket, unpack_bucket
-from weightsync.transport import SHM_DIR
+from weightsync.transport import SHM_DIR, shm_push
 from weightsync.transport.base import Receiver, Sender, TransferStats, nothing_written
 from weightsync.transport.cross_memory import (
     Beacon,
@@ -190,11 +190,15 @@ class ShmSender(Sender):
 
     kind = common_pb2.TRANSPORT_KIND_SHM
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: dist.Store, *, push: bool | None = None) -> None:
+        """``push``: whether to offer engines to write into them (``shm_push``); default:
+        where the trainer's tensors are on small pages, unless ``WEIGHTSYNC_SHM_PUSH=0``."""
         self._store = store
         self._segment: _Segment | None = None
         self._beacon: Beacon | None = None
+        self._push = push
         self.last_direct_ranks: tuple[int, ...] = ()  # the engines that read directly last round
+        self.last_pushed_ranks: tuple[int, ...] = ()  # the engines this process wrote into last round
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort,
              fill: Callable[[int, torch.Tensor], None] | None = None):
@@ -217,14 +221,17 @@ class ShmSender(Sender):
         store = self._store
         ranks = range(1, rendezvous.world_size)
         errors = [session_key(rendezvous, "err", r) for r in ranks]
-        self.last_direct_ranks = ()
+        self.last_direct_ranks = self.last_pushed_ranks = ()
         ring_ranks: list[int] = []
+        pushes: shm_push.Pushes | None = None
+        nonce, asked = None, []
         try:
             seg = self._ensure_segment(plan.bucket_bytes)
             if addresses is not None:
                 advise_hugepages_once(addresses)
                 if self._beacon is None:
                     self._beacon = Beacon()
+                nonce = shm_push.offer(store, rendezvous, addresses, self._push)
                 store.set(session_key(rendezvous, "direct"), self._beacon.describe())
                 store.set(session_key(rendezvous, "addresses"), addresses.tobytes())
             store.set(session_key(rendezvous, "segment"), f"{seg.path}|{seg.bucket_bytes}")
@@ -232,27 +239,44 @@ class ShmSender(Sender):
                 modes = [session_key(rendezvous, "mode", r) for r in ranks]
                 wait_for_keys(store, modes, deadline_at=deadline_at, operation="broadcast", abort=abort,
                               fail_keys=errors)
-                direct = tuple(r for r, key in zip(ranks, modes, strict=True) if store.get(key) == b"direct")
-                self.last_direct_ranks = direct
-            ring_ranks = [r for r in ranks if r not in self.last_direct_ranks]
+                answers = [store.get(key) for key in modes]
+                direct = [r for r, answer in zip(ranks, answers, strict=True) if answer == b"direct"]
+                asked = [r for r, answer in zip(ranks, answers, strict=True) if answer == b"push"]
+                if asked:
+                    if nonce is None:
+                        raise TransferError(f"engine ranks {asked} asked to be written into; nothing was offered")
+                    pushes = shm_push.Pushes(store, rendezvous, nonce, addresses, plan._nbytes.astype(np.uint64),
+                                             deadline_at)
+                    direct += pushes.start(asked)  # those refused read directly
+                    self.last_pushed_ranks = pushes.ranks
+                self.last_direct_ranks = tuple(sorted(direct))
+            ring_ranks = [r for r in ranks if r not in self.last_direct_ranks and r not in self.last_pushed_ranks]
             if ring_ranks:
                 self._run_ring(rendezvous, plan, seg, fill, ring_ranks, errors, deadline_at, abort)
-            if self.last_direct_ranks:
-                wait_for_keys(store, [session_key(rendezvous, "done", r) for r in self.last_direct_ranks],
+            if pushes is not None:
+                pushes.wait(errors, abort)
+            if self.last_direct_ranks or self.last_pushed_ranks:
+                done = sorted(self.last_direct_ranks + self.last_pushed_ranks)
+                wait_for_keys(store, [session_key(rendezvous, "done", r) for r in done],
                               deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
         except BaseException as exc:
             try:  # tell receivers to stop waiting for buckets that will never come
                 store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
             except Exception:
                 pass
+            if pushes is not None:  # no byte more into any engine; then tell them so
+                pushes.stop()
             # The keys stay: a receiver may be between checking a key and reading it, and
             # a store read of a deleted key blocks until the store's timeout (seen: an
             # engine waited out a 60 s round for "addresses"). A failed round's few keys
             # are all it leaves.
             raise
+        if pushes is not None:
+            pushes.close()
         # Every receiver has said it is done (or acknowledged every ring bucket): none
         # reads a key of this round again.
-        self._forget_keys(rendezvous, plan.num_buckets, offered=addresses is not None, ring_ranks=ring_ranks)
+        self._forget_keys(rendezvous, plan.num_buckets, offered=addresses is not None, ring_ranks=ring_ranks,
+                          push_asked=asked if nonce is not None else None)
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
     def _run_ring(self, rendezvous, plan, seg: _Segment, fill, ring_ranks, errors, deadline_at, abort) -> None:
@@ -272,15 +296,19 @@ class ShmSender(Sender):
             wait_for_keys(store, [session_key(rendezvous, "ack", bucket, r) for r in ring_ranks],
                           deadline_at=deadline_at, operation="broadcast", abort=abort, fail_keys=errors)
 
-    def _forget_keys(self, rendezvous, n: int, *, offered: bool, ring_ranks: list[int]) -> None:
+    def _forget_keys(self, rendezvous, n: int, *, offered: bool, ring_ranks: list[int],
+                     push_asked: list[int] | None) -> None:
         """Deletes the round's keys (bounded store growth across thousands of steps): only
-        those this round can have set, because each delete is a round trip to the store
+        those this round can have set (``push_asked``: the engines that asked to be
+        written into, None where that was not offered), because each delete is a round trip to the store
         inside the timed send (a missing key is fine)."""
         keys = [session_key(rendezvous, "segment")]
         if offered:
             keys += [session_key(rendezvous, name) for name in ("direct", "addresses")]
             keys += [session_key(rendezvous, name, r) for r in range(1, rendezvous.world_size)
                      for name in ("mode", "done")]
+            if push_asked is not None:  # push was offered; these engines asked
+                keys += shm_push.Pushes.keys(rendezvous, push_asked)
         if ring_ranks:
             for bucket in range(n):
                 keys.append(session_key(rendezvous, "ready", bucket))
@@ -312,35 +340,54 @@ class ShmReceiver(Receiver):
 
     kind = common_pb2.TRANSPORT_KIND_SHM
 
-    def __init__(self, *, direct: bool | None = None) -> None:
+    def __init__(self, *, direct: bool | None = None, push: bool | None = None) -> None:
         """``direct``: whether to read the trainer's memory when offered (default: unless
-        ``WEIGHTSYNC_SHM_DIRECT=0``)."""
+        ``WEIGHTSYNC_SHM_DIRECT=0``). ``push``: whether to ask the trainer to write into
+        this engine's targets when offered (``shm_push``; default: where every target
+        lies in an arena of this process, unless ``WEIGHTSYNC_SHM_PUSH=0``)."""
         self._store = StoreLink()
         self._segment: _Segment | None = None
         self._remote: RemoteMemory | None = None
         self._direct = direct
-        self.last_mode = ""  # "direct" or "ring": how the last receive read its bytes
+        self._push = push
+        self.last_mode = ""  # "direct", "push" or "ring": how the last receive got its bytes
 
     def receive(self, rendezvous, rank, plan, targets, *, deadline_at, abort, on_bucket=None):
         start = time.monotonic()
         with nothing_written():
             store = self._store.connect(rendezvous, deadline_at=deadline_at)
         stop = [session_key(rendezvous, "abort")]
+        beacon = None  # held while the trainer may write into this engine
         try:
             with nothing_written():
                 wait_for_keys(store, [session_key(rendezvous, "segment")], deadline_at=deadline_at,
                               operation="receive", abort=abort, fail_keys=stop)
                 direct = self._trainer_memory(store, rendezvous, plan)
+                writable = None
                 if direct is None:
                     path, size = store.get(session_key(rendezvous, "segment")).decode().rsplit("|", 1)
                     if int(size) != plan.bucket_bytes:
                         raise TransferError(f"segment bucket size {size} != plan bucket size {plan.bucket_bytes}")
                     seg = self._ensure_segment(path, plan.bucket_bytes)
+                else:
+                    writable = self._writable(plan, targets)
+                    beacon = shm_push.propose(store, rendezvous, rank, writable, self._push)
+                    trainer_pid = self._remote.pid
                 if store.check([session_key(rendezvous, "direct")]):  # the trainer waits for every answer
-                    store.set(session_key(rendezvous, "mode", rank), b"ring" if direct is None else b"direct")
+                    mode = b"ring" if direct is None else b"direct" if beacon is None else b"push"
+                    store.set(session_key(rendezvous, "mode", rank), mode)
             self.last_mode = "ring" if direct is None else "direct"
-            if direct is not None:
-                self._read_direct(store, plan, targets, direct, stop[0], deadline_at, abort, on_bucket)
+            if beacon is not None and shm_push.accepted(store, rendezvous, rank, deadline_at=deadline_at,
+                                                        abort=abort, stop_keys=stop):
+                shm_push.await_written(store, rendezvous, rank, deadline_at=deadline_at, abort=abort,
+                                       stop_keys=stop)
+                self.last_mode = "push"
+                if on_bucket is not None:
+                    for bucket in range(plan.num_buckets):
+                        on_bucket(bucket)
+                store.set(session_key(rendezvous, "done", rank), b"1")
+            elif direct is not None:
+                self._read_direct(store, plan, targets, direct, writable, stop[0], deadline_at, abort, on_bucket)
                 store.set(session_key(rendezvous, "done", rank), b"1")
             else:
                 self._read_ring(store, rendezvous, rank, plan, seg, targets, stop, deadline_at, abort, on_bucket)
@@ -349,8 +396,20 @@ class ShmReceiver(Receiver):
                 store.set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
             except Exception:
                 pass
+            if beacon is not None:  # the trainer may be writing into the targets: wait until it stopped
+                shm_push.settle_after_failure(store, rendezvous, trainer_pid, targets)
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
+
+    @staticmethod
+    def _writable(plan, targets) -> np.ndarray | None:
+        """Every target's address, where the targets are a list the kernel can write
+        into as runs of bytes (the reference engine's parameters: addresses kept by the
+        engine, or taken here in one pass); None for a streamed load (targets made
+        bucket by bucket) or where some target is not such a run."""
+        if isinstance(targets, (list, tuple)) or carries_addresses(targets, plan.sizes):
+            return addresses_for(targets, plan.dtypes, plan.sizes)
+        return None
 
     def _trainer_memory(self, store, rendezvous, plan) -> np.ndarray | None:
         """The trainer's source addresses (plan order) where this receive can read the
@@ -371,8 +430,8 @@ class ShmReceiver(Receiver):
             raise TransferError(f"the trainer offered {len(remote)} tensor addresses for a plan of {len(plan)}")
         return remote
 
-    def _read_direct(self, store, plan, targets, remote: np.ndarray, abort_key, deadline_at, abort,
-                     on_bucket) -> None:
+    def _read_direct(self, store, plan, targets, remote: np.ndarray, writable: np.ndarray | None, abort_key,
+                     deadline_at, abort, on_bucket) -> None:
         """Every bucket's pieces, read from the trainer's tensors into the targets (kernel
         calls of at most 4 MiB, see ``cross_memory``). Targets are asked for bucket by bucket,
         as the ring does (a streamed load makes each tensor when its bytes arrive). A
@@ -380,12 +439,8 @@ class ShmReceiver(Receiver):
         tensor of the plan's dtype) is read into a bounce buffer and copied."""
         memory = self._remote
         sizes, dtypes, shapes = plan.sizes, plan.dtypes, plan.shapes
-        # A list of targets that the kernel can all write into (the reference engine's
-        # parameters): every address at once (kept by the engine, or taken here in one
-        # pass), then whole-array work per bucket. A
-        # streamed load (targets made bucket by bucket) or a bounced target: per tensor.
-        writable = addresses_for(targets, dtypes, sizes) \
-            if isinstance(targets, (list, tuple)) or carries_addresses(targets, sizes) else None
+        # ``writable``: every target's address (``_writable``), then whole-array work per
+        # bucket; a streamed load or a bounced target: per tensor.
         nbytes = plan._nbytes.astype(np.uint64)
         next_check = 0.0
         for bucket in range(plan.num_buckets):
