@@ -16,6 +16,11 @@ straight from the trainer's tensors into its own (one copy, none by the trainer)
 sets ``done/<rank>``; the ring runs only if some engine needs it. The trainer returns
 only when every engine is done, so its tensors are not changed under a reader.
 
+Push mode (``shm_push``): where the trainer's tensors are on 4 KiB pages and an
+engine's weights lie in arenas (huge pages), the engine answers ``push`` and the
+trainer writes into it instead (the kernel pins the other process's pages; small ones
+cost about as much as the copy). Still one copy, by the trainer's threads.
+
 A plain file + mmap is used rather than ``multiprocessing.shared_memory``: on Python
 3.11 attaching registers the segment with the resource tracker of every receiver,
 which unlinks it when that receiver exits. Signalling rides the TCP store because it
