@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.arena import on_placed_arenas, place_on_huge_pages
+from weightsync.arena import in_arenas, place_on_huge_pages
 from weightsync.plan import ALIGN
 
 
@@ -50,8 +50,8 @@ def test_a_modules_weights_move_end_to_end_into_one_arena_same_objects_same_valu
     for p in params:
         assert p.data_ptr() == at
         at += (p.nbytes + ALIGN - 1) // ALIGN * ALIGN
-    assert on_placed_arenas([p.data_ptr() for p in params])
-    assert not on_placed_arenas([torch.ones(4).data_ptr()])
+    assert in_arenas(np.array([p.data_ptr() for p in params], np.uint64))
+    assert not in_arenas(np.array([torch.ones(4).data_ptr()], np.uint64))
     assert torch.equal(model(ids).detach(), expected)
 
     # Training goes on in the arena: the optimizer updates the same memory.

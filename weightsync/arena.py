@@ -65,9 +65,10 @@ def new_arena(nbytes: int) -> torch.Tensor:
     return arena
 
 
-# The address ranges of this process's live arenas, sorted (start, end): shm's engine
-# side asks ``in_arenas`` whether its targets lie on huge pages (then the trainer
-# writes into them, see ``transport.shm_push``).
+# The address ranges of this process's live arenas, sorted (start, end): shm asks
+# ``in_arenas`` whether tensors lie on huge pages: an engine's targets (then the
+# trainer writes into them, ``transport.shm_push``), a trainer's placed weights (then
+# engines read them, and no advice is logged).
 _arenas: list[tuple[int, int]] = []
 _arenas_lock = threading.Lock()
 
@@ -75,8 +76,6 @@ _arenas_lock = threading.Lock()
 def _forget_arena(start: int) -> None:
     with _arenas_lock:
         _arenas[:] = [r for r in _arenas if r[0] != start]
-    with _placed_lock:
-        _placed[:] = [r for r in _placed if r[0] != start]
 
 
 @torch.no_grad()
@@ -97,14 +96,6 @@ def place_in_arena(parameters: list[torch.nn.Parameter], specs: list[tuple[torch
     return arena
 
 
-# The address ranges of the live arenas ``place_on_huge_pages`` made in this process,
-# sorted (start, end): shm's trainer side asks ``on_placed_arenas`` whether its tensors
-# are on huge pages (engines then read them; else it advises placing them, and offers
-# to write into engines, ``transport.shm_push``).
-_placed: list[tuple[int, int]] = []
-_placed_lock = threading.Lock()
-
-
 @torch.no_grad()
 def place_on_huge_pages(weights: torch.nn.Module | Iterable[torch.Tensor]) -> int:
     """Moves a trainer's CPU weights end to end into one arena on transparent huge
@@ -117,7 +108,10 @@ def place_on_huge_pages(weights: torch.nn.Module | Iterable[torch.Tensor]) -> in
 
     Why: the shm transport's engines read a trainer's tensors straight from its
     memory, and the kernel pins every page it reads; on huge pages they read 1 GiB at
-    about the cost of a memcpy, on 4 KiB pages at about twice that. Without this,
+    about the cost of a memcpy, on 4 KiB pages at about twice that (engines that keep
+    their weights in arenas are written into by the trainer instead, as fast, see
+    ``transport.shm_push``; a vLLM worker is not). And over gloo a bucket that lies as
+    one run at both ends is one broadcast. Without this,
     ``THP_MEM_ALLOC_ENABLE=1`` (torch's tensors of 2 MiB or more) and glibc's
     ``glibc.malloc.hugetlb=1`` tunable (smaller ones) do it for every allocation, set
     before the trainer starts.
@@ -142,33 +136,17 @@ def place_on_huge_pages(weights: torch.nn.Module | Iterable[torch.Tensor]) -> in
     if not placed:
         return 0
     arena = place_in_arena(placed, [(t.dtype, tuple(t.shape)) for t in placed], keep_values=True)
-    start = arena.data_ptr()
-    with _placed_lock:
-        bisect.insort(_placed, (start, start + arena.numel()))
     return arena.numel()
 
 
-def on_placed_arenas(addresses) -> bool:
-    """Whether every address (ints, or a uint64 array) lies in an arena
-    ``place_on_huge_pages`` made."""
-    with _placed_lock:
-        ranges = list(_placed)
-    return _within(ranges, np.asarray(addresses, dtype=np.uint64))
-
-
 def in_arenas(addresses: np.ndarray) -> bool:
-    """Whether every address (uint64 array) lies in a live arena of this process
-    (``new_arena``: memory that asked for huge pages)."""
+    """Whether every address (uint64 array, at least one) lies in a live arena of
+    this process (``new_arena``: memory that asked for huge pages). Whole-array work:
+    20k addresses in well under a millisecond, so a round may ask."""
     with _arenas_lock:
         ranges = list(_arenas)
-    return _within(ranges, addresses)
-
-
-def _within(ranges: list[tuple[int, int]], addresses: np.ndarray) -> bool:
-    """Whether every address lies in one of ``ranges`` (sorted, apart). Whole-array
-    work: 20k addresses in well under a millisecond, so a round may ask."""
     if len(addresses) == 0 or not ranges:
-        return len(addresses) == 0 and bool(ranges)
+        return False
     bounds = np.array(ranges, dtype=np.uint64)
     at = np.searchsorted(bounds[:, 0], addresses, side="right").astype(np.int64) - 1
     if (at < 0).any():
@@ -176,4 +154,4 @@ def _within(ranges: list[tuple[int, int]], addresses: np.ndarray) -> bool:
     return bool((addresses < bounds[at, 1]).all())
 
 
-__all__ = ["arena_layout", "in_arenas", "new_arena", "on_placed_arenas", "place_in_arena", "place_on_huge_pages"]
+__all__ = ["arena_layout", "in_arenas", "new_arena", "place_in_arena", "place_on_huge_pages"]

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from weightsync.arena import on_placed_arenas
+from weightsync.arena import in_arenas
 from weightsync.errors import TransferError
 
 # At most IOV_MAX (1024) segments per call. And at most 4 MiB per call: while a call
@@ -99,11 +99,12 @@ def hugepage_advice(setting_path: str | None = None, env: dict[str, str] | None 
 
 def advise_hugepages_once(addresses: np.ndarray) -> None:
     """Logs ``hugepage_advice`` the first time this process offers direct reads of
-    tensors at ``addresses``, unless they lie in arenas ``place_on_huge_pages`` made."""
+    tensors at ``addresses``, unless they lie in arenas (``place_on_huge_pages``, or
+    an engine's own weights when it is the source of a catch-up)."""
     global _advised
     if not _advised:
         _advised = True
-        advice = None if on_placed_arenas(addresses.tolist()) else hugepage_advice()
+        advice = None if in_arenas(addresses) else hugepage_advice()
         if advice is not None:
             log.info("shm direct reads: %s", advice)
 

@@ -55,7 +55,7 @@ import numpy as np
 import psutil
 import torch.distributed as dist
 
-from weightsync.arena import in_arenas, on_placed_arenas
+from weightsync.arena import in_arenas
 from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.transport.cross_memory import Beacon, RemoteMemory, hugepage_advice
 from weightsync.transport.store import session_key, wait_for_keys
@@ -78,11 +78,12 @@ _small_pages: bool | None = None
 
 
 def on_small_pages(addresses: np.ndarray) -> bool:
-    """Whether the trainer's tensors at ``addresses`` are on 4 KiB pages: not placed
-    on huge pages, and neither the kernel nor torch's and glibc's settings put them
-    there (``hugepage_advice``; read once per process, as the allocators do)."""
+    """Whether the sender's tensors at ``addresses`` are on 4 KiB pages: not in an
+    arena (a trainer's placed weights, or an engine's own when it is the source of a
+    catch-up), and neither the kernel nor torch's and glibc's settings put them there
+    (``hugepage_advice``; read once per process, as the allocators do)."""
     global _small_pages
-    if on_placed_arenas(addresses):
+    if in_arenas(addresses):
         return False
     if _small_pages is None:
         _small_pages = hugepage_advice() is not None
