@@ -339,3 +339,49 @@ def test_push_rounds_leave_no_key_of_their_own_in_the_store():
         sender.close()
         for r in receivers:
             r.close()
+
+
+def test_a_trainer_that_fails_before_answering_releases_the_engines_at_once():
+    """The trainer offers the push mode, one engine asks, and the round fails before the
+    trainer answers (another engine never shows up; the trainer's round is aborted):
+    the trainer says no write will come, so the engine that asked fails at once, keeps
+    nothing back and quarantines nothing."""
+    sources = model_tensors()
+    plan = BucketPlan.from_tensors([(f"t{i}", t) for i, t in enumerate(sources)], bucket_bytes=4096)
+    store = host_store("127.0.0.1", timeout_s=20)
+    sender, receiver = ShmSender(store, push=True), ShmReceiver()
+    rdzv = rendezvous(store, SHM, 3)  # rank 2 never comes
+    abort = threading.Event()
+    returned = {}
+
+    def engine():
+        try:
+            receiver.receive(rdzv, 1, plan, arena_targets(plan), deadline_at=time.monotonic() + 30,
+                             abort=threading.Event())
+        except TransferError as exc:
+            returned.update(error=exc, at=time.monotonic())
+
+    def trainer():
+        try:
+            sender.send(rdzv, plan, sources, deadline_at=time.monotonic() + 30, abort=abort)
+        except TransferError as exc:
+            returned.update(trainer=exc, failed_at=time.monotonic())
+
+    threads = [threading.Thread(target=engine), threading.Thread(target=trainer)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not store.check([session_key(rdzv, "mode", 1)]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert store.get(session_key(rdzv, "mode", 1)) == b"push"
+        abort.set()
+        for t in threads:
+            t.join(30)
+        assert "aborted" in str(returned["trainer"])
+        assert "peer reported failure" in str(returned["error"])
+        assert returned["at"] - returned["failed_at"] < 2.0, "not held for the push-stopped wait"
+        assert store.check([session_key(rdzv, "push-stopped")]) and not shm_push.quarantined
+    finally:
+        sender.close()
+        receiver.close()

@@ -271,6 +271,8 @@ class ShmSender(Sender):
                 pass
             if pushes is not None:  # no byte more into any engine; then tell them so
                 pushes.stop()
+            elif nonce is not None:  # engines may have asked: none will be written into
+                shm_push.say_stopped(store, rendezvous)
             # The keys stay: a receiver may be between checking a key and reading it, and
             # a store read of a deleted key blocks until the store's timeout (seen: an
             # engine waited out a 60 s round for "addresses"). A failed round's few keys
@@ -340,6 +342,33 @@ class ShmSender(Sender):
             self._segment = None
 
 
+class _RoundWatch:
+    """A receiver's look, between buckets, at whether its round still stands: its own
+    abort flag, the deadline, and the trainer's abort key every ``ABORT_CHECK_S`` (not
+    every bucket: each look is a round trip that the trainer's store serves on the
+    trainer's cores)."""
+
+    def __init__(self, store, abort_key: str, abort, deadline_at: float) -> None:
+        self._store = store
+        self._abort_key = abort_key
+        self._abort = abort
+        self._deadline_at = deadline_at
+        self._next_look = 0.0
+
+    def check(self) -> None:
+        """Raises TransferError (aborted here or by the trainer) or StepTimeoutError."""
+        if self._abort.is_set():
+            raise TransferError("receive aborted")
+        now = time.monotonic()
+        if now >= self._next_look:
+            self._next_look = now + ABORT_CHECK_S
+            if self._store.check([self._abort_key]):
+                reason = self._store.get(self._abort_key).decode(errors="replace")
+                raise TransferError(f"peer reported failure: {reason}")
+        if now >= self._deadline_at:
+            raise StepTimeoutError("deadline exceeded during receive", operation="receive")
+
+
 class ShmReceiver(Receiver):
     """Maps the trainer's segment; rank >= 1."""
 
@@ -363,6 +392,7 @@ class ShmReceiver(Receiver):
             store = self._store.connect(rendezvous, deadline_at=deadline_at)
         stop = [session_key(rendezvous, "abort")]
         beacon = None  # held while the trainer may write into this engine
+        written = False  # the trainer said it wrote every byte (its writes are over)
         try:
             with nothing_written():
                 wait_for_keys(store, [session_key(rendezvous, "segment")], deadline_at=deadline_at,
@@ -386,9 +416,12 @@ class ShmReceiver(Receiver):
                                                         abort=abort, stop_keys=stop):
                 shm_push.await_written(store, rendezvous, rank, deadline_at=deadline_at, abort=abort,
                                        stop_keys=stop)
+                written = True
                 self.last_mode = "push"
-                if on_bucket is not None:
+                if on_bucket is not None:  # every bucket has landed; a round that fails meanwhile still fails here
+                    watch = _RoundWatch(store, stop[0], abort, deadline_at)
                     for bucket in range(plan.num_buckets):
+                        watch.check()
                         on_bucket(bucket)
                 store.set(session_key(rendezvous, "done", rank), b"1")
             elif direct is not None:
@@ -401,7 +434,7 @@ class ShmReceiver(Receiver):
                 store.set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
             except Exception:
                 pass
-            if beacon is not None:  # the trainer may be writing into the targets: wait until it stopped
+            if beacon is not None and not written:  # the trainer may be writing into the targets: wait until it stopped
                 shm_push.settle_after_failure(store, rendezvous, trainer_pid, targets)
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
@@ -447,18 +480,9 @@ class ShmReceiver(Receiver):
         # ``writable``: every target's address (``_writable``), then whole-array work per
         # bucket; a streamed load or a bounced target: per tensor.
         nbytes = plan._nbytes.astype(np.uint64)
-        next_check = 0.0
+        watch = _RoundWatch(store, abort_key, abort, deadline_at)
         for bucket in range(plan.num_buckets):
-            if abort.is_set():
-                raise TransferError("receive aborted")
-            # The trainer's abort key every ABORT_CHECK_S, not every bucket: each look
-            # is a round trip that the trainer's store serves on the trainer's cores.
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + ABORT_CHECK_S
-                if store.check([abort_key]):
-                    raise TransferError(f"peer reported failure: {store.get(abort_key).decode(errors='replace')}")
-            if time.monotonic() >= deadline_at:
-                raise StepTimeoutError("deadline exceeded during receive", operation="receive")
+            watch.check()
             whole, _, split = plan._whole_and_split[bucket]
             bounced = []
             if writable is not None:

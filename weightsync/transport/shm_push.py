@@ -29,8 +29,9 @@ An engine cannot stop another process writing into it, so the trainer stops itse
 before every call it checks that the round still stands (no engine's error, no abort,
 deadline not passed) and that the engine's process is still the one it checked
 (a pidfd, so a pid reused after the engine exited is never written). When a round
-fails the trainer joins its writers and sets ``push-stopped``. An engine whose receive
-fails after proposing waits for that key (or for the trainer to be gone) before its
+that offered the push mode fails, the trainer joins its writers (if any started) and
+sets ``push-stopped``. An engine whose receive fails after proposing and before
+``written/<rank>`` waits for that key (or for the trainer to be gone) before its
 receive returns, up to ``PUSH_STOPPED_WAIT_S``; past that it keeps its targets' memory
 alive for the life of the process (``quarantined``), so a late write can land only in
 memory nothing reuses.
@@ -232,10 +233,7 @@ class Pushes:
         self._stop.set()
         for writer in self._writers:
             writer.thread.join(10.0)
-        try:
-            self._store.set(session_key(self._rendezvous, "push-stopped"), b"1")
-        except Exception:
-            pass
+        say_stopped(self._store, self._rendezvous)
         self.close()
 
     def close(self) -> None:
@@ -250,6 +248,16 @@ class Pushes:
         return [session_key(rendezvous, "push")] + [
             session_key(rendezvous, name, r) for r in ranks for name in ("push-to", "push-targets", "push-ok",
                                                                          "written")]
+
+
+def say_stopped(store: dist.Store, rendezvous) -> None:
+    """Tells the round's engines that no write of this trainer's is under way or will
+    come (``push-stopped``), after a failed round that offered the push mode. Never
+    raises."""
+    try:
+        store.set(session_key(rendezvous, "push-stopped"), b"1")
+    except Exception:
+        pass
 
 
 # --- the engine's side ---------------------------------------------------------------
@@ -322,4 +330,4 @@ def _alive(pid: int) -> bool:
 
 
 __all__ = ["PUSH_STOPPED_WAIT_S", "Pushes", "accepted", "await_written", "offer", "on_small_pages", "propose",
-           "push_enabled", "quarantined", "settle_after_failure"]
+           "push_enabled", "quarantined", "say_stopped", "settle_after_failure"]
