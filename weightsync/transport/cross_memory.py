@@ -93,7 +93,8 @@ def hugepage_advice(setting_path: str | None = None, env: dict[str, str] | None 
     if not missing:
         return None
     return ("the trainer's tensors are on 4 KiB pages, which engines read at about half the speed of huge "
-            "pages: call weightsync.client.place_on_huge_pages(model) once after building the model, or set "
+            "pages (engines whose weights are in huge-page arenas are written into instead, as fast; the others, "
+            "a vLLM worker's among them, read): call weightsync.client.place_on_huge_pages(model) once after building the model, or set "
             + " and ".join(missing) + " in the trainer's environment, before it starts")
 
 
