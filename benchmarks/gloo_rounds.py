@@ -13,7 +13,10 @@ variants share the processes and the minutes:
   receivers' (small runs from a spare buffer, unpacked nowhere), all posted at once,
   waited for in gloo; the floor for that many broadcasts;
 - ``flat``: one broadcast of a buffer as large as the model (the bench's flat-gloo),
-  gloo's default threads.
+  gloo's default threads;
+- ``placed``: ``threads:8`` from a copy of the trainer's weights placed end to end on
+  huge pages (``place_on_huge_pages``): each bucket lies as one run at both ends, so
+  it is one broadcast (``whole_buckets``) instead of the plan's cut.
 
 The receivers' targets are laid out as the reference engine's are: end to end in one
 arena, in model order, with their addresses at hand (``weightsync.arena``), so a bucket of
@@ -49,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import weightsync.transport.gloo as gloo  # noqa: E402
 from weightsync import transport as transports  # noqa: E402
 from weightsync.apps.bench.runner import parse_size  # noqa: E402
-from weightsync.arena import place_in_arena  # noqa: E402
+from weightsync.arena import place_in_arena, place_on_huge_pages  # noqa: E402
 from weightsync.engine.model import ReferenceLM, config_for_size  # noqa: E402
 from weightsync.plan import BucketPlan  # noqa: E402
 from weightsync.transport.collective import broadcast_from_root  # noqa: E402
@@ -110,6 +113,13 @@ def rendezvous(store_port: int, variant: str, world: int) -> common_pb2.Rendezvo
 def set_threads(variant: str) -> None:
     if variant.startswith("threads:"):
         gloo.GLOO_THREADS = int(variant.split(":", 1)[1])  # read when a group is made: one group per variant
+    elif variant == "placed":
+        gloo.GLOO_THREADS = 8
+
+
+def is_transport(variant: str) -> bool:
+    """Whether ``variant`` runs the real GlooSender and GlooReceiver."""
+    return variant.startswith("threads:") or variant == "placed"
 
 
 def engine_targets(plan: BucketPlan, tensors: list[torch.Tensor]) -> AddressedTensors:
@@ -133,9 +143,9 @@ def receiver(port: int, rank: int, world: int, size: int, count: int, variants: 
         set_threads(variant)
         found = store.get(f"round/{i}")
         if variant not in sides:
-            sides[variant] = (transports.make_receiver(GLOO) if variant.startswith("threads:")
+            sides[variant] = (transports.make_receiver(GLOO) if is_transport(variant)
                               else PlainGloo(variant, store, rank, world, plan, targets))
-        if variant.startswith("threads:"):
+        if is_transport(variant):
             rd = common_pb2.Rendezvous()
             rd.ParseFromString(found)
             sides[variant].receive(rd, rank, plan, targets, deadline_at=time.monotonic() + 120,
@@ -177,10 +187,19 @@ def main() -> None:
     args = parser.parse_args()
     variants = args.variants.split(",")
     for v in variants:
-        if v not in ("posted", "flat") and not (v.startswith("threads:") and v[8:].isdigit() and int(v[8:]) > 0):
-            parser.error(f"unknown variant {v!r}: threads:N, posted or flat")
+        if v not in ("posted", "flat", "placed") and not (v.startswith("threads:") and v[8:].isdigit()
+                                                          and int(v[8:]) > 0):
+            parser.error(f"unknown variant {v!r}: threads:N, posted, flat or placed")
     size, world, rounds = parse_size(args.size), args.engines + 1, args.rounds + 1
     plan, sources = model_tensors(size, args.tensors)
+    # What the transport's sends take: the trainer's tensors with their addresses (as the
+    # trainer's per-step pass hands them over), and for ``placed`` a copy placed on huge pages.
+    given = {"placed": None}
+    if "placed" in variants:
+        placed = [t.clone() for t in sources]
+        place_on_huge_pages(placed)
+        given["placed"] = AddressedTensors(placed, tensor_addresses(placed, plan.dtypes, plan.sizes), plan.sizes)
+    plain = AddressedTensors(sources, tensor_addresses(sources, plan.dtypes, plan.sizes), plan.sizes)
     store = host_store("127.0.0.1", timeout_s=120)
     receivers = [subprocess.Popen([sys.executable, __file__, "--receiver", str(store.port), str(rank), str(world),
                                    str(size), str(args.tensors), args.variants, str(rounds),
@@ -199,10 +218,10 @@ def main() -> None:
             lag.take()
             start = time.perf_counter()
             if variant not in sides:
-                sides[variant] = (transports.make_sender(GLOO, store) if variant.startswith("threads:")
+                sides[variant] = (transports.make_sender(GLOO, store) if is_transport(variant)
                                   else PlainGloo(variant, store, 0, world, plan, sources))
-            if variant.startswith("threads:"):
-                sides[variant].send(rd, plan, sources, deadline_at=time.monotonic() + 120, abort=threading.Event())
+            if is_transport(variant):
+                sides[variant].send(rd, plan, given.get(variant) or plain, deadline_at=time.monotonic() + 120, abort=threading.Event())
             else:
                 sides[variant].round()
             store.wait([f"done/{i}/{rank}" for rank in range(1, world)])

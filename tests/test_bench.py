@@ -294,11 +294,12 @@ def test_gloo_rounds_benchmark_runs_every_variant_and_refuses_an_unknown_one():
     """``benchmarks/gloo_rounds.py`` (gloo variants alternated in the same processes),
     at a toy size: a row per variant, its receivers stopped; a bad variant is refused."""
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gloo_rounds.py")
-    done = subprocess.run([sys.executable, script, "--size", "8MiB", "--tensors", "40", "--rounds", "1"],
+    done = subprocess.run([sys.executable, script, "--size", "8MiB", "--tensors", "40", "--rounds", "1",
+                           "--variants", "threads:2,threads:8,posted,flat,placed"],
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert rows[1:] == ["threads:2", "threads:8", "posted", "flat"]
+    assert rows[1:] == ["threads:2", "threads:8", "posted", "flat", "placed"]
     bad = subprocess.run([sys.executable, script, "--variants", "threads:0,flat"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "unknown variant 'threads:0'" in bad.stderr
