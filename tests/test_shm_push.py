@@ -140,6 +140,9 @@ def test_an_engine_that_fails_mid_write_stops_the_trainers_writes(monkeypatch, s
     real_await = shm_push.await_written
 
     def give_up(store, rdzv, rank, *, deadline_at, abort, stop_keys):
+        end = time.monotonic() + 20
+        while not slowed_writes and time.monotonic() < end:  # once the writes are under way
+            time.sleep(0.001)
         abort.set()  # as the agent does when its deadline or a cancel comes
         return real_await(store, rdzv, rank, deadline_at=deadline_at, abort=abort, stop_keys=stop_keys)
 
