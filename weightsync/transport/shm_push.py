@@ -26,9 +26,10 @@ mode:
 - the engine waits for ``written/<rank>`` and sets ``done/<rank>``.
 
 An engine cannot stop another process writing into it, so the trainer stops itself:
-before every call it checks that the round still stands (no engine's error, no abort,
-deadline not passed) and that the engine's process is still the one it checked
-(a pidfd, so a pid reused after the engine exited is never written). When a round
+before every call a writer checks that the round still stands (its stop flag, which
+the trainer sets as soon as its wait sees an engine's error key, an abort or the
+deadline; the deadline itself) and that the engine's process is still the one it
+checked (a pidfd, so a pid reused after the engine exited is never written). When a round
 that offered the push mode fails, the trainer joins its writers (if any started) and
 sets ``push-stopped``. An engine whose receive fails after proposing and before
 ``written/<rank>`` waits for that key (or for the trainer to be gone) before its
