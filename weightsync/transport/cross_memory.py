@@ -191,7 +191,9 @@ def addresses_for(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]
 
 
 class RemoteMemory:
-    """The engine's side: reads runs of bytes of the trainer's memory into its own."""
+    """Another process's memory, named by its pid and checked by its beacon: an engine
+    reads the trainer's runs of bytes into its own (direct mode), the trainer writes
+    its own into an engine's (push mode, ``shm_push``)."""
 
     def __init__(self, pid: int, beacon_address: int, beacon_value: bytes, description: bytes = b"") -> None:
         self.pid = pid
