@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from weightsync.apps.bench import cpu as cpu_module
+from weightsync.apps.bench.baselines import Baselines
 from weightsync.apps.bench.cpu import CpuMeter, machine_steal_s
 from weightsync.apps.bench.runner import (
     _check_engines_hold,
@@ -303,3 +304,21 @@ def test_gloo_rounds_benchmark_runs_every_variant_and_refuses_an_unknown_one():
     bad = subprocess.run([sys.executable, script, "--variants", "threads:0,flat"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "unknown variant 'threads:0'" in bad.stderr
+
+
+def test_each_baseline_runs_one_untimed_warm_up_step_before_its_timed_steps(tmp_path):
+    """As every weightsync transport gets a warm-up round, every baseline gets one
+    untimed step first (a first step also pays for first-touch page faults and first
+    connections): two timed steps mean three steps served by the real receiver
+    process, the first of them outside the times and the CPU meter."""
+    named = [(f"w{i}", torch.randn(64, 64)) for i in range(3)]
+    steps_timed: list[int] = []
+    with Baselines(named, engines=1, steps=2, tmp=str(tmp_path), methods=("flat-gloo", "memcpy")) as runs:
+        for method in ("flat-gloo", "memcpy"):
+            cpu = CpuMeter(runs.processes(method))
+            seconds = runs.run(method, progress=steps_timed.append, cpu=cpu)
+            assert len(seconds) == 2 and all(s > 0 for s in seconds)
+            assert len(cpu.steps) == 2
+        # The receiver served the warm-up and both timed steps of flat-gloo.
+        assert all(runs.store.check([f"done/flat-gloo/{step}/1"]) for step in range(3))
+    assert steps_timed == [0, 1, 0, 1]

@@ -7,7 +7,10 @@ the same payload reaching the same number of receiver processes (``worker.py``).
 - ``grpc-stream``: the bytes streamed through a gRPC call to each receiver;
 - ``memcpy``: one in-process copy of the payload (the memory-bandwidth bound).
 
-Each step is timed from the sender's start until every receiver has acknowledged
+Each method first runs one untimed step, as each weightsync transport does a warm-up
+round: it pays for what a first step alone pays (the receivers' buffers touched for
+the first time, gloo's first connections, memcpy's destination allocated). Each timed
+step is then timed from the sender's start until every receiver has acknowledged
 through the store; at the end each receiver's digest must match the sender's.
 """
 
@@ -72,7 +75,7 @@ class Baselines:
                 self.procs.append(spawn([sys.executable, "-m", "weightsync.apps.bench.worker", "--store",
                                          f"127.0.0.1:{self.store.port}", "--rank", str(rank), "--world",
                                          str(self.engines + 1), "--plan-json", plan_path, "--steps",
-                                         str(self.steps), "--methods", ",".join(remote)]))
+                                         str(self.steps + 1), "--methods", ",".join(remote)]))
         if any(m.endswith("gloo") for m in remote):
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("bench/gloo", self.store), 0, self.engines + 1,
                                             timedelta(seconds=600))
@@ -100,20 +103,22 @@ class Baselines:
 
     def run(self, method: str, progress: Callable[[int], None] = lambda _s: None,
             cpu: CpuMeter | None = None) -> list[float]:
-        """Times ``steps`` runs of ``method`` (and, with ``cpu``, their CPU time); checks
-        the receivers' bytes at the end."""
+        """Runs ``method`` once untimed (the warm-up), then times ``steps`` runs (and, with
+        ``cpu``, their CPU time); checks the receivers' bytes at the end."""
         seconds = []
-        for step in range(self.steps):
-            if cpu is not None:
+        for step in range(self.steps + 1):
+            timed = step > 0
+            if cpu is not None and timed:
                 cpu.start()
             start = time.perf_counter()
             getattr(self, "_" + method.replace("-", "_"))(step)
             if method != "memcpy":
                 self._wait_done(method, step)
-            seconds.append(time.perf_counter() - start)
-            if cpu is not None:
-                cpu.stop()
-            progress(step)
+            if timed:
+                seconds.append(time.perf_counter() - start)
+                if cpu is not None:
+                    cpu.stop()
+                progress(step - 1)
         if method != "memcpy":
             keys = [f"digest/{method}/{r}" for r in range(1, self.engines + 1)]
             wait_for_keys(self.store, keys, deadline_at=time.monotonic() + 600, operation=method)
