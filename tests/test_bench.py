@@ -107,12 +107,45 @@ def test_bench_small_run_reports_every_method(tmp_path):
 @pytest.mark.parametrize("args", [["--size", "0"], ["--transport", "nccl"], ["--engines", "0"],
                                   ["--transport", "shm-ring", "--trainer-ranks", "2"],
                                   ["--transport", "group-flat", "--trainer-ranks", "2"],
-                                  ["--trainer-memory", "huge-pages", "--trainer-ranks", "2"]])
+                                  ["--trainer-memory", "huge-pages", "--trainer-ranks", "2"],
+                                  ["--passes", "0"], ["--passes", "2", "--trainer-ranks", "2"]])
 def test_bench_bad_arguments_exit_2(args):
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", *args, "--no-baselines"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "weightsync bench:" in proc.stderr
+
+
+def test_passes_run_every_method_again_on_fresh_processes_the_baselines_first_in_odd_passes(tmp_path):
+    """``--passes 2``: each method's row takes its steps from both passes (the median of
+    all of them), each step saying its pass; the first pass runs the weightsync
+    transports before the baselines, the second the baselines before the transports."""
+    out = tmp_path / "passes.json"
+    proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--size", "2MiB", "--tensors", "12",
+                           "--engines", "1", "--steps", "2", "--passes", "2", "--bucket-bytes", "1MiB",
+                           "--transport", "shm", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["passes"] == 2
+    results = report["results"]
+    assert [r["method"] for r in results] == ["weightsync", "per-tensor-gloo", "flat-gloo", "disk", "grpc-stream",
+                                              "memcpy"]
+    started: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        assert [x["pass"] for x in r["rounds"]] == [0, 0, 1, 1], r["method"]
+        seconds = sorted(x["seconds"] for x in r["rounds"])
+        assert r["seconds"]["median"] == pytest.approx((seconds[1] + seconds[2]) / 2)
+        assert (r["seconds"]["min"], r["seconds"]["max"]) == (seconds[0], seconds[-1])
+        side = "weightsync" if r["method"] == "weightsync" else "baselines"
+        for x in r["rounds"]:
+            started.setdefault((side, x["pass"]), []).append(x["started_at"])
+    assert max(started["weightsync", 0]) < min(started["baselines", 0])
+    assert max(started["baselines", 1]) < min(started["weightsync", 1])
+    assert min(started["baselines", 0]) < min(started["baselines", 1])
+    # the weightsync row's lag figures come from all four steps
+    row = results[0]
+    assert row["loop_lag_ms"]["max"] == max(x["loop_lag_max_ms"] for x in row["rounds"])
+    assert row["read"] and len(row["rounds"]) == 4
 
 
 def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
@@ -316,8 +349,9 @@ def test_each_baseline_runs_one_untimed_warm_up_step_before_its_timed_steps(tmp_
     with Baselines(named, engines=1, steps=2, tmp=str(tmp_path), methods=("flat-gloo", "memcpy")) as runs:
         for method in ("flat-gloo", "memcpy"):
             cpu = CpuMeter(runs.processes(method))
-            seconds = runs.run(method, progress=steps_timed.append, cpu=cpu)
-            assert len(seconds) == 2 and all(s > 0 for s in seconds)
+            steps = runs.run(method, progress=steps_timed.append, cpu=cpu)
+            assert len(steps) == 2 and all(seconds > 0 for _, seconds in steps)
+            assert steps[0][0] + steps[0][1] <= steps[1][0]  # (wall-clock start, seconds), in order
             assert len(cpu.steps) == 2
         # The receiver served the warm-up and both timed steps of flat-gloo.
         assert all(runs.store.check([f"done/flat-gloo/{step}/1"]) for step in range(3))

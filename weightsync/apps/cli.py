@@ -166,6 +166,10 @@ def _add_bench(sub) -> None:
                    help="a sharded trainer of N FSDP2 ranks: every rank sends its shards, against all-gather to "
                         "rank 0 then send (transport: the first --transport, default auto)")
     p.add_argument("--steps", type=int, default=3, help="timed rounds per method")
+    p.add_argument("--passes", type=int, default=1,
+                   help="run every method --steps times, this many times over, on fresh processes each pass, the "
+                        "weightsync transports and the baselines taking turns to go first; each figure is the "
+                        "median of all the passes' steps (ratios then compare the same minutes more nearly)")
     p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also run per-tensor-gloo, flat-gloo, disk, grpc-stream, memcpy (with --trainer-ranks: "
@@ -326,6 +330,9 @@ def _bench(args) -> int:
     if args.hosts and args.trainer_ranks:
         print("weightsync bench: --hosts and --trainer-ranks are separate benchmarks; choose one", file=sys.stderr)
         return 2
+    if (args.hosts or args.trainer_ranks) and args.passes != 1:
+        print("weightsync bench: --passes is for the single-trainer benchmark", file=sys.stderr)
+        return 2
     if (args.hosts or args.trainer_ranks) and args.trainer_memory != "plain":
         print("weightsync bench: --trainer-memory is for the single-trainer benchmark", file=sys.stderr)
         return 2
@@ -348,7 +355,8 @@ def _bench(args) -> int:
         report = run_bench(size=args.size, tensors=args.tensors, engines=args.engines, transports=chosen,
                            steps=args.steps, baselines=args.baselines, json_path=args.json, plot_path=args.plot,
                            bucket_bytes=parse_size(args.bucket_bytes), attest=args.attest,
-                           shape_profile=args.shape_profile, trainer_memory=args.trainer_memory)
+                           shape_profile=args.shape_profile, trainer_memory=args.trainer_memory,
+                           passes=args.passes)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2

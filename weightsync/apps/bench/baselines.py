@@ -102,20 +102,22 @@ class Baselines:
         return {"sender": [os.getpid()], "receivers": [] if method == "memcpy" else [p.pid for p in self.procs]}
 
     def run(self, method: str, progress: Callable[[int], None] = lambda _s: None,
-            cpu: CpuMeter | None = None) -> list[float]:
+            cpu: CpuMeter | None = None) -> list[tuple[float, float]]:
         """Runs ``method`` once untimed (the warm-up), then times ``steps`` runs (and, with
-        ``cpu``, their CPU time); checks the receivers' bytes at the end."""
+        ``cpu``, their CPU time); checks the receivers' bytes at the end. Returns each
+        timed step's (wall-clock start, seconds)."""
         seconds = []
         for step in range(self.steps + 1):
             timed = step > 0
             if cpu is not None and timed:
                 cpu.start()
+            started_at = time.time()
             start = time.perf_counter()
             getattr(self, "_" + method.replace("-", "_"))(step)
             if method != "memcpy":
                 self._wait_done(method, step)
             if timed:
-                seconds.append(time.perf_counter() - start)
+                seconds.append((started_at, time.perf_counter() - start))
                 if cpu is not None:
                     cpu.stop()
                 progress(step - 1)

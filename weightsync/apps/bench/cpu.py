@@ -25,7 +25,7 @@ so a burst can now and then be counted in a neighbouring step instead.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import psutil
 
@@ -49,6 +49,17 @@ class CpuMeter:
         # Per step: ms the machine lost, per CPU (the steal of all CPUs / their count);
         # empty where the OS does not count steal.
         self.stolen_ms: list[float] = []
+
+    @classmethod
+    def merged(cls, meters: Sequence[CpuMeter]) -> CpuMeter:
+        """The steps of ``meters`` (the same roles, measured one after the other) as one
+        meter's, for ``summary`` and ``stolen``; it measures nothing itself."""
+        out = cls({})
+        out._roles = {role: [] for meter in meters for role in meter._roles}
+        for meter in meters:
+            out.steps += meter.steps
+            out.stolen_ms += meter.stolen_ms
+        return out
 
     def _now(self) -> dict[str, float]:
         totals = {}

@@ -85,6 +85,36 @@ def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engi
             "machine_stolen_ms": cpu.stolen() if cpu is not None else None, "rounds": rounds}
 
 
+class Samples:
+    """One method's timed steps (one transport's, for weightsync), gathered over every
+    pass of a run and summarised once at the end (``summary``: a row of the report)."""
+
+    def __init__(self, method: str, transport: str | None, tensors: int, engines: int) -> None:
+        self.method, self.transport, self.tensors, self.engines = method, transport, tensors, engines
+        self.nbytes = 0
+        self.seconds: list[float] = []
+        self.rounds: list[dict] = []  # per step: what the row's aggregates come from
+        self.meters: list[CpuMeter] = []  # one per pass
+        self.lags: list[tuple[float, float]] = []  # weightsync: the trainer loop's (p99, max) per step
+        self.server_lags: list[dict[str, float]] = []
+        self.read: set[str] = set()
+
+    def summary(self) -> dict:
+        cpu = CpuMeter.merged(self.meters)
+        lag = server_lag = None
+        if self.lags:
+            worst = [high for _, high in self.lags]
+            lag = {"p99": max(p99 for p99, _ in self.lags), "max": max(worst),
+                   "max_nothing_stolen": _worst_where_nothing_stolen(worst, cpu.stolen_ms)}
+        if self.server_lags:
+            per_step = [max(v for k, v in x.items() if k != "coordinator") for x in self.server_lags]
+            server_lag = {"coordinator": max(x["coordinator"] for x in self.server_lags), "engines": max(per_step),
+                          "engines_nothing_stolen": _worst_where_nothing_stolen(per_step, cpu.stolen_ms)}
+        return _summary(self.method, self.transport, self.nbytes, self.tensors, self.engines, self.seconds, lag,
+                        sorted(self.read) if self.transport and self.transport.startswith("shm") else None, cpu,
+                        server_lag, self.rounds)
+
+
 def _worst_where_nothing_stolen(per_step: list[float], stolen_ms: list[float]) -> float | None:
     """The largest of ``per_step`` over the steps in which the machine lost no time to
     its hypervisor (None if it lost some in every step, or the OS does not say)."""
@@ -156,8 +186,8 @@ GROUP_LAYOUTS = {"group-flat": FLATTENED, "group-tensors": TENSORS}
 async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list[str], steps: int,
                            bucket_bytes: int, engines: int, progress: Progress, attest: bool,
                            agents: list[str], processes: dict[str, list[int]],
-                           metrics_ports: dict[str, int]) -> list[dict]:
-    results = []
+                           metrics_ports: dict[str, int], samples: dict[tuple, Samples], pass_index: int) -> None:
+    """One pass of every transport on one cluster; each timed step goes into ``samples``."""
     version = 0
     tensors = sum(1 for _ in model.parameters())
     sequences = probe_sequences(model)
@@ -175,42 +205,38 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
             # With --attest the same rounds run again with the probe, in this run: the
             # ratio of the two is attestation's cost (the trainer's scoring included).
             for method, probe in [("weightsync", None)] + ([("weightsync+attest", sequences)] if attest else []):
-                seconds, lags, server_lags = [], [], []
+                row = samples.setdefault((method, transport), Samples(method, transport, tensors, engines))
                 cpu = CpuMeter(processes)
-                nbytes = 0
+                row.meters.append(cpu)
                 for _ in range(steps):
                     await asyncio.to_thread(_perturb, model)
                     version += 1
                     await client.pause()
+                    started_at = time.time()
                     cpu.start()  # outside the lag probe's window: it reads /proc on this loop
                     async with LoopLagProbe(interval_s=0.002) as lag:
                         start = time.perf_counter()
                         result = await client.broadcast(
                             named, version=version, timeout_s=600,
                             attest=(lambda s=probe: Probe.from_model(model, s)) if probe else None)
-                        seconds.append(time.perf_counter() - start)
+                        seconds = time.perf_counter() - start
                     cpu.stop()
-                    server_lags.append(await asyncio.to_thread(_server_round_lags, metrics_ports))
+                    servers = await asyncio.to_thread(_server_round_lags, metrics_ports)
                     await client.resume()
-                    nbytes = result.bytes
-                    lags.append(lag)
+                    row.nbytes = result.bytes
+                    row.seconds.append(seconds)
+                    # A loop stalls with the whole machine when the hypervisor takes its
+                    # CPUs (see cpu.py); the worst lag of the steps that lost no time is
+                    # where weightsync's own stalls show (cpu.py says how exact that is).
+                    row.lags.append((lag.p99_ms, lag.max_ms))
+                    row.server_lags.append(servers)
+                    row.rounds.append({"seconds": seconds, "loop_lag_max_ms": lag.max_ms,
+                                       "server_loop_lag_ms": servers, "pass": pass_index, "started_at": started_at})
                     progress.step(f"{method}/{transport}")
-                # A loop stalls with the whole machine when the hypervisor takes its CPUs
-                # (see cpu.py); the worst lag of the steps that lost no time is where
-                # weightsync's own stalls show (cpu.py says how exact that count is).
-                lag = {"p99": max(x.p99_ms for x in lags), "max": max(x.max_ms for x in lags),
-                       "max_nothing_stolen": _worst_where_nothing_stolen([x.max_ms for x in lags], cpu.stolen_ms)}
-                per_step = [max(v for k, v in x.items() if k != "coordinator") for x in server_lags]
-                server_lag = {"coordinator": max(x["coordinator"] for x in server_lags), "engines": max(per_step),
-                              "engines_nothing_stolen": _worst_where_nothing_stolen(per_step, cpu.stolen_ms)}
-                read = await _reads(agents, steps) if transport.startswith("shm") else None
-                rounds = [{"seconds": t, "loop_lag_max_ms": x.max_ms, "server_loop_lag_ms": servers}
-                          for t, x, servers in zip(seconds, lags, server_lags, strict=True)]
-                results.append(_summary(method, transport, nbytes, tensors, engines, seconds, lag, read, cpu,
-                                        server_lag, rounds))
+                if transport.startswith("shm"):
+                    row.read.update(await _reads(agents, steps))
             local = await asyncio.to_thread(weights_digest, model.named_parameters())
             await _check_engines_hold(client, local, engines=engines, version=version, transport=transport)
-    return results
 
 
 async def _check_engines_hold(client: TrainerClient, digest: str, *, engines: int, version: int, transport: str,
@@ -225,7 +251,8 @@ async def _check_engines_hold(client: TrainerClient, digest: str, *, engines: in
 
 def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: list[str], steps: int,
               baselines: bool, json_path: str = "", plot_path: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              attest: bool = False, shape_profile: str = "dense", trainer_memory: str = "plain") -> dict:
+              attest: bool = False, shape_profile: str = "dense", trainer_memory: str = "plain",
+              passes: int = 1) -> dict:
     """Runs the benchmark; returns (and optionally writes) the JSON report.
 
     ``tensors``: one count, or several for a sweep -- the same payload split into each
@@ -234,10 +261,15 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     ``moe`` (most tensors are small expert matrices). ``trainer_memory``: ``plain`` (the
     trainer's weights as torch allocates them) or ``huge-pages`` (end to end on huge
     pages, ``place_on_huge_pages``; the baselines' flat buffers on huge pages too).
+    ``passes``: every method runs ``steps`` timed steps that many times, on fresh
+    processes each pass, the weightsync transports and the baselines taking turns to
+    go first; each row is the median of all its steps. On a machine whose speed moves
+    from one minute to the next, the ratios between methods then compare the same
+    minutes more nearly.
     """
     counts = [tensors] if isinstance(tensors, int) else list(tensors)
-    if engines < 1 or steps < 1 or not counts or any(n < 1 for n in counts):
-        raise ValueError("engines, steps and tensors must be >= 1")
+    if engines < 1 or steps < 1 or passes < 1 or not counts or any(n < 1 for n in counts):
+        raise ValueError("engines, steps, passes and tensors must be >= 1")
     if shape_profile not in SHAPE_PROFILES:
         raise ValueError(f"unknown shape profile {shape_profile!r}; known: {', '.join(SHAPE_PROFILES)}")
     if trainer_memory not in TRAINER_MEMORY:
@@ -248,10 +280,12 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'weightsync[bench]'") from None
     nbytes_requested = parse_size(size)
-    per_count = len(transports) * (steps * (2 if attest else 1) + 1) + (len(METHODS) * steps if baselines else 0)
+    per_count = passes * (len(transports) * (steps * (2 if attest else 1) + 1) + (len(METHODS) * steps if baselines
+                                                                                 else 0))
     results: list[dict] = []
     shape_args = {"engines": engines, "transports": transports, "steps": steps, "baselines": baselines,
-                  "bucket_bytes": bucket_bytes, "attest": attest, "huge_pages": trainer_memory == "huge-pages"}
+                  "bucket_bytes": bucket_bytes, "attest": attest, "huge_pages": trainer_memory == "huge-pages",
+                  "passes": passes}
     if len(counts) == 1:
         cfg = config_for_size(nbytes_requested, counts[0], profile=shape_profile)
         results += _run_one_shape(cfg, progress=Progress(per_count), **shape_args)
@@ -266,7 +300,7 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     report = {"machine": machine(), "results": results,
               "config": {"size": size, "tensors_requested": counts if len(counts) > 1 else counts[0],
                          "shape_profile": shape_profile, "bucket_bytes": bucket_bytes, "steps": steps,
-                         "attest": attest, "trainer_memory": trainer_memory}}
+                         "attest": attest, "trainer_memory": trainer_memory, "passes": passes}}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
@@ -336,32 +370,47 @@ def _shape_process(report, parent_pid: int, cfg_json: str, steps_total: int, sha
 
 
 def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, baselines: bool, bucket_bytes: int,
-                   attest: bool, huge_pages: bool, progress: Progress) -> list[dict]:
-    """Every method at one model shape: the weightsync transports on a fresh local
-    cluster whose engines hold that shape, then the baselines."""
+                   attest: bool, huge_pages: bool, progress: Progress, passes: int = 1) -> list[dict]:
+    """Every method at one model shape, ``passes`` times: the weightsync transports on a
+    fresh local cluster whose engines hold that shape, and the baselines on receivers
+    of their own; each method's row summarises its steps of every pass."""
     model = ReferenceLM(cfg)
     if huge_pages:
         place_on_huge_pages(model)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
-    results: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
+    samples: dict[tuple, Samples] = {}
+
+    def weightsync_pass(tmp: str, index: int) -> None:
         with LocalCluster(tmp, engines=engines, agent_args=("--model", cfg.to_json()), agent_timeout_s=600,
                           settle_s=1.0, metrics=True) as cluster:
-            results += asyncio.run(_weightsync_runs(cluster.address, model, transports=transports, steps=steps,
-                                                    bucket_bytes=bucket_bytes, engines=engines, progress=progress,
-                                                    attest=attest, agents=[a.address for a in cluster.agents],
-                                                    processes={"trainer": [os.getpid()],
-                                                               "coordinator": [cluster.coordinator.proc.pid],
-                                                               "engines": [a.proc.pid for a in cluster.agents]},
-                                                    metrics_ports=cluster.metrics_ports))
-        if baselines:
-            nbytes = sum(t.numel() * t.element_size() for _, t in named)
-            with Baselines(named, engines=engines, steps=steps, tmp=tmp, huge_pages=huge_pages) as runs:
-                for method in METHODS:
-                    cpu = CpuMeter(runs.processes(method))
-                    seconds = runs.run(method, progress=lambda _s, m=method: progress.step(m), cpu=cpu)
-                    results.append(_summary(method, None, nbytes, len(named), engines, seconds, None, cpu=cpu))
-    return results
+            asyncio.run(_weightsync_runs(cluster.address, model, transports=transports, steps=steps,
+                                         bucket_bytes=bucket_bytes, engines=engines, progress=progress,
+                                         attest=attest, agents=[a.address for a in cluster.agents],
+                                         processes={"trainer": [os.getpid()],
+                                                    "coordinator": [cluster.coordinator.proc.pid],
+                                                    "engines": [a.proc.pid for a in cluster.agents]},
+                                         metrics_ports=cluster.metrics_ports, samples=samples, pass_index=index))
+
+    def baselines_pass(tmp: str, index: int) -> None:
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        with Baselines(named, engines=engines, steps=steps, tmp=tmp, huge_pages=huge_pages) as runs:
+            for method in METHODS:
+                row = samples.setdefault((method, None), Samples(method, None, len(named), engines))
+                row.nbytes = nbytes
+                cpu = CpuMeter(runs.processes(method))
+                row.meters.append(cpu)
+                for started_at, seconds in runs.run(method, progress=lambda _s, m=method: progress.step(m), cpu=cpu):
+                    row.seconds.append(seconds)
+                    row.rounds.append({"seconds": seconds, "pass": index, "started_at": started_at})
+
+    phases = [weightsync_pass] + ([baselines_pass] if baselines else [])
+    for index in range(passes):
+        # Odd passes run the baselines first (A B, B A, ...): a machine whose speed
+        # drifts during the run then weighs on both sides alike.
+        with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
+            for phase in phases if index % 2 == 0 else phases[::-1]:
+                phase(tmp, index)
+    return [row.summary() for row in samples.values()]
 
 
 def machine() -> dict:
