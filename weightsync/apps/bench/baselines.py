@@ -106,7 +106,7 @@ class Baselines:
         """Runs ``method`` once untimed (the warm-up), then times ``steps`` runs (and, with
         ``cpu``, their CPU time); checks the receivers' bytes at the end. Returns each
         timed step's (wall-clock start, seconds)."""
-        seconds = []
+        timings = []
         for step in range(self.steps + 1):
             timed = step > 0
             if cpu is not None and timed:
@@ -117,7 +117,7 @@ class Baselines:
             if method != "memcpy":
                 self._wait_done(method, step)
             if timed:
-                seconds.append((started_at, time.perf_counter() - start))
+                timings.append((started_at, time.perf_counter() - start))
                 if cpu is not None:
                     cpu.stop()
                 progress(step - 1)
@@ -127,7 +127,7 @@ class Baselines:
             got = {self.store.get(k).decode() for k in keys}
             if got != {self.digest}:
                 raise RuntimeError(f"{method}: receivers did not get the bytes that were sent")
-        return seconds
+        return timings
 
     def _go(self, method: str, step: int) -> None:
         self.store.set(f"go/{method}/{step}", b"1")
