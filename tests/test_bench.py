@@ -356,3 +356,22 @@ def test_each_baseline_runs_one_untimed_warm_up_step_before_its_timed_steps(tmp_
         # The receiver served the warm-up and both timed steps of flat-gloo.
         assert all(runs.store.check([f"done/flat-gloo/{step}/1"]) for step in range(3))
     assert steps_timed == [0, 1, 0, 1]
+
+
+def test_paired_rounds_benchmark_alternates_weightsync_with_a_baseline(tmp_path):
+    """``benchmarks/paired_rounds.py`` at a toy size: a real cluster and the baseline's
+    receivers up at once, each pair a weightsync round then a baseline step; the
+    engines end bitwise equal to the trainer (the script checks, and fails otherwise),
+    the baseline's receivers too; every pair reported."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "paired_rounds.py")
+    out = tmp_path / "pairs.json"
+    done = subprocess.run([sys.executable, script, "--size", "8MiB", "--tensors", "40", "--rounds", "3",
+                           "--engines", "1", "--baseline", "flat-gloo", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert len(report["weightsync_s"]) == len(report["baseline_s"]) == 3
+    assert all(s > 0 for s in report["weightsync_s"] + report["baseline_s"])
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 3
+    assert f"{report['ratio_of_medians']:.2f}x" in done.stdout.splitlines()[-1]

@@ -106,28 +106,38 @@ class Baselines:
         """Runs ``method`` once untimed (the warm-up), then times ``steps`` runs (and, with
         ``cpu``, their CPU time); checks the receivers' bytes at the end. Returns each
         timed step's (wall-clock start, seconds)."""
+        self.step(method, 0)  # the warm-up
         timings = []
-        for step in range(self.steps + 1):
-            timed = step > 0
-            if cpu is not None and timed:
+        for step in range(1, self.steps + 1):
+            if cpu is not None:
                 cpu.start()
             started_at = time.time()
-            start = time.perf_counter()
-            getattr(self, "_" + method.replace("-", "_"))(step)
-            if method != "memcpy":
-                self._wait_done(method, step)
-            if timed:
-                timings.append((started_at, time.perf_counter() - start))
-                if cpu is not None:
-                    cpu.stop()
-                progress(step - 1)
-        if method != "memcpy":
-            keys = [f"digest/{method}/{r}" for r in range(1, self.engines + 1)]
-            wait_for_keys(self.store, keys, deadline_at=time.monotonic() + 600, operation=method)
-            got = {self.store.get(k).decode() for k in keys}
-            if got != {self.digest}:
-                raise RuntimeError(f"{method}: receivers did not get the bytes that were sent")
+            timings.append((started_at, self.step(method, step)))
+            if cpu is not None:
+                cpu.stop()
+            progress(step - 1)
+        self.check(method)
         return timings
+
+    def step(self, method: str, step: int) -> float:
+        """One step of ``method`` (0 is the warm-up; the receivers serve 0 to ``steps``,
+        in order): seconds from the sender's start until every receiver has it."""
+        start = time.perf_counter()
+        getattr(self, "_" + method.replace("-", "_"))(step)
+        if method != "memcpy":
+            self._wait_done(method, step)
+        return time.perf_counter() - start
+
+    def check(self, method: str) -> None:
+        """After ``method``'s last step: RuntimeError unless every receiver holds the
+        sender's bytes (their digests, against the sender's)."""
+        if method == "memcpy":
+            return
+        keys = [f"digest/{method}/{r}" for r in range(1, self.engines + 1)]
+        wait_for_keys(self.store, keys, deadline_at=time.monotonic() + 600, operation=method)
+        got = {self.store.get(k).decode() for k in keys}
+        if got != {self.digest}:
+            raise RuntimeError(f"{method}: receivers did not get the bytes that were sent")
 
     def _go(self, method: str, step: int) -> None:
         self.store.set(f"go/{method}/{step}", b"1")
