@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -52,6 +52,7 @@ from weightsync.errors import (
     from_rpc_error,
     outcome_error,
 )
+from weightsync.gil import HAND_OVER_EVERY, hand_over_gil
 from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.host_identity import host_id
 from weightsync.idempotency import derive_key, validate_key
@@ -580,14 +581,14 @@ class TrainerClient(AsyncClient):
         tensor's address in that pass (shm's direct reads, the network transports' runs
         of memory).
         """
-        pairs = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
-        if not pairs:
-            raise InvalidArgument("no tensors to send")
         try:
-            replayed = self._replay_plan(pairs, addresses)
-            if replayed is not None:
+            replayed = self._replay_plan(iter(named_tensors), addresses)
+            if isinstance(replayed, tuple):
                 plan, sources = replayed
             else:  # plan once, replay every step
+                pairs = replayed
+                if not pairs:
+                    raise InvalidArgument("no tensors to send")
                 names = [n for n, _ in pairs]
                 dtypes = [t.dtype for _, t in pairs]
                 shapes = [t.shape for _, t in pairs]
@@ -608,30 +609,38 @@ class TrainerClient(AsyncClient):
             raise InvalidArgument(f"attest must be a Probe or a function returning one, got {type(probe).__name__}")
         return _Prepared(plan, sources, digest, probe)
 
-    def _replay_plan(self, pairs: list, addresses: bool) -> tuple[BucketPlan, list[torch.Tensor]] | None:
-        """The last step's plan and this step's sources, if ``pairs`` still have the
-        plan's names, dtypes and shapes; None otherwise.
+    def _replay_plan(self, items: Iterator, addresses: bool) -> tuple[BucketPlan, list[torch.Tensor]] | list:
+        """The last step's plan and this step's sources, if the (name, tensor) pairs of
+        ``items`` still have the plan's names, dtypes and shapes; else every pair, as a
+        list, for the caller to plan again.
 
         One pass does every per-tensor step (check, ``contiguous``, address): most of
-        its cost is fetching each tensor's objects from memory, paid once. It keeps no
-        per-tensor object alive but the sources: lists of 20k shapes built every step
-        would be promoted by the garbage collector and soon trigger a full collection of
-        the trainer's whole heap (300 ms with a 20k-tensor model, the trainer's event
-        loop stalled throughout). Addresses are plain ints, which the collector skips.
+        its cost is fetching each tensor's objects from memory, paid once. It reads
+        ``items`` as it goes, so the pairs a generator makes (``model.named_parameters()``,
+        a new tuple per tensor) die one by one, and it keeps no per-tensor object alive but
+        the sources: 20k objects kept through every step are promoted by the garbage
+        collector and soon trigger a full collection of the trainer's whole heap (117 ms
+        with a 20k-tensor model passed as ``model.named_parameters()``, holding the GIL:
+        the trainer's event loop stalled throughout). Addresses are plain ints, which the
+        collector does not track.
         """
         cached = self._plan_cache
         if cached is None or cached[0] != self.bucket_bytes or cached[1] != self.wire_dtype:
-            return None
+            return list(items)
         _, _, names, dtypes, shapes, plan, native = cached
-        if len(pairs) != len(names):
-            return None
+        count = len(names)
         # Addresses only where the bytes on the wire are the tensors' own (no wire dtype
         # cast) and every tensor is a plain CPU tensor (a subclass may hold no storage).
         addresses = addresses and native
         sources, where = [], []
-        for (name, tensor), cached_name, dtype, shape in zip(pairs, names, dtypes, shapes, strict=True):
-            if name != cached_name or tensor.dtype != dtype or tensor.shape != shape:
-                return None
+        for i, pair in enumerate(items):
+            if i and not i % HAND_OVER_EVERY:
+                hand_over_gil()  # ~20 ms of Python at 20k tensors: the event loop gets in
+            name, tensor = pair
+            if i >= count or name != names[i] or tensor.dtype != dtypes[i] or tensor.shape != shapes[i]:
+                # Changed: every pair, those read so far included (each source is its
+                # tensor, or a contiguous copy of it with the same name, dtype and shape).
+                return [*zip(names[:i], sources, strict=True), pair, *items]
             source = tensor.contiguous()  # the tensor itself when already contiguous
             sources.append(source)
             if addresses:
@@ -639,6 +648,8 @@ class TrainerClient(AsyncClient):
                     where.append(source.data_ptr())
                 else:
                     addresses = False
+        if len(sources) != count:  # fewer tensors than the plan
+            return list(zip(names[:len(sources)], sources, strict=True))
         if not addresses:
             return plan, sources
         return plan, AddressedTensors(sources, np.array(where, dtype=np.uint64), plan.sizes)

@@ -80,10 +80,14 @@ async def test_twenty_thousand_tensors_cost_a_small_multiple_of_a_hundred(tmp_pa
         assert ratio <= MAX_RATIO, f"{way}: a round with {many_count} tensors took {ratio:.1f}x one with {few_count}"
 
 
-def test_a_step_with_the_cached_plan_keeps_no_per_tensor_objects_alive():
-    """The trainer's per-step preparation makes no list of 20k new objects: such lists are
+@pytest.mark.parametrize("given", ["list", "generator"])
+def test_a_step_with_the_cached_plan_keeps_no_per_tensor_objects_alive(given):
+    """The trainer's per-step preparation keeps no 20k new objects alive: such objects are
     promoted by the garbage collector and soon cost a full collection of the trainer's
-    heap on every few steps (300 ms with this model, the event loop stalled throughout)."""
+    heap on every few steps (117-300 ms with this model, the GIL held: the event loop
+    stalled throughout). That holds for the pairs a generator makes too
+    (``model.named_parameters()``, a new tuple per tensor, as the README passes it):
+    they are read one by one, never listed."""
     import gc
 
     cfg = config_for_size(16 << 20, 20_000)
@@ -99,12 +103,60 @@ def test_a_step_with_the_cached_plan_keeps_no_per_tensor_objects_alive():
     gc.collect()
     gc.callbacks.append(count)
     try:
-        again = client._prepare(named, False)
+        again = client._prepare(named if given == "list" else model.named_parameters(), False)
     finally:
         gc.callbacks.remove(count)
     assert again.plan is first.plan  # replayed, not rebuilt
     assert all(a is b for a, b in zip(again.sources, (t for _, t in named), strict=True))  # no copies
     assert len(collections) <= 1, f"{len(collections)} collections during one step's preparation"
+
+
+def test_a_generator_that_changed_is_planned_again_from_every_pair():
+    """Read as it goes, a generator whose pairs stop matching the plan halfway (or end
+    early, or go on longer) is planned again from all of its pairs, those read before
+    the change included."""
+    model = ReferenceLM(config_for_size(1 << 20, 40))
+    named = list(model.named_parameters())
+    client = TrainerClient("127.0.0.1:1", transport="shm")
+    plan = client._prepare(iter(named), False).plan
+    renamed = named[:20] + [("renamed", named[20][1])] + named[21:]
+    for pairs in (renamed, named[:-1], named + [("extra", torch.zeros(3))], named):
+        prepared = client._prepare(iter(pairs), False)
+        assert [s.name for s in prepared.plan.slots] == [n for n, _ in pairs]
+        assert all(a is b for a, b in zip(prepared.sources, (t for _, t in pairs), strict=True))
+    assert prepared.plan.plan_id == plan.plan_id
+    with pytest.raises(InvalidArgument, match="no tensors"):
+        client._prepare(iter(()), False)
+
+
+def test_a_step_over_twenty_thousand_tensors_hands_the_gil_to_the_event_loop_as_it_goes(monkeypatch):
+    """The per-step pass runs on the client's worker thread, in Python: ~20 ms at 20k
+    tensors, through which a thread that does not let go of the GIL keeps the event
+    loop waiting up to the interpreter's 5 ms switch interval at every wake-up. It lets
+    go every ``HAND_OVER_EVERY`` tensors (``weightsync.gil``), and still replays the
+    same plan and sources."""
+    import weightsync.client.trainer as trainer_module
+
+    named = list(ReferenceLM(config_for_size(16 << 20, 20_000)).named_parameters())
+    client = TrainerClient("127.0.0.1:1", transport="shm")  # never connects: preparation only
+    first = client._prepare(named, False, addresses=True)  # plans; the pass is the next step's
+    handed_over_at, looked_at = [], [0]
+    real_contiguous = torch.Tensor.contiguous
+
+    def counting_contiguous(self, *args, **kwargs):
+        looked_at[0] += 1  # how far the pass is
+        return real_contiguous(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting_contiguous)
+    monkeypatch.setattr(trainer_module, "hand_over_gil", lambda: handed_over_at.append(looked_at[0]))
+    again = client._prepare(named, False, addresses=True)
+    assert again.plan is first.plan
+    assert all(a is b for a, b in zip(again.sources, (t for _, t in named), strict=True))
+    assert again.sources.addresses.tolist() == [t.data_ptr() for _, t in named]
+    every = trainer_module.HAND_OVER_EVERY
+    # Each hand-over comes right after ``every`` more tensors were looked at.
+    assert len(handed_over_at) == (len(named) - 1) // every >= 19
+    assert handed_over_at == [k * every for k in range(1, len(handed_over_at) + 1)]
 
 
 def test_the_cached_plan_follows_a_change_of_shape_dtype_or_name():

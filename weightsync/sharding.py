@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from weightsync.errors import InvalidArgument
+from weightsync.gil import HAND_OVER_EVERY, hand_over_gil
 from weightsync.plan import BucketPlan
 from weightsync.v1 import common_pb2
 
@@ -399,6 +400,8 @@ class HeldReplay:
                     return False
                 was_name, was, local, spec, dtype, local_shape = seen[i]
                 i += 1
+                if not i % HAND_OVER_EVERY:
+                    hand_over_gil()  # a worker thread's pass: the event loop gets in (weightsync.gil)
                 if name != was_name or tensor is not was:
                     return False
                 now = tensor if spec is None else tensor._local_tensor
