@@ -452,10 +452,10 @@ class DistributedTrainerClient(AsyncClient):
                 send cannot take (``holding_of``).
         """
         try:
-            pairs = list(named_tensors)  # walked twice where the replay fails
+            pairs = self.held.replay_or_read(iter(named_tensors))  # None: last round's stand
         except TypeError:
             raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs") from None
-        if not self.held.replay(pairs):
+        if pairs is not None:
             holdings = _holdings(pairs)
             described = describe(holdings.values())
             self.held.remember(pairs, holdings, described, _signature(described))

@@ -240,6 +240,9 @@ def test_holdings_are_replayed_only_while_every_tensor_is_the_same_one():
     }
     for why, other in changed.items():
         assert not replay.replay(other), why
+        # Read as a generator goes, a change yields every pair, those before it included.
+        assert replay.replay_or_read(iter(other)) == other, why
+    assert replay.replay_or_read(pair for pair in pairs) is None  # unchanged: nothing listed
     pairs[2][1].resize_(3)  # the same object, another shape
     assert not replay.replay(pairs)
     _remember(replay, pairs[:2])
@@ -253,6 +256,30 @@ def test_holdings_are_replayed_only_while_every_tensor_is_the_same_one():
     _remember(replay, transposed)
     assert not replay.replay(transposed)
     assert torch.equal(replay.holdings["wt"].local, transposed[0][1])  # this round's copy stands
+
+
+def test_a_replayed_round_read_from_named_parameters_keeps_no_per_tensor_objects_alive():
+    """A sharded trainer passing ``model.named_parameters()`` every round: the pairs it
+    makes (a new tuple per tensor) are read one by one, never listed, so a replayed
+    round keeps no 20k new objects alive for the garbage collector to promote (and
+    soon walk the trainer's whole heap for, holding the GIL)."""
+    from weightsync.engine.model import ReferenceLM, config_for_size
+
+    model = ReferenceLM(config_for_size(16 << 20, 20_000))
+    replay = HeldReplay()
+    _remember(replay, list(model.named_parameters()))
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        assert replay.replay_or_read(model.named_parameters()) is None
+    finally:
+        gc.callbacks.remove(count)
+    assert len(collections) <= 1, f"{len(collections)} collections during one replayed round"
 
 
 def test_dtensor_holdings_are_replayed_while_the_same_local_shard_stands():

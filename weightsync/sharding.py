@@ -29,7 +29,7 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -390,27 +390,28 @@ class HeldReplay:
         """Whether ``named_tensors`` are last round's, unchanged (then ``holdings``,
         ``described`` and ``signature`` stand). Never raises for bad input: anything
         unexpected is "not the same", and the full path says what is wrong."""
+        try:
+            return self.replay_or_read(iter(named_tensors)) is None
+        except TypeError:
+            return False
+
+    def replay_or_read(self, items: Iterator) -> list | None:
+        """None where the pairs ``items`` yields are last round's, unchanged (as
+        ``replay``); else every pair, those read before the change included, as a list
+        for the caller to work out again. Reads ``items`` as it goes: the pairs a
+        generator makes (``model.named_parameters()``, a new tuple per tensor) die one
+        by one instead of being kept through the round as 20k new objects."""
         seen = self._seen
         if seen is None:
-            return False
-        i, n = 0, len(seen)
-        try:
-            for name, tensor in named_tensors:
-                if i >= n:
-                    return False
-                was_name, was, local, spec, dtype, local_shape = seen[i]
-                i += 1
-                if not i % HAND_OVER_EVERY:
-                    hand_over_gil()  # a worker thread's pass: the event loop gets in (weightsync.gil)
-                if name != was_name or tensor is not was:
-                    return False
-                now = tensor if spec is None else tensor._local_tensor
-                if now is not local or (spec is not None and tensor._spec is not spec) or now.dtype != dtype \
-                        or now.shape != local_shape or not now.is_contiguous():
-                    return False
-        except (AttributeError, TypeError, ValueError):
-            return False
-        return i == n
+            return list(items)
+        n, read = len(seen), 0
+        for i, pair in enumerate(items):
+            if i and not i % HAND_OVER_EVERY:
+                hand_over_gil()  # a worker thread's pass: the event loop gets in (weightsync.gil)
+            if i >= n or not _same_as(pair, seen[i]):
+                return [entry[:2] for entry in seen[:i]] + [pair, *items]
+            read = i + 1
+        return None if read == n else [entry[:2] for entry in seen[:read]]
 
     def forget(self) -> None:
         """Lets go of every tensor held; the next round works its holdings out again."""
@@ -432,6 +433,22 @@ class HeldReplay:
                 return
             seen.append((name, tensor, local, spec, local.dtype, local.shape))
         self._seen = seen
+
+
+def _same_as(pair, entry: tuple) -> bool:
+    """Whether ``pair`` is the (name, tensor) ``entry`` of ``HeldReplay`` remembered:
+    the same name and tensor object, over the same local tensor and layout, of the
+    same dtype and shape, still contiguous. Anything unexpected is False."""
+    was_name, was, local, spec, dtype, local_shape = entry
+    try:
+        name, tensor = pair
+        if name != was_name or tensor is not was:
+            return False
+        now = tensor if spec is None else tensor._local_tensor
+        return not (now is not local or (spec is not None and tensor._spec is not spec) or now.dtype != dtype
+                    or now.shape != local_shape or not now.is_contiguous())
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def describe(holdings: Sequence[Holding]) -> dict:
