@@ -591,7 +591,9 @@ class TrainerClient(AsyncClient):
                     raise InvalidArgument("no tensors to send")
                 names = [n for n, _ in pairs]
                 dtypes = [t.dtype for _, t in pairs]
-                shapes = [t.shape for _, t in pairs]
+                # Plain tuples, not torch.Size: the collector stops tracking tuples of ints,
+                # so 20k cached shapes add nothing to every full collection of the heap.
+                shapes = [tuple(t.shape) for _, t in pairs]
                 wire = self.wire_dtype
                 wire_dtypes = [on_wire(d, wire) for d in dtypes]
                 plan = BucketPlan.build(zip(names, wire_dtypes, shapes, strict=True), bucket_bytes=self.bucket_bytes)
