@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gc_watch import collections_during
 from weightsync import transport as transports
 from weightsync.errors import InvalidArgument, TransferError
 from weightsync.packing import weights_digest
@@ -268,17 +269,8 @@ def test_a_replayed_round_read_from_named_parameters_keeps_no_per_tensor_objects
     model = ReferenceLM(config_for_size(16 << 20, 20_000))
     replay = HeldReplay()
     _remember(replay, list(model.named_parameters()))
-    collections = []
-
-    def count(phase, info):
-        if phase == "start":
-            collections.append(info["generation"])
-    gc.collect()
-    gc.callbacks.append(count)
-    try:
+    with collections_during() as collections:
         assert replay.replay_or_read(model.named_parameters()) is None
-    finally:
-        gc.callbacks.remove(count)
     assert len(collections) <= 1, f"{len(collections)} collections during one replayed round"
 
 

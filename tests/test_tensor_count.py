@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 
+from tests.gc_watch import collections_during
 from tests.test_transports import KINDS, rendezvous
 from weightsync import transport as transports
 from weightsync.apps.local_cluster import LocalCluster
@@ -95,17 +96,8 @@ def test_a_step_with_the_cached_plan_keeps_no_per_tensor_objects_alive(given):
     named = list(model.named_parameters())
     client = TrainerClient("127.0.0.1:1", transport="shm")  # never connects: preparation only
     first = client._prepare(named, False)
-    collections = []
-
-    def count(phase, info):
-        if phase == "start":
-            collections.append(info["generation"])
-    gc.collect()
-    gc.callbacks.append(count)
-    try:
+    with collections_during() as collections:
         again = client._prepare(named if given == "list" else model.named_parameters(), False)
-    finally:
-        gc.callbacks.remove(count)
     assert again.plan is first.plan  # replayed, not rebuilt
     assert all(a is b for a, b in zip(again.sources, (t for _, t in named), strict=True))  # no copies
     assert len(collections) <= 1, f"{len(collections)} collections during one step's preparation"
