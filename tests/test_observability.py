@@ -182,3 +182,10 @@ def test_the_round_window_of_loop_lag_starts_again_with_each_round():
     assert gauge == {"all": 40.0, "recent": 40.0, "round": 5.0}
     monitor.record(20.0, now=112.0)  # the 40 ms sample has left the 10 s window
     assert monitor.max_ms == 40.0 and monitor.recent_max_ms == 20.0 and monitor.round_max_ms == 20.0
+    # The gauges are set only when a value changes, and then always.
+    gauge = {w: REGISTRY.get_sample_value("weightsync_loop_lag_ms", {"process": "test-window", "window": w})
+             for w in ("all", "recent", "round")}
+    assert gauge == {"all": 40.0, "recent": 20.0, "round": 20.0}
+    monitor.round_started()
+    monitor.record(1.0, now=113.0)
+    assert REGISTRY.get_sample_value("weightsync_loop_lag_ms", {"process": "test-window", "window": "round"}) == 1.0

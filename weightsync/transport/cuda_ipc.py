@@ -43,7 +43,7 @@ from weightsync.transport.cuda import (
     make_current,
     tensors_device,
 )
-from weightsync.transport.store import StoreLink, session_key, wait_for_keys
+from weightsync.transport.store import StoreLink, delete_keys, session_key, wait_for_keys
 from weightsync.v1 import common_pb2
 
 _MAGIC = b"wsipc1"
@@ -165,11 +165,7 @@ class CudaIpcSender(Sender):
             except Exception:
                 pass
             raise
-        for key in [session_key(rendezvous, "ipc-table")] + [session_key(rendezvous, "done", r) for r in ranks]:
-            try:
-                store.delete_key(key)
-            except Exception:
-                break
+        delete_keys(store, [session_key(rendezvous, "ipc-table")] + [session_key(rendezvous, "done", r) for r in ranks])
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
     def _table(self, shared: Sequence[torch.Tensor], *, remember: bool) -> bytes:

@@ -50,7 +50,7 @@ _SECRETS_KEPT = 16        # rounds whose secret still admits a new connection
 _HANDSHAKE_TIMEOUT_S = 5.0
 
 # Operations (one byte) and answers.
-_SET, _GET, _ADD, _CHECK, _WAIT, _DELETE, _NUM_KEYS, _COMPARE_SET = range(1, 9)
+_SET, _GET, _ADD, _CHECK, _WAIT, _DELETE, _NUM_KEYS, _COMPARE_SET, _WAIT_EITHER, _DELETE_MANY = range(1, 11)
 _OK, _TIMEOUT, _ERROR = 0, 1, 2
 
 
@@ -138,10 +138,13 @@ class StoreHost:
         a sharded trainer, never to engines."""
         return self._owner_secret.hex()
 
-    def client(self) -> SecureStore:
-        """A connection for the trainer itself."""
-        return SecureStore(self.host, self.port, self._owner_secret.hex(),
-                           deadline_at=time.monotonic() + _HANDSHAKE_TIMEOUT_S, timeout_s=self.timeout_s)
+    def client(self) -> LocalStore:
+        """The trainer's own client (in this process: no connection)."""
+        return LocalStore(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         self._closed = True
@@ -205,6 +208,22 @@ class StoreHost:
             return self._changed.wait_for(lambda: self._closed or all(k in self._data for k in keys),
                                           timeout=timeout_s) and not self._closed
 
+    def _wait_either(self, keys: list[str], fail_keys: list[str], timeout_s: float) -> list[bytes]:
+        def settled() -> bool:
+            return (self._closed or all(k in self._data for k in keys)
+                    or any(k in self._data for k in fail_keys))
+
+        with self._changed:
+            self._changed.wait_for(settled, timeout=timeout_s)
+            if self._closed:
+                return [bytes([_ERROR]), b"the store is closing"]
+            if all(k in self._data for k in keys):
+                return [bytes([_OK]), b"set"]
+            for key in fail_keys:
+                if key in self._data:
+                    return [bytes([_OK]), b"failed", key.encode(), self._data[key]]
+        return [bytes([_TIMEOUT])]
+
     def _answer(self, fields: list[bytes]) -> list[bytes]:
         op, args = fields[0][0], fields[1:]
         data, changed = self._data, self._changed
@@ -232,6 +251,13 @@ class StoreHost:
         if op == _WAIT:
             keys = [k.decode() for k in args[1:]]
             return [bytes([_OK if self._wait_for(keys, float(args[0])) else _TIMEOUT])]
+        if op == _WAIT_EITHER:
+            wanted = int(args[1])
+            keys = [k.decode() for k in args[2:2 + wanted]]
+            return self._wait_either(keys, [k.decode() for k in args[2 + wanted:]], float(args[0]))
+        if op == _DELETE_MANY:
+            with changed:
+                return [bytes([_OK]), str(sum(data.pop(k.decode(), None) is not None for k in args)).encode()]
         if op == _DELETE:
             with changed:
                 return [bytes([_OK]), b"1" if data.pop(args[0].decode(), None) is not None else b"0"]
@@ -258,7 +284,89 @@ def _as_bytes(value) -> bytes:
     return bytes(value)
 
 
-class SecureStore(dist.Store):
+class StoreClient(dist.Store):
+    """The operations of a ``torch.distributed.Store`` on a ``StoreHost``, with keys
+    namespaced under ``prefix``; subclasses say how a request reaches the host
+    (``_exchange``): over an authenticated connection (``SecureStore``) or, in the
+    trainer's own process, by a call (``LocalStore``)."""
+
+    prefix: str
+    _timeout_s: float
+
+    def _exchange(self, fields: list[bytes]) -> list[bytes]:
+        """Sends one request, returns the host's answer; RuntimeError if the host is
+        unreachable."""
+        raise NotImplementedError
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, op: int, *args: bytes) -> list[bytes]:
+        answer = self._exchange([bytes([op]), *args])
+        if answer[0][0] == _TIMEOUT:
+            raise RuntimeError(f"rendezvous store wait timed out after {self._timeout_s:.1f}s")
+        if answer[0][0] != _OK:
+            raise RuntimeError(answer[1].decode(errors="replace"))
+        return answer[1:]
+
+    def wait_either(self, keys, fail_keys, timeout_s: float) -> tuple[bool, str | None, bytes]:
+        """Blocks in the store (no polling) until every key of ``keys`` is set, or any
+        key of ``fail_keys`` is, or ``timeout_s`` passed. Returns ``(True, None, b"")``
+        when ``keys`` are all set (looked at first, as ``check`` then the fail keys),
+        ``(False, key, value)`` when ``key`` of ``fail_keys`` is set, ``(False, None,
+        b"")`` on timeout. One round trip, where polling is one per look.
+        NotImplementedError where the store is an older release's (it polls then)."""
+        prefixed = {self._key(k): k for k in fail_keys}
+        answer = self._exchange([bytes([_WAIT_EITHER]), str(float(timeout_s)).encode(), str(len(keys)).encode(),
+                                 *(self._key(k).encode() for k in keys), *(k.encode() for k in prefixed)])
+        if answer[0][0] == _TIMEOUT:
+            return False, None, b""
+        if answer[0][0] != _OK:
+            message = answer[1].decode(errors="replace")
+            if message.startswith("unknown store operation"):  # an older release's store: poll instead
+                raise NotImplementedError(message)
+            raise RuntimeError(message)
+        if answer[1] == b"failed":
+            return False, prefixed.get(answer[2].decode(), answer[2].decode()), answer[3]
+        return True, None, b""
+
+    # ----- torch.distributed.Store --------------------------------------------------------
+
+    def set(self, key, value) -> None:
+        self._call(_SET, self._key(key).encode(), _as_bytes(value))
+
+    def get(self, key) -> bytes:
+        return self._call(_GET, self._key(key).encode(), str(self._timeout_s).encode())[0]
+
+    def add(self, key, amount) -> int:
+        return int(self._call(_ADD, self._key(key).encode(), str(int(amount)).encode())[0])
+
+    def check(self, keys) -> bool:
+        return self._call(_CHECK, *(self._key(k).encode() for k in keys))[0] == b"1"
+
+    def wait(self, keys, timeout=None) -> None:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else self._timeout_s
+        self._call(_WAIT, str(seconds).encode(), *(self._key(k).encode() for k in keys))
+
+    def delete_key(self, key) -> bool:
+        return self._call(_DELETE, self._key(key).encode())[0] == b"1"
+
+    def delete_keys(self, keys) -> int:
+        """Deletes every key of ``keys`` in one request; how many were set."""
+        return int(self._call(_DELETE_MANY, *(self._key(k).encode() for k in keys))[0])
+
+    def num_keys(self) -> int:
+        return int(self._call(_NUM_KEYS)[0])
+
+    def compare_set(self, key, expected_value, desired_value) -> bytes:
+        return self._call(_COMPARE_SET, self._key(key).encode(), _as_bytes(expected_value),
+                          _as_bytes(desired_value))[0]
+
+    def set_timeout(self, timeout) -> None:
+        self._timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+class SecureStore(StoreClient):
     """A client of ``StoreHost``: a ``torch.distributed.Store`` over one authenticated
     connection (thread-safe: one operation at a time, like TCPStore's client).
 
@@ -318,62 +426,52 @@ class SecureStore(dist.Store):
         return SecureStore(self.host, self.port, self._secret, deadline_at=time.monotonic() + self._timeout_s,
                            timeout_s=self._timeout_s, prefix=self._key(prefix))
 
+    def clone(self) -> SecureStore:
+        return SecureStore(self.host, self.port, self._secret, deadline_at=time.monotonic() + self._timeout_s,
+                           timeout_s=self._timeout_s, prefix=self.prefix)
+
     def close(self) -> None:
         try:
             self._sock.close()
         except OSError:
             pass
 
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _call(self, op: int, *args: bytes) -> list[bytes]:
+    def _exchange(self, fields: list[bytes]) -> list[bytes]:
         with self._lock:
             try:
-                _send_frame(self._sock, [bytes([op]), *args])
-                answer = _recv_frame(self._sock)
+                _send_frame(self._sock, fields)
+                return _recv_frame(self._sock)
             except (OSError, ConnectionError) as exc:
                 raise RuntimeError(f"rendezvous store connection failed: {exc}") from None
-        if answer[0][0] == _TIMEOUT:
-            raise RuntimeError(f"rendezvous store wait timed out after {self._timeout_s:.1f}s")
-        if answer[0][0] != _OK:
-            raise RuntimeError(answer[1].decode(errors="replace"))
-        return answer[1:]
-
-    # ----- torch.distributed.Store --------------------------------------------------------
-
-    def set(self, key, value) -> None:
-        self._call(_SET, self._key(key).encode(), _as_bytes(value))
-
-    def get(self, key) -> bytes:
-        return self._call(_GET, self._key(key).encode(), str(self._timeout_s).encode())[0]
-
-    def add(self, key, amount) -> int:
-        return int(self._call(_ADD, self._key(key).encode(), str(int(amount)).encode())[0])
-
-    def check(self, keys) -> bool:
-        return self._call(_CHECK, *(self._key(k).encode() for k in keys))[0] == b"1"
-
-    def wait(self, keys, timeout=None) -> None:
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else self._timeout_s
-        self._call(_WAIT, str(seconds).encode(), *(self._key(k).encode() for k in keys))
-
-    def delete_key(self, key) -> bool:
-        return self._call(_DELETE, self._key(key).encode())[0] == b"1"
-
-    def num_keys(self) -> int:
-        return int(self._call(_NUM_KEYS)[0])
-
-    def compare_set(self, key, expected_value, desired_value) -> bytes:
-        return self._call(_COMPARE_SET, self._key(key).encode(), _as_bytes(expected_value),
-                          _as_bytes(desired_value))[0]
-
-    def set_timeout(self, timeout) -> None:
-        self._timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-
-    def clone(self) -> SecureStore:
-        return SecureStore(self.host, self.port, self._secret, deadline_at=time.monotonic() + self._timeout_s,
-                           timeout_s=self._timeout_s, prefix=self.prefix)
 
 
-__all__ = ["StoreHost", "SecureStore"]
+class LocalStore(StoreClient):
+    """The trainer's own client of its ``StoreHost``, in its process: the same
+    operations, answered by a call instead of a loopback round trip through one of the
+    host's threads (a trainer makes some 30 store operations a round; each round trip
+    was 0.05-0.7 ms, the latter under a round's copy). Thread-safe; ``close`` is a
+    no-op (the host's ``close`` ends it)."""
+
+    def __init__(self, host: StoreHost, *, prefix: str = "") -> None:
+        super().__init__()
+        self._host = host
+        self.prefix = prefix
+        self._timeout_s = host.timeout_s
+
+    def with_prefix(self, prefix: str) -> LocalStore:
+        """A client whose keys live under ``prefix/`` (PrefixStore's layout)."""
+        return LocalStore(self._host, prefix=self._key(prefix))
+
+    def clone(self) -> LocalStore:
+        return LocalStore(self._host, prefix=self.prefix)
+
+    def close(self) -> None:
+        pass
+
+    def _exchange(self, fields: list[bytes]) -> list[bytes]:
+        if self._host.closed:
+            raise RuntimeError("rendezvous store connection failed: the store is closed")
+        return self._host._answer(fields)
+
+
+__all__ = ["StoreHost", "StoreClient", "SecureStore", "LocalStore"]

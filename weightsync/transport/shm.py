@@ -57,7 +57,7 @@ from weightsync.transport.cross_memory import (
     carries_addresses,
     direct_enabled,
 )
-from weightsync.transport.store import StoreLink, session_key, wait_for_keys
+from weightsync.transport.store import StoreLink, delete_keys, session_key, wait_for_keys
 from weightsync.transport.whole_buckets import whole_bucket_views
 from weightsync.v1 import common_pb2
 
@@ -305,10 +305,9 @@ class ShmSender(Sender):
 
     def _forget_keys(self, rendezvous, n: int, *, offered: bool, ring_ranks: list[int],
                      push_asked: list[int] | None) -> None:
-        """Deletes the round's keys (bounded store growth across thousands of steps): only
-        those this round can have set (``push_asked``: the engines that asked to be
-        written into, None where that was not offered), because each delete is a round trip to the store
-        inside the timed send (a missing key is fine)."""
+        """Deletes the round's keys (bounded store growth across thousands of steps), in
+        one request: only those this round can have set (``push_asked``: the engines
+        that asked to be written into, None where that was not offered)."""
         keys = [session_key(rendezvous, "segment")]
         if offered:
             keys += [session_key(rendezvous, name) for name in ("direct", "addresses")]
@@ -320,11 +319,7 @@ class ShmSender(Sender):
             for bucket in range(n):
                 keys.append(session_key(rendezvous, "ready", bucket))
                 keys += [session_key(rendezvous, "ack", bucket, r) for r in ring_ranks]
-        for key in keys:
-            try:
-                self._store.delete_key(key)
-            except Exception:
-                return
+        delete_keys(self._store, keys)
 
     def _ensure_segment(self, bucket_bytes: int) -> _Segment:
         if self._segment is None or self._segment.bucket_bytes != bucket_bytes:

@@ -2,10 +2,12 @@
 
 The trainer (rank 0) is the store's master on an ephemeral port; engines connect as
 clients. Every key of one Broadcast lives under its ``session_id``, so a late or
-retried message from an old round can never be mistaken for a new one. Waits poll
-``check`` with a short back-off instead of ``store.wait(timeout)`` because each
-``wait`` timeout makes the C++ side log a warning, and because polling lets a wait
-notice an abort flag or a peer's error key between polls.
+retried message from an old round can never be mistaken for a new one. On torch's
+TCPStore waits poll ``check`` with a short back-off instead of
+``store.wait(timeout)`` because each ``wait`` timeout makes the C++ side log a
+warning, and because polling lets a wait notice an abort flag or a peer's error key
+between polls; weightsync's own store (``secure_store``) waits for the keys or a
+peer's error key in one blocking call per slice instead.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from weightsync.errors import StepTimeoutError, TransferError
 
 _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.005
+_BLOCK_SLICE_S = 0.025  # a wait blocking in the store looks at its abort flag this often
 
 
 def session_key(rendezvous, *parts: object) -> str:
@@ -111,11 +114,26 @@ def connect_store(host: str, port: int, *, deadline_at: float, secret: str = "")
     return result[0]
 
 
+def delete_keys(store: dist.Store, keys: Sequence[str]) -> None:
+    """Deletes a round's ``keys`` once its readers are done (bounded store growth over
+    thousands of steps): one request on weightsync's store, one per key on another.
+    Never raises: a key left behind is harmless (missing keys are fine too)."""
+    try:
+        many = getattr(store, "delete_keys", None)
+        if many is not None:
+            many(list(keys))
+            return
+        for key in keys:
+            store.delete_key(key)
+    except Exception:
+        return
+
+
 def prefixed(store: dist.Store, prefix: str) -> dist.Store:
     """``store`` with its keys under ``prefix`` (torch's PrefixStore cannot wrap the
     Python-implemented authenticated store, which namespaces keys itself)."""
-    from weightsync.transport.secure_store import SecureStore
-    if isinstance(store, SecureStore):
+    from weightsync.transport.secure_store import StoreClient
+    if isinstance(store, StoreClient):
         return store.with_prefix(prefix)
     return dist.PrefixStore(prefix, store)
 
@@ -123,17 +141,27 @@ def prefixed(store: dist.Store, prefix: str) -> dist.Store:
 def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float, operation: str,
                   abort: threading.Event | None = None, fail_keys: Sequence[str] = (),
                   max_poll_s: float = _POLL_MAX_S) -> None:
-    """Waits until every key in ``keys`` is set, polling at most every ``max_poll_s``
-    (a transfer that ends in about a millisecond, cuda-ipc's, polls more often).
+    """Waits until every key in ``keys`` is set. On weightsync's authenticated store
+    (a client with ``wait_either``) the wait blocks in the store and wakes the moment
+    the keys are set, looking at ``abort`` every ``_BLOCK_SLICE_S``; on any other store
+    it polls at most every ``max_poll_s`` (a transfer that ends in about a
+    millisecond, cuda-ipc's, polls more often).
 
     Raises:
         TransferError: a key of ``fail_keys`` was set (a peer reported failure), the
             store went away, or ``abort`` was set.
         StepTimeoutError: ``deadline_at`` (time.monotonic) passed; names ``operation``.
     """
-    delay = _POLL_MIN_S
     keys = list(keys)
     fail_keys = list(fail_keys)
+    wait_either = getattr(store, "wait_either", None)
+    if wait_either is not None:
+        try:
+            _wait_in_store(wait_either, keys, fail_keys, deadline_at=deadline_at, operation=operation, abort=abort)
+            return
+        except NotImplementedError:  # the trainer runs an older release: poll
+            pass
+    delay = _POLL_MIN_S
     while True:
         try:
             if store.check(keys):
@@ -146,13 +174,38 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], *, deadline_at: float,
             raise
         except Exception as exc:
             raise TransferError(f"rendezvous store failed during {operation}: {exc}") from exc
-        if abort is not None and abort.is_set():
-            raise TransferError(f"{operation} aborted")
-        if time.monotonic() >= deadline_at:
-            raise StepTimeoutError(f"deadline exceeded during {operation} waiting for {keys[:3]}",
-                                   operation=operation)
+        _raise_if_over(keys, deadline_at=deadline_at, operation=operation, abort=abort)
         time.sleep(delay)
         delay = min(max_poll_s, delay * 2)
+
+
+def _wait_in_store(wait_either, keys: list[str], fail_keys: list[str], *, deadline_at: float, operation: str,
+                   abort: threading.Event | None) -> None:
+    """``wait_for_keys`` on a store that waits itself: one round trip per
+    ``_BLOCK_SLICE_S`` (or until the keys are set), where polling made one or two
+    every 5 ms, each costing both processes CPU while the round's copy wants it."""
+    while True:
+        left = deadline_at - time.monotonic()
+        stopping = left <= 0 or (abort is not None and abort.is_set())
+        try:
+            done, failed, value = wait_either(keys, fail_keys, 0.0 if stopping else min(left, _BLOCK_SLICE_S))
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"rendezvous store failed during {operation}: {exc}") from exc
+        if done:
+            return
+        if failed is not None:
+            raise TransferError(f"peer reported failure: {value.decode(errors='replace')}")
+        _raise_if_over(keys, deadline_at=deadline_at, operation=operation, abort=abort)
+
+
+def _raise_if_over(keys: list[str], *, deadline_at: float, operation: str, abort: threading.Event | None) -> None:
+    if abort is not None and abort.is_set():
+        raise TransferError(f"{operation} aborted")
+    if time.monotonic() >= deadline_at:
+        raise StepTimeoutError(f"deadline exceeded during {operation} waiting for {keys[:3]}",
+                               operation=operation)
 
 
 class StoreLink:

@@ -32,7 +32,7 @@ from weightsync.errors import TransferError
 from weightsync.plan import BucketPlan
 from weightsync.transport.cross_memory import carries_addresses
 from weightsync.transport.memory_runs import run_view
-from weightsync.transport.store import session_key, wait_for_keys
+from weightsync.transport.store import delete_keys, session_key, wait_for_keys
 
 
 def whole_bucket_views(plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -84,12 +84,8 @@ def choose(store: dist.Store, rendezvous, can_send: Sequence[bool], *, deadline_
 
 def forget(store: dist.Store, rendezvous) -> None:
     """The trainer's side, once every receiver has its bytes: the round's keys go."""
-    for key in [session_key(rendezvous, "whole")] + [session_key(rendezvous, "whole", r)
-                                                      for r in range(1, rendezvous.world_size)]:
-        try:
-            store.delete_key(key)
-        except Exception:
-            return
+    delete_keys(store, [session_key(rendezvous, "whole")] + [session_key(rendezvous, "whole", r)
+                                                              for r in range(1, rendezvous.world_size)])
 
 
 __all__ = ["choose", "forget", "offer", "whole_bucket_views"]
