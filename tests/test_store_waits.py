@@ -149,3 +149,82 @@ def test_a_rounds_keys_go_in_one_request(host, monkeypatch):
     assert requests == [10]  # one request, the multi-key delete
     assert engine.num_keys() == 1 and engine.check(["ws/g/s/keep"])
     assert engine.delete_keys(["ws/g/s/keep", "ws/g/s/none"]) == 1
+
+
+_HOST_PROCESS = """
+import sys, time
+from weightsync.transport.secure_store import StoreHost
+host = StoreHost("127.0.0.1", timeout_s=30)
+print(host.port, host.new_secret(), flush=True)
+sys.stdin.read()  # until the test closes our stdin
+host.close()
+"""
+
+
+def _within(seconds: float, call):
+    """``call()``'s result or exception, failing the test if it has neither after
+    ``seconds`` (a hang is the bug these tests look for: fail, do not hang)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still blocked after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def test_a_frozen_trainers_store_ends_each_wait_by_its_deadline_and_a_new_round_connects_again():
+    """The trainer's process frozen mid-round (SIGSTOP: its store's connections stay
+    open and answer nothing): an engine's wait ends by the round's deadline plus a
+    second, its plain requests by the store's timeout plus a second; the connection
+    is then given up, and the next round's ``StoreLink`` makes a new one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from weightsync.transport.store import StoreLink
+
+    trainer = subprocess.Popen([sys.executable, "-c", _HOST_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        port, secret = trainer.stdout.readline().split()
+        rendezvous = SimpleNamespace(store_host="127.0.0.1", store_port=int(port), store_secret=secret)
+        link = StoreLink()
+        engine = link.connect(rendezvous, deadline_at=time.monotonic() + 2)  # its store timeout: 2 s
+        engine.set("mode/1", b"push")
+        os.kill(trainer.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises((TransferError, StepTimeoutError)) as caught:
+            _within(10, lambda: wait_for_keys(engine, ["written/1"], deadline_at=time.monotonic() + 1.0,
+                                              operation="receive", fail_keys=["abort"]))
+        assert time.monotonic() - started < 1.0 + 1.0 + 1.0, caught.value
+        assert "no answer within" in str(caught.value)
+        assert engine.broken
+        with pytest.raises(RuntimeError, match="no answer in time"):  # never read a late answer as another's
+            engine.check(["mode/1"])
+        os.kill(trainer.pid, signal.SIGCONT)
+        again = link.connect(rendezvous, deadline_at=time.monotonic() + 2)
+        assert again is not engine and again.get("mode/1") == b"push"
+        os.kill(trainer.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="no answer within"):
+            _within(10, lambda: again.set("done/1", b"1"))
+        assert time.monotonic() - started < 2 + 1.0 + 1.0  # the store timeout (2 s) and the grace
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+        trainer.stdin.close()
+        try:
+            trainer.wait(10)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+            trainer.wait()

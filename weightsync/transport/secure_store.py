@@ -48,6 +48,10 @@ _NONCE = 32
 _MAX_FRAME = 64 * 1024 * 1024
 _SECRETS_KEPT = 16        # rounds whose secret still admits a new connection
 _HANDSHAKE_TIMEOUT_S = 5.0
+# How much later than it should a request's answer may come before the connection is
+# given up (a trainer frozen mid-round, a host gone without a reset): every request is
+# bounded, so no wait on the store outlives its deadline by more than this.
+_ANSWER_GRACE_S = 1.0
 
 # Operations (one byte) and answers.
 _SET, _GET, _ADD, _CHECK, _WAIT, _DELETE, _NUM_KEYS, _COMPARE_SET, _WAIT_EITHER, _DELETE_MANY = range(1, 11)
@@ -293,32 +297,39 @@ class StoreClient(dist.Store):
     prefix: str
     _timeout_s: float
 
-    def _exchange(self, fields: list[bytes]) -> list[bytes]:
+    def _exchange(self, fields: list[bytes], answer_within_s: float) -> list[bytes]:
         """Sends one request, returns the host's answer; RuntimeError if the host is
-        unreachable."""
+        unreachable or gives no answer within ``answer_within_s``."""
         raise NotImplementedError
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _call(self, op: int, *args: bytes) -> list[bytes]:
-        answer = self._exchange([bytes([op]), *args])
+    def _call(self, op: int, *args: bytes, waits_s: float | None = None) -> list[bytes]:
+        """One request; ``waits_s``: how long the host may wait before it answers (a
+        get's or a wait's timeout; the store's timeout bounds the others too)."""
+        answer = self._exchange([bytes([op]), *args], (self._timeout_s if waits_s is None else waits_s) + _ANSWER_GRACE_S)
         if answer[0][0] == _TIMEOUT:
             raise RuntimeError(f"rendezvous store wait timed out after {self._timeout_s:.1f}s")
         if answer[0][0] != _OK:
             raise RuntimeError(answer[1].decode(errors="replace"))
         return answer[1:]
 
-    def wait_either(self, keys, fail_keys, timeout_s: float) -> tuple[bool, str | None, bytes]:
+    def wait_either(self, keys, fail_keys, timeout_s: float, *,
+                    answer_by: float | None = None) -> tuple[bool, str | None, bytes]:
         """Blocks in the store (no polling) until every key of ``keys`` is set, or any
         key of ``fail_keys`` is, or ``timeout_s`` passed. Returns ``(True, None, b"")``
         when ``keys`` are all set (looked at first, as ``check`` then the fail keys),
         ``(False, key, value)`` when ``key`` of ``fail_keys`` is set, ``(False, None,
         b"")`` on timeout. One round trip, where polling is one per look.
-        NotImplementedError where the store is an older release's (it polls then)."""
+        NotImplementedError where the store is an older release's (it polls then).
+        ``answer_by`` (time.monotonic): the caller's deadline; a host that has not
+        answered by then (plus a second's grace) is given up (RuntimeError)."""
         prefixed = {self._key(k): k for k in fail_keys}
+        waits_s = timeout_s if answer_by is None else max(timeout_s, answer_by - time.monotonic())
         answer = self._exchange([bytes([_WAIT_EITHER]), str(float(timeout_s)).encode(), str(len(keys)).encode(),
-                                 *(self._key(k).encode() for k in keys), *(k.encode() for k in prefixed)])
+                                 *(self._key(k).encode() for k in keys), *(k.encode() for k in prefixed)],
+                                waits_s + _ANSWER_GRACE_S)
         if answer[0][0] == _TIMEOUT:
             return False, None, b""
         if answer[0][0] != _OK:
@@ -336,7 +347,7 @@ class StoreClient(dist.Store):
         self._call(_SET, self._key(key).encode(), _as_bytes(value))
 
     def get(self, key) -> bytes:
-        return self._call(_GET, self._key(key).encode(), str(self._timeout_s).encode())[0]
+        return self._call(_GET, self._key(key).encode(), str(self._timeout_s).encode(), waits_s=self._timeout_s)[0]
 
     def add(self, key, amount) -> int:
         return int(self._call(_ADD, self._key(key).encode(), str(int(amount)).encode())[0])
@@ -346,7 +357,7 @@ class StoreClient(dist.Store):
 
     def wait(self, keys, timeout=None) -> None:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else self._timeout_s
-        self._call(_WAIT, str(seconds).encode(), *(self._key(k).encode() for k in keys))
+        self._call(_WAIT, str(seconds).encode(), *(self._key(k).encode() for k in keys), waits_s=seconds)
 
     def delete_key(self, key) -> bool:
         return self._call(_DELETE, self._key(key).encode())[0] == b"1"
@@ -382,6 +393,7 @@ class SecureStore(StoreClient):
         self._secret = secret
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
+        self._broken = False
         try:
             key = bytes.fromhex(secret)
         except ValueError:
@@ -436,11 +448,27 @@ class SecureStore(StoreClient):
         except OSError:
             pass
 
-    def _exchange(self, fields: list[bytes]) -> list[bytes]:
+    @property
+    def broken(self) -> bool:
+        """Whether a request went unanswered in time: the connection was closed (an
+        answer that came later would be taken for the next request's)."""
+        return self._broken
+
+    def _exchange(self, fields: list[bytes], answer_within_s: float) -> list[bytes]:
         with self._lock:
+            if self._broken:
+                raise RuntimeError("rendezvous store connection failed: closed after a request that got no answer "
+                                   "in time")
             try:
+                self._sock.settimeout(max(answer_within_s, 0.001))
                 _send_frame(self._sock, fields)
                 return _recv_frame(self._sock)
+            except TimeoutError:
+                self._broken = True
+                self.close()
+                raise RuntimeError(f"rendezvous store connection failed: the store at {self.host}:{self.port} gave "
+                                   f"no answer within {answer_within_s:.1f} s (its process frozen, or its host "
+                                   "gone)") from None
             except (OSError, ConnectionError) as exc:
                 raise RuntimeError(f"rendezvous store connection failed: {exc}") from None
 
@@ -468,7 +496,7 @@ class LocalStore(StoreClient):
     def close(self) -> None:
         pass
 
-    def _exchange(self, fields: list[bytes]) -> list[bytes]:
+    def _exchange(self, fields: list[bytes], answer_within_s: float) -> list[bytes]:
         if self._host.closed:
             raise RuntimeError("rendezvous store connection failed: the store is closed")
         return self._host._answer(fields)

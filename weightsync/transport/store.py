@@ -188,7 +188,8 @@ def _wait_in_store(wait_either, keys: list[str], fail_keys: list[str], *, deadli
         left = deadline_at - time.monotonic()
         stopping = left <= 0 or (abort is not None and abort.is_set())
         try:
-            done, failed, value = wait_either(keys, fail_keys, 0.0 if stopping else min(left, _BLOCK_SLICE_S))
+            done, failed, value = wait_either(keys, fail_keys, 0.0 if stopping else min(left, _BLOCK_SLICE_S),
+                                              answer_by=deadline_at)
         except NotImplementedError:
             raise
         except Exception as exc:
@@ -217,9 +218,10 @@ class StoreLink:
         self.store: dist.Store | None = None  # the last connection (None before the first)
 
     def connect(self, rendezvous, *, deadline_at: float) -> dist.Store:
-        """The connection to ``rendezvous``'s store (a new one when it moved)."""
+        """The connection to ``rendezvous``'s store (a new one when it moved, or when
+        the last one was given up: a request unanswered in time)."""
         where = (rendezvous.store_host, rendezvous.store_port)
-        if self.store is None or self._where != where:
+        if self.store is None or self._where != where or getattr(self.store, "broken", False):
             self.store = connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret)
             self._where = where
         return self.store
