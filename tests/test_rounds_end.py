@@ -334,3 +334,56 @@ async def test_pause_does_not_count_in_an_engine_getstate_reported_unavailable(c
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
         await asyncio.to_thread(wait_available, cluster.address, ["engine-0", "engine-1"])
+
+
+# A trainer in a process of its own, so that the test can freeze it: shm's ring (no
+# direct reads), small buckets, so the engines wait on its store for every bucket.
+_TRAINER_PROCESS = """
+import asyncio, os, sys
+os.environ["WEIGHTSYNC_SHM_DIRECT"] = "0"
+from weightsync.client import TrainerClient
+from weightsync.engine.model import PRESETS, ReferenceLM
+
+async def main():
+    async with TrainerClient(sys.argv[1], transport="shm", bucket_bytes=64 * 1024) as client:
+        await client.update_weights(ReferenceLM(PRESETS["tiny"]).named_parameters(), version=1,
+                                    timeout_s=float(sys.argv[2]))
+asyncio.run(main())
+"""
+
+
+async def test_a_trainer_frozen_mid_round_does_not_hold_the_engines_receive_past_its_deadline(cluster_factory):
+    """SIGSTOP on the trainer while the engines receive: its store's connections stay
+    open and answer nothing. Each engine's receive still ends by the round's deadline
+    (plus the store's one-second grace), not when the trainer is finally killed; the
+    engines are then free, and the next trainer's round brings them back, bitwise."""
+    import subprocess
+    import sys
+
+    from tests.test_sync_safety import faulty_cluster, wait_for_bucket
+
+    deadline_s = 4.0
+    cluster = faulty_cluster(cluster_factory, [slow(1, 0.3)])  # 9 buckets, 0.3 s each: ~2.7 s of receive
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER_PROCESS, cluster.address, str(deadline_s)])
+    started = time.monotonic()
+    try:
+        await wait_for_bucket(cluster.agents[0].address)
+        os.kill(trainer.pid, signal.SIGSTOP)
+        async with TrainerClient(cluster.address) as observer:
+            while True:
+                state = await observer.get_state()
+                if not any(e.receiving for e in state.engines):
+                    break
+                assert time.monotonic() - started < deadline_s + 4.0, \
+                    f"engines still receiving {time.monotonic() - started:.1f} s after a {deadline_s} s round began"
+                await asyncio.sleep(0.1)
+            assert all(e.torn for e in state.engines), state.engines  # some buckets had landed
+    finally:
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+    model = perturbed(11)
+    async with TrainerClient(cluster.address, transport="shm") as client:
+        result = await client.update_weights(model.named_parameters(), version=2, timeout_s=60)
+        assert result.ok, result
+        state = await client.get_state(include_digests=True)
+    assert {e.weights_digest for e in state.engines} == {weights_digest(model.named_parameters())}
