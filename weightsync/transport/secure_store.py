@@ -16,6 +16,15 @@ when they connect, that they hold one of the secrets the trainer allowed:
 - The secret itself never crosses the data-plane network. Connections, once made, last
   for the store's life (receivers reuse theirs across rounds).
 
+Beyond torch's operations: ``wait_either`` waits in the store for a round's keys or a
+peer's error key, answered the moment either is set (a wait costs a request per slice,
+not a poll every few milliseconds on both sides while a round's copy wants the CPUs),
+and ``delete_keys`` deletes a round's keys in one request. Every request is bounded:
+a store that gives no answer a second past the request's own wait (its timeout, or
+the caller's deadline) is given up, since a frozen trainer keeps its connections open
+and answers nothing. The trainer's own client (``StoreHost.client()``, a
+``LocalStore``) answers in its process, without a socket.
+
 The client is a ``torch.distributed.Store`` (a Python subclass), so gloo groups are
 built on it directly. Keys are namespaced by the client's ``prefix`` (torch's
 ``PrefixStore`` cannot wrap a Python store). The store carries only coordination data:
@@ -148,6 +157,7 @@ class StoreHost:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` ran (the trainer's own client then refuses)."""
         return self._closed
 
     def close(self) -> None:
