@@ -251,7 +251,8 @@ class StoreHost:
             if not self._wait_for([key], timeout_s):
                 return [bytes([_TIMEOUT])]
             with changed:
-                return [bytes([_OK]), data[key]]
+                value = data.get(key)  # deleted since the wait woke: as if never set
+            return [bytes([_TIMEOUT])] if value is None else [bytes([_OK]), value]
         if op == _ADD:
             key = args[0].decode()
             with changed:
