@@ -96,6 +96,29 @@ def test_sigterm_reaps_the_whole_engine_tree(launched):
     assert wait_gone(pids, 5) == []
 
 
+def test_started_processes_stay_in_this_session_and_lead_their_own_process_groups(launched):
+    """Every process weightsync starts (here: an agent, its reaper and the engine tree
+    under it) stays in its starter's session -- and so, where the kernel groups CPU
+    time by session (autogroup), in its starter's CPU group -- while leading a process
+    group of its own, which is what stopping a tree relies on (``os.killpg``).
+
+    Each in a session of its own, on a loaded two-core machine an agent's and the
+    coordinator's threads waited up to 0.6 s for a CPU, heartbeats lapsed and a KEEP
+    Pause took 3.4 s (``docs/benchmarks.md``, "A CPU group per started process")."""
+    make, _ = launched
+    agent, pids, _ = make()
+    engine_tree, reaper = pids[:-1], pids[-1]
+    for pid in [agent.pid, *pids]:
+        assert os.getsid(pid) == os.getsid(0), f"pid {pid} started a session of its own"
+    assert os.getpgid(agent.pid) == agent.pid
+    assert os.getpgid(reaper) == reaper
+    assert [os.getpgid(pid) for pid in engine_tree] == [reaper] * len(engine_tree)
+    ours = Path("/proc/self/autogroup")
+    if ours.exists():  # kernels built with autogroup
+        for pid in [agent.pid, *pids]:
+            assert Path(f"/proc/{pid}/autogroup").read_text() == ours.read_text(), pid
+
+
 def test_sigkill_of_the_agent_still_takes_the_tree_down(launched):
     make, _ = launched
     agent, pids, _ = make()

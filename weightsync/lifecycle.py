@@ -59,8 +59,21 @@ def interrupt_on_sigterm() -> None:
 
 def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, stdout=None, stderr=None,
           cwd: str | None = None, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
-    """Starts ``args`` in a new process group; it gets ``death_signal`` if this process dies."""
-    return subprocess.Popen(list(args), env=env, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True,
+    """Starts ``args`` in a new process group; it gets ``death_signal`` if this process dies.
+
+    A process group, not a session: Linux's autogroup scheduler puts each session in a
+    CPU group of its own, and a thread of a mostly idle group that wakes on a CPU the
+    busy groups hold can wait long for it. Each in a session of its own, an agent and
+    the coordinator on a loaded two-core machine waited up to 0.6 s for a CPU beside a
+    busy engine, their heartbeats lapsed and a KEEP Pause took 3.4 s instead of 30 ms
+    (``docs/benchmarks.md``, "A CPU group per started process"). In their starter's
+    session they share its group; their own process group still lets a tree be
+    stopped as one (``os.killpg``) and keeps a terminal's Ctrl-C, which goes to the
+    foreground group, away from them."""
+    # stdin: none. A process outside the terminal's foreground group that read it
+    # would be stopped (SIGTTIN); nothing weightsync starts reads it.
+    return subprocess.Popen(list(args), env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=cwd,
+                            process_group=0,
                             preexec_fn=_parent_death_signal(death_signal) if sys.platform.startswith("linux") else None)
 
 

@@ -48,7 +48,7 @@ class TrainerRanks:
             with open(self.log(rank), "w") as out:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "weightsync.apps.bench.sharded_trainer", self.coordinator, *self.args],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0,  # not a session: see spawn()
                     preexec_fn=_interruptible))
         return self
 
