@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -15,8 +16,10 @@ import pytest
 import torch
 
 from weightsync.apps.bench import cpu as cpu_module
+from weightsync.apps.bench import returned_memory
 from weightsync.apps.bench.baselines import Baselines
 from weightsync.apps.bench.cpu import CpuMeter, machine_steal_s
+from weightsync.apps.bench.returned_memory import returned_kib, settle
 from weightsync.apps.bench.runner import (
     _check_engines_hold,
     _worst_where_nothing_stolen,
@@ -49,6 +52,17 @@ def test_bench_small_run_reports_every_method(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert {"platform", "cpus", "torch"} <= set(report["machine"])
+    # Before the weightsync transports and before the baselines, the default wait for
+    # the machine to stop handing freed memory back (where the kernel counts it).
+    counted = returned_kib()
+    assert report["config"]["settle_s"] == returned_memory.QUIET_S
+    if counted is None:
+        assert report["settles"] == []
+    else:
+        assert [(s["phase"], s["pass"]) for s in report["settles"]] == [("weightsync", 0), ("baselines", 0)]
+        for seen in report["settles"]:
+            assert seen["seconds"] >= returned_memory.QUIET_S or not seen["quiet"], seen
+            assert seen["returned_mib"] >= 0 and seen["tensors"] == report["results"][0]["tensors"]
     results = report["results"]
     assert {r["method"] for r in results} == METHODS | {"weightsync+attest"}
     assert {r["transport"] for r in results if r["method"] == "weightsync"} == {"gloo", "shm", "shm-ring"}
@@ -66,6 +80,9 @@ def test_bench_small_run_reports_every_method(tmp_path):
         # Each timed step as measured (one here), the figures above taken from them.
         assert [x["seconds"] for x in r["rounds"]] == [r["seconds"]["median"]]
         assert [x["stolen_ms"] for x in r["rounds"]] == [r["machine_stolen_ms"]["max"]]
+        # and the memory the machine handed back to its host meanwhile, where it says
+        returned = r["rounds"][0]["returned_mib"]
+        assert returned is None if counted is None else returned >= 0, r
         if r["method"].startswith("weightsync"):
             assert [x["loop_lag_max_ms"] for x in r["rounds"]] == [r["loop_lag_ms"]["max"]]
             assert set(r["rounds"][0]["server_loop_lag_ms"]) == {"coordinator", "engine-0", "engine-1"}
@@ -108,7 +125,9 @@ def test_bench_small_run_reports_every_method(tmp_path):
                                   ["--transport", "shm-ring", "--trainer-ranks", "2"],
                                   ["--transport", "group-flat", "--trainer-ranks", "2"],
                                   ["--trainer-memory", "huge-pages", "--trainer-ranks", "2"],
-                                  ["--passes", "0"], ["--passes", "2", "--trainer-ranks", "2"]])
+                                  ["--passes", "0"], ["--passes", "2", "--trainer-ranks", "2"],
+                                  ["--settle-s", "-1"], ["--settle-s", "31"],
+                                  ["--settle-s", "0", "--trainer-ranks", "2"]])
 def test_bench_bad_arguments_exit_2(args):
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", *args, "--no-baselines"],
                           capture_output=True, text=True, timeout=120)
@@ -123,10 +142,12 @@ def test_passes_run_every_method_again_on_fresh_processes_the_baselines_first_in
     out = tmp_path / "passes.json"
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--size", "2MiB", "--tensors", "12",
                            "--engines", "1", "--steps", "2", "--passes", "2", "--bucket-bytes", "1MiB",
-                           "--transport", "shm", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--transport", "shm", "--settle-s", "0", "--json", str(out)], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["config"]["passes"] == 2
+    assert report["config"]["settle_s"] == 0 and report["settles"] == []  # asked not to wait
     results = report["results"]
     assert [r["method"] for r in results] == ["weightsync", "per-tensor-gloo", "flat-gloo", "disk", "grpc-stream",
                                               "memcpy"]
@@ -166,6 +187,9 @@ def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
     # engine's digest against the trainer's after the runs)
     assert sorted(r["transport"] for r in report["results"]) == ["group-flat", "group-flat", "shm", "shm"]
     assert "time per byte at" in proc.stdout and "CPU per byte" in proc.stdout  # the sweep's ratio lines
+    # each count's process waited before its weightsync transports, and said so
+    if returned_kib() is not None:
+        assert [(s["tensors"], s["phase"]) for s in report["settles"]] == [(n, "weightsync") for n in counts]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -265,6 +289,92 @@ def test_cpu_meter_reports_the_time_stolen_per_step_per_cpu(monkeypatch):
     assert _worst_where_nothing_stolen([4.0, 35.0, 31.0], meter.stolen_ms) == 4.0
     assert _worst_where_nothing_stolen([35.0, 31.0], [5.0, 5.0]) is None
     assert _worst_where_nothing_stolen([35.0], []) is None  # no steal counted at all
+
+
+def test_cpu_meter_records_the_memory_handed_back_to_the_host_per_step(monkeypatch):
+    """KiB from the kernel's counter, per step in MiB; nothing where it does not count."""
+    readings = iter([1000, 1000, 1000, 1000 + 700 * 1024, 5000, 5000 + 512])
+    monkeypatch.setattr(cpu_module, "returned_kib", lambda: next(readings))
+    meter = CpuMeter({"me": [os.getpid()]})
+    for _ in range(3):
+        meter.start()
+        meter.stop()
+    assert meter.returned_mib == [0.0, 700.0, 0.5]
+    monkeypatch.setattr(cpu_module, "returned_kib", lambda: None)
+    meter = CpuMeter({"me": [os.getpid()]})
+    meter.start()
+    meter.stop()
+    assert meter.returned_mib == []
+
+
+def _counter(path, kib: int) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{kib}\n")
+    os.replace(tmp, path)  # a reader never sees a half-written number
+
+
+def test_settle_waits_until_the_machine_stops_handing_back_batches(tmp_path):
+    """A counter that grows by 200 MiB batches for a while: the wait ends only once a
+    whole quiet window has passed after the last batch, and says how much went back."""
+    path = tmp_path / "reported_kib"
+    _counter(path, 10_000)
+    last_batch_at = []
+
+    def batches() -> None:
+        for i in range(1, 6):
+            time.sleep(0.3)
+            _counter(path, 10_000 + i * 200 * 1024)
+            last_batch_at.append(time.monotonic())
+
+    feeder = threading.Thread(target=batches)
+    feeder.start()
+    seen = settle(quiet_s=1.0, poll_s=0.02, max_s=30, path=str(path))
+    ended_at = time.monotonic()
+    feeder.join()
+    assert seen["quiet"] and seen["returned_mib"] == 1000.0, seen
+    assert ended_at - last_batch_at[-1] >= 1.0 - 0.05  # a full window after the last batch
+    assert seen["seconds"] >= 1.5 + 1.0 - 0.1
+
+
+def test_settle_lets_small_returns_pass_and_gives_up_at_its_limit(tmp_path):
+    """A few MiB at a time is what an idle machine hands back: no reason to wait longer
+    than one window. Batches that never stop: the wait ends at ``max_s``, not quiet."""
+    path = tmp_path / "reported_kib"
+    _counter(path, 0)
+    stop = threading.Event()
+
+    def trickle(step_kib: int) -> None:
+        kib = 0
+        while not stop.wait(0.05):
+            kib += step_kib
+            _counter(path, kib)
+
+    for step_kib, quiet in [(1024, True), (100 * 1024, False)]:
+        stop.clear()
+        feeder = threading.Thread(target=trickle, args=(step_kib,))
+        feeder.start()
+        try:
+            seen = settle(quiet_s=0.5, batch_mib=64, max_s=2.0, poll_s=0.02, path=str(path))
+        finally:
+            stop.set()
+            feeder.join()
+        assert seen["quiet"] is quiet, (step_kib, seen)
+        assert seen["returned_mib"] > 0
+        if quiet:
+            assert seen["seconds"] < 2.0
+        else:
+            assert seen["seconds"] >= 2.0
+
+
+def test_settle_does_not_wait_where_the_kernel_does_not_count(tmp_path):
+    assert returned_kib(str(tmp_path / "absent")) is None
+    assert settle(path=str(tmp_path / "absent")) is None
+    (tmp_path / "garbled").write_text("many\n")
+    assert returned_kib(str(tmp_path / "garbled")) is None
+    _counter(tmp_path / "there", 5)
+    assert returned_kib(str(tmp_path / "there")) == 5
+    assert settle(quiet_s=0, path=str(tmp_path / "there")) is None  # asked not to wait
 
 
 def test_cpu_meter_without_steal_counting_reports_none(monkeypatch):

@@ -170,6 +170,11 @@ def _add_bench(sub) -> None:
                    help="run every method --steps times, this many times over, on fresh processes each pass, the "
                         "weightsync transports and the baselines taking turns to go first; each figure is the "
                         "median of all the passes' steps (ratios then compare the same minutes more nearly)")
+    p.add_argument("--settle-s", type=float, default=None,
+                   help="before each pass's weightsync transports and its baselines, wait until the machine has "
+                        "gone this many seconds (default 4) without handing a batch of freed memory back to its "
+                        "host (where the kernel counts it: /sys/module/page_reporting; at most 60 s; 0: do not "
+                        "wait)")
     p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also run per-tensor-gloo, flat-gloo, disk, grpc-stream, memcpy (with --trainer-ranks: "
@@ -333,6 +338,9 @@ def _bench(args) -> int:
     if (args.hosts or args.trainer_ranks) and args.passes != 1:
         print("weightsync bench: --passes is for the single-trainer benchmark", file=sys.stderr)
         return 2
+    if (args.hosts or args.trainer_ranks) and args.settle_s is not None:
+        print("weightsync bench: --settle-s is for the single-trainer benchmark", file=sys.stderr)
+        return 2
     if (args.hosts or args.trainer_ranks) and args.trainer_memory != "plain":
         print("weightsync bench: --trainer-memory is for the single-trainer benchmark", file=sys.stderr)
         return 2
@@ -356,7 +364,8 @@ def _bench(args) -> int:
                            steps=args.steps, baselines=args.baselines, json_path=args.json, plot_path=args.plot,
                            bucket_bytes=parse_size(args.bucket_bytes), attest=args.attest,
                            shape_profile=args.shape_profile, trainer_memory=args.trainer_memory,
-                           passes=args.passes)
+                           passes=args.passes,
+                           **({} if args.settle_s is None else {"settle_s": args.settle_s}))
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2

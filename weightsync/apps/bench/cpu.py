@@ -16,10 +16,12 @@ agent's process).
 The meter also counts the time the machine itself lost during each step: Linux's
 *steal* time, what a hypervisor took from this virtual machine's CPUs to run
 something else. On the 2-core VM this project is measured on, both CPUs are taken
-together for ~35 ms at a time, in bursts, when both are busy: every process stalls at
-once, and the stall is no process's doing. The worst loop lag of the steps that lost
-nothing is where weightsync's own stalls show; the kernel accounts steal at its ticks,
-so a burst can now and then be counted in a neighbouring step instead.
+together for 25-35 ms at a time, in bursts: every process stalls at once, and the
+stall is no process's doing. The bursts come when the host takes back memory the VM
+reported free (``returned_memory.py``), so the meter also records, per step, how much
+memory went back meanwhile where the kernel counts it. The worst loop lag of the steps
+that lost nothing is where weightsync's own stalls show; the kernel accounts steal at
+its ticks, so a burst can now and then be counted in a neighbouring step instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
 import psutil
+
+from weightsync.apps.bench.returned_memory import returned_kib
 
 
 def machine_steal_s() -> float | None:
@@ -49,6 +53,10 @@ class CpuMeter:
         # Per step: ms the machine lost, per CPU (the steal of all CPUs / their count);
         # empty where the OS does not count steal.
         self.stolen_ms: list[float] = []
+        # Per step: MiB of free memory the machine handed back to its host; empty where
+        # the kernel does not count it.
+        self.returned_mib: list[float] = []
+        self._returned_started: int | None = None
 
     @classmethod
     def merged(cls, meters: Sequence[CpuMeter]) -> CpuMeter:
@@ -59,6 +67,7 @@ class CpuMeter:
         for meter in meters:
             out.steps += meter.steps
             out.stolen_ms += meter.stolen_ms
+            out.returned_mib += meter.returned_mib
         return out
 
     def _now(self) -> dict[str, float]:
@@ -77,6 +86,7 @@ class CpuMeter:
     def start(self) -> None:
         self._started = self._now()
         self._steal_started = machine_steal_s()
+        self._returned_started = returned_kib()
 
     def stop(self) -> None:
         """Records the step since ``start``."""
@@ -84,9 +94,12 @@ class CpuMeter:
             raise RuntimeError("CpuMeter.stop without start")
         now = self._now()
         steal = machine_steal_s()
+        returned = returned_kib()
         self.steps.append({role: max(0.0, now[role] - self._started[role]) for role in now})
         if steal is not None and self._steal_started is not None:
             self.stolen_ms.append(round(max(0.0, steal - self._steal_started) * 1000 / (psutil.cpu_count() or 1), 1))
+        if returned is not None and self._returned_started is not None:
+            self.returned_mib.append(round(max(0, returned - self._returned_started) / 1024, 1))
         self._started = None
 
     def summary(self) -> dict[str, float]:

@@ -30,6 +30,7 @@ import torch
 from weightsync import metrics
 from weightsync.apps.bench.baselines import METHODS, Baselines
 from weightsync.apps.bench.cpu import CpuMeter
+from weightsync.apps.bench.returned_memory import QUIET_S, settle
 from weightsync.apps.local_cluster import LocalCluster
 from weightsync.arena import place_on_huge_pages
 from weightsync.client import EngineClient, LoopLagProbe, Probe, TrainerClient
@@ -73,11 +74,15 @@ def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engi
              server_lag: dict | None = None, rounds: list[dict] | None = None) -> dict:
     """One method's row of the report. ``rounds``: per timed step, what the row's
     aggregates were taken from (its seconds; for weightsync, the loops' lag), plus the
-    ms the machine lost in that step, so a slow or stalled step can be told apart."""
+    ms the machine lost in that step and the MiB it handed back to its host meanwhile
+    (``returned_memory``; None where the kernel does not say), so a slow or stalled
+    step can be told apart."""
     median = statistics.median(seconds)
     stolen = cpu.stolen_ms if cpu is not None and len(cpu.stolen_ms) == len(seconds) else [None] * len(seconds)
+    returned = (cpu.returned_mib if cpu is not None and len(cpu.returned_mib) == len(seconds)
+                else [None] * len(seconds))
     rounds = rounds or [{"seconds": s} for s in seconds]
-    rounds = [{**r, "stolen_ms": ms} for r, ms in zip(rounds, stolen, strict=True)]
+    rounds = [{**r, "stolen_ms": ms, "returned_mib": mib} for r, ms, mib in zip(rounds, stolen, returned, strict=True)]
     return {"method": method, "transport": transport, "bytes": nbytes, "tensors": tensors, "engines": engines,
             "seconds": {"min": min(seconds), "median": median, "max": max(seconds)},
             "gbps": nbytes * 8 / 1e9 / median, "loop_lag_ms": lag, "server_loop_lag_ms": server_lag, "read": read,
@@ -252,7 +257,7 @@ async def _check_engines_hold(client: TrainerClient, digest: str, *, engines: in
 def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: list[str], steps: int,
               baselines: bool, json_path: str = "", plot_path: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
               attest: bool = False, shape_profile: str = "dense", trainer_memory: str = "plain",
-              passes: int = 1) -> dict:
+              passes: int = 1, settle_s: float = QUIET_S) -> dict:
     """Runs the benchmark; returns (and optionally writes) the JSON report.
 
     ``tensors``: one count, or several for a sweep -- the same payload split into each
@@ -265,11 +270,17 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     processes each pass, the weightsync transports and the baselines taking turns to
     go first; each row is the median of all its steps. On a machine whose speed moves
     from one minute to the next, the ratios between methods then compare the same
-    minutes more nearly.
+    minutes more nearly. ``settle_s``: before each pass's weightsync transports and
+    before its baselines, once their processes are up, wait until the machine has gone
+    that long without handing a batch of freed memory back to its host (at most a
+    minute; see ``returned_memory``; 0: do not wait); the report's ``settles`` says
+    what each wait saw.
     """
     counts = [tensors] if isinstance(tensors, int) else list(tensors)
     if engines < 1 or steps < 1 or passes < 1 or not counts or any(n < 1 for n in counts):
         raise ValueError("engines, steps, passes and tensors must be >= 1")
+    if not 0 <= settle_s <= 30:
+        raise ValueError(f"settle seconds must be between 0 and 30, got {settle_s}")
     if shape_profile not in SHAPE_PROFILES:
         raise ValueError(f"unknown shape profile {shape_profile!r}; known: {', '.join(SHAPE_PROFILES)}")
     if trainer_memory not in TRAINER_MEMORY:
@@ -283,12 +294,15 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     per_count = passes * (len(transports) * (steps * (2 if attest else 1) + 1) + (len(METHODS) * steps if baselines
                                                                                  else 0))
     results: list[dict] = []
+    settles: list[dict] = []
     shape_args = {"engines": engines, "transports": transports, "steps": steps, "baselines": baselines,
                   "bucket_bytes": bucket_bytes, "attest": attest, "huge_pages": trainer_memory == "huge-pages",
-                  "passes": passes}
+                  "passes": passes, "settle_s": settle_s}
     if len(counts) == 1:
         cfg = config_for_size(nbytes_requested, counts[0], profile=shape_profile)
-        results += _run_one_shape(cfg, progress=Progress(per_count), **shape_args)
+        shape = _run_one_shape(cfg, progress=Progress(per_count), **shape_args)
+        results += shape["rows"]
+        settles += shape["settles"]
     else:
         # Each count in a fresh trainer process (still one run, one report): the
         # previous shape's freed gigabyte leaves this process's heap fragmented, and
@@ -296,11 +310,14 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
         # A trainer holds one model per process, as each count does here.
         for count in counts:
             cfg = config_for_size(nbytes_requested, count, profile=shape_profile)
-            results += _run_shape_in_child(cfg, per_count, shape_args, label=f"--tensors {count}")
-    report = {"machine": machine(), "results": results,
+            shape = _run_shape_in_child(cfg, per_count, shape_args, label=f"--tensors {count}")
+            results += shape["rows"]
+            settles += shape["settles"]
+    report = {"machine": machine(), "results": results, "settles": settles,
               "config": {"size": size, "tensors_requested": counts if len(counts) > 1 else counts[0],
                          "shape_profile": shape_profile, "bucket_bytes": bucket_bytes, "steps": steps,
-                         "attest": attest, "trainer_memory": trainer_memory, "passes": passes}}
+                         "attest": attest, "trainer_memory": trainer_memory, "passes": passes,
+                         "settle_s": settle_s}}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
@@ -309,7 +326,7 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
     return report
 
 
-def _run_shape_in_child(cfg: ModelConfig, steps_total: int, shape_args: dict, *, label: str) -> list[dict]:
+def _run_shape_in_child(cfg: ModelConfig, steps_total: int, shape_args: dict, *, label: str) -> dict:
     """``_run_one_shape`` in a fresh process (spawned), whose errors are raised here.
 
     That process dies with this one (parent-death signal, SIGTERM) and is stopped if
@@ -370,19 +387,30 @@ def _shape_process(report, parent_pid: int, cfg_json: str, steps_total: int, sha
 
 
 def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, baselines: bool, bucket_bytes: int,
-                   attest: bool, huge_pages: bool, progress: Progress, passes: int = 1) -> list[dict]:
+                   attest: bool, huge_pages: bool, progress: Progress, passes: int = 1,
+                   settle_s: float = QUIET_S) -> dict:
     """Every method at one model shape, ``passes`` times: the weightsync transports on a
     fresh local cluster whose engines hold that shape, and the baselines on receivers
-    of their own; each method's row summarises its steps of every pass."""
+    of their own. Returns ``rows`` (each method's row summarises its steps of every
+    pass) and ``settles`` (what each wait before a phase saw, ``run_bench``)."""
     model = ReferenceLM(cfg)
     if huge_pages:
         place_on_huge_pages(model)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     samples: dict[tuple, Samples] = {}
+    settles: list[dict] = []
+
+    def settled(phase: str, index: int) -> None:
+        # The processes the last phase stopped freed gigabytes; a step timed while the
+        # host takes them back measures the host (returned_memory.py).
+        seen = settle(quiet_s=settle_s)
+        if seen is not None:
+            settles.append({"tensors": len(named), "pass": index, "phase": phase, **seen})
 
     def weightsync_pass(tmp: str, index: int) -> None:
         with LocalCluster(tmp, engines=engines, agent_args=("--model", cfg.to_json()), agent_timeout_s=600,
                           settle_s=1.0, metrics=True) as cluster:
+            settled("weightsync", index)
             asyncio.run(_weightsync_runs(cluster.address, model, transports=transports, steps=steps,
                                          bucket_bytes=bucket_bytes, engines=engines, progress=progress,
                                          attest=attest, agents=[a.address for a in cluster.agents],
@@ -394,6 +422,7 @@ def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, base
     def baselines_pass(tmp: str, index: int) -> None:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         with Baselines(named, engines=engines, steps=steps, tmp=tmp, huge_pages=huge_pages) as runs:
+            settled("baselines", index)
             for method in METHODS:
                 row = samples.setdefault((method, None), Samples(method, None, len(named), engines))
                 row.nbytes = nbytes
@@ -410,7 +439,7 @@ def _run_one_shape(cfg, *, engines: int, transports: list[str], steps: int, base
         with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
             for phase in phases if index % 2 == 0 else phases[::-1]:
                 phase(tmp, index)
-    return [row.summary() for row in samples.values()]
+    return {"rows": [row.summary() for row in samples.values()], "settles": settles}
 
 
 def machine() -> dict:
