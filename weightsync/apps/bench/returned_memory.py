@@ -2,8 +2,8 @@
 
 Some virtual machines tell their host which of their pages are free (virtio-balloon's
 *free page reporting*), and the host takes those pages back. On the 2-core VM this
-project is measured on, the guest reports the memory a process freed about 3 s after
-the free, in batches of ~700 MiB every ~2.3 s, and while the host takes a batch back
+project is measured on, the guest reports the memory a process freed about 2 s after
+the free, in batches of ~600-700 MiB every ~2.3 s, and while the host takes a batch back
 every CPU of the VM stands still for 25-35 ms: every process's loop lags at once, and
 Linux mostly counts it as steal. Freeing 3 GiB stalls the machine five times over the
 next ~10 s. A benchmark step that runs in those seconds measures the host, not the
@@ -21,7 +21,7 @@ import time
 from collections import deque
 
 REPORTED_KIB = "/sys/module/page_reporting/parameters/reported_kib"
-QUIET_S = 4.0        # longer than the ~3 s from a free to its first report
+QUIET_S = 4.0        # longer than the ~2 s from a free to its first report
 BATCH_MIB = 64       # a few MiB go back every couple of seconds on an idle machine, with no stall
 MAX_SETTLE_S = 60.0  # 3 GiB freed took ~10 s to go back
 
