@@ -330,6 +330,7 @@ def _bench_trainer_ranks(args) -> int:
 
 def _bench(args) -> int:
     from weightsync import transport as transports
+    from weightsync.apps.bench.returned_memory import QUIET_S
     from weightsync.apps.bench.runner import against_baselines, parse_size, ratios, run_bench, table
 
     if args.hosts and args.trainer_ranks:
@@ -364,8 +365,7 @@ def _bench(args) -> int:
                            steps=args.steps, baselines=args.baselines, json_path=args.json, plot_path=args.plot,
                            bucket_bytes=parse_size(args.bucket_bytes), attest=args.attest,
                            shape_profile=args.shape_profile, trainer_memory=args.trainer_memory,
-                           passes=args.passes,
-                           **({} if args.settle_s is None else {"settle_s": args.settle_s}))
+                           passes=args.passes, settle_s=QUIET_S if args.settle_s is None else args.settle_s)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
