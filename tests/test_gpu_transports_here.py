@@ -98,3 +98,75 @@ async def test_a_round_over_a_gpu_transport_on_a_machine_without_one_fails_typed
         assert {e.engine_id for e in result.engines if e.ok} == {"engine-0", "engine-1"}
         await client.resume()
 
+
+
+class _StandInDriver:
+    """The three CUDA driver answers the cuda-ipc sender's table needs (block range,
+    block id, IPC handle), for blocks this test allocates and frees: there is no GPU
+    here. Like CUDA, a block allocated again at a freed block's address gets a new id
+    and a new handle; tests/gpu checks the real driver."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int, int]] = {}  # base -> (size, id)
+        self.next_id = 1
+        self.range_calls = 0
+
+    def allocate(self, base: int, size: int) -> None:
+        self.blocks[base] = (size, self.next_id)
+        self.next_id += 1
+
+    def _find(self, address: int) -> int:
+        return next(b for b, (size, _) in self.blocks.items() if b <= address < b + size)
+
+    def allocation_range(self, address: int) -> tuple[int, int]:
+        self.range_calls += 1
+        base = self._find(address)
+        return base, self.blocks[base][0]
+
+    def buffer_id(self, address: int) -> int:
+        return self.blocks[self._find(address)][1]
+
+    def export_handle(self, base: int) -> bytes:
+        return self.blocks[base][1].to_bytes(8, "little") * 8
+
+
+class _At:
+    """A tensor as the table sees it: an address and a size."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.nbytes = address, nbytes
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def test_the_ipc_table_follows_blocks_allocated_anew_at_the_same_addresses(monkeypatch):
+    """A trainer that moves its model off the GPU and back with the cache emptied between
+    gets new blocks at the same addresses: the table must name the new blocks (new
+    handles), or engines keep copying from their mappings of the freed ones."""
+    from weightsync.transport import cuda_ipc
+
+    driver = _StandInDriver()
+    for name in ("allocation_range", "buffer_id", "export_handle"):
+        monkeypatch.setattr(cuda_ipc, name, getattr(driver, name))
+    driver.allocate(0x10000, 4096)
+    driver.allocate(0x20000, 8192)
+    tensors = [_At(0x10000, 1024), _At(0x10400, 1024), _At(0x20000, 8192)]
+    sizes = [t.nbytes for t in tensors]
+    sender = cuda_ipc.CudaIpcSender(store=None)
+
+    first = sender._table(tensors, remember=True)
+    lookups = driver.range_calls
+    assert sender._table(tensors, remember=True) is first  # same blocks: the table is reused as it is
+    assert driver.range_calls == lookups
+
+    driver.allocate(0x20000, 8192)  # freed and allocated again: same address, new block
+    moved = sender._table(tensors, remember=True)
+    old, new = decode_table(first, sizes), decode_table(moved, sizes)
+    assert new.handles[0] == old.handles[0] and new.handles[1] != old.handles[1]
+    assert new.blocks.tolist() == old.blocks.tolist() and new.offsets.tolist() == old.offsets.tolist()
+    assert new.digest != old.digest  # what makes an engine map the new block
+    assert sender._table(tensors, remember=True) is moved
+
+    staged = sender._table(tensors, remember=False)  # a round's staged copies are never reused
+    assert staged == moved and sender._exported is None

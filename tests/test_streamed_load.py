@@ -101,3 +101,31 @@ def test_a_loader_that_stops_early_is_an_error_not_a_partial_load():
 
     _, outcome = _run("shm", load, _model(3))
     assert isinstance(outcome.get("receive"), TransferError) and "not loaded" in str(outcome["receive"]), outcome
+
+
+def test_the_receive_thread_takes_the_engines_gpu_before_receiving(monkeypatch):
+    """A GPU receiver (nccl, cuda-ipc, a group over nccl) works on its thread's current
+    CUDA device, and a new thread's is the first GPU whatever the process chose: a vLLM
+    worker on GPU 3 would build its communicator on GPU 0. The streamed receive's
+    thread sets the engine's device first. There is no GPU here, so ``set_device`` is
+    recorded instead of called, and the receiver is a stand-in that notes its thread;
+    tests/gpu runs the real receivers through this path on a GPU."""
+    calls: list[tuple[torch.device, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((d, threading.current_thread().name)))
+
+    class NotesItsThread:
+        thread = ""
+
+        def receive(self, rendezvous, rank, plan, targets, **_):
+            NotesItsThread.thread = threading.current_thread().name
+            raise TransferError("nothing to receive here")
+
+    plan = BucketPlan.from_tensors(_model(4), bucket_bytes=BUCKET)
+    for device, expected in ((torch.device("cuda", 3), [torch.device("cuda", 3)]), (torch.device("cpu"), [])):
+        calls.clear()
+        with pytest.raises(TransferError, match="nothing to receive"):
+            receive_and_load(NotesItsThread(), None, 1, plan, device=device, deadline_at=time.monotonic() + 10,
+                             abort=threading.Event(), load=lambda weights: list(weights))
+        assert NotesItsThread.thread and NotesItsThread.thread != threading.current_thread().name
+        assert [d for d, _ in calls] == expected
+        assert all(thread == NotesItsThread.thread for _, thread in calls), calls

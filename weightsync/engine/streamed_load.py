@@ -112,6 +112,12 @@ def receive_and_load(receiver: Receiver, rendezvous: common_pb2.Rendezvous, rank
 
     def run() -> None:
         try:
+            if device.type == "cuda" and device.index is not None:
+                # A new thread's current CUDA device is the first GPU, whatever its
+                # process chose; the GPU receivers build their communicator, map the
+                # trainer's memory and queue their copies on the current device, so
+                # this thread takes the engine's (a vLLM worker on GPU k of a host).
+                torch.cuda.set_device(device)
             receiver.receive(rendezvous, rank, plan, targets, deadline_at=deadline_at, abort=_Either(abort, stop),
                              on_bucket=on_bucket)
             ready.put(_DONE)

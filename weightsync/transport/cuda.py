@@ -86,6 +86,9 @@ class _Driver:
                 fn = lib.cuMemGetAddressRange_v2
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+                fn = lib.cuPointerGetAttribute
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
                 cls._lib = lib
             return cls._lib
 
@@ -108,6 +111,22 @@ def allocation_range(address: int) -> tuple[int, int]:
     if status != 0:
         raise TransferError(f"cuMemGetAddressRange failed for a tensor at {address:#x} (CUDA driver error {status})")
     return base.value, size.value
+
+
+_CU_POINTER_ATTRIBUTE_BUFFER_ID = 7  # CUpointer_attribute in cuda.h
+
+
+def buffer_id(address: int) -> int:
+    """The driver's id of the allocation holding device ``address``, unique within the
+    process: a block freed (``torch.cuda.empty_cache``, a model moved off the GPU and
+    back) and allocated again at the same address gets another id, and another IPC
+    handle, while its addresses stay the same. The device's context must be current."""
+    value = ctypes.c_ulonglong(0)
+    status = _Driver.lib().cuPointerGetAttribute(ctypes.byref(value), _CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                                 ctypes.c_uint64(address))
+    if status != 0:
+        raise TransferError(f"cuPointerGetAttribute failed for a tensor at {address:#x} (CUDA driver error {status})")
+    return value.value
 
 
 def export_handle(base: int) -> bytes:
@@ -155,4 +174,4 @@ class MappedBlock:
 
 
 __all__ = ["IPC_HANDLE_BYTES", "cupy_module", "tensors_device", "EventDone", "make_current", "allocation_range",
-           "export_handle", "MappedBlock"]
+           "buffer_id", "export_handle", "MappedBlock"]

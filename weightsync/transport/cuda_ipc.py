@@ -1,13 +1,14 @@
 """cuda-ipc transport: engines on the trainer's host copy the trainer's GPU tensors
 straight into their own, device to device, through CUDA IPC (colocated RL).
 
-The trainer copies nothing (a tensor is staged only where it is not a contiguous
-tensor of the plan's dtype on the trainer's GPU). It publishes a *table* under the
-round's session key: the IPC handle of every ``cudaMalloc`` block that holds one of
-its tensors, and each tensor's (block, offset) -- bytes, never pickle. It first waits
-(bounded, see ``cuda.EventDone``) for its own queued work on those tensors. Each engine
-maps the blocks (once: handles stay open while the group id stays the same and the
-trainer's tensors stay where they are), copies bucket by bucket on a stream of its
+The trainer copies nothing (a tensor is staged only where it is not a contiguous tensor
+of the plan's dtype on the trainer's GPU). It publishes a *table* under the round's
+session key: the IPC handle of every ``cudaMalloc`` block that holds one of its tensors,
+and each tensor's (block, offset) -- bytes, never pickle. It first waits (bounded, see
+``cuda.EventDone``) for its own queued work on those tensors. Each engine maps the
+blocks (once: handles stay open while the group id stays the same and the trainer's
+tensors stay where they are, in the same blocks; a block allocated anew at the same
+address has a new handle and is mapped anew), copies bucket by bucket on a stream of its
 own, waits for the copies, and sets ``done/<rank>``; the trainer returns once every
 engine is done, so it never changes a tensor an engine is still reading. A failure on
 either side sets the usual ``abort`` / ``err/<rank>`` keys and the others stop at once.
@@ -24,6 +25,7 @@ import hashlib
 import struct
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,6 +41,7 @@ from weightsync.transport.cuda import (
     EventDone,
     MappedBlock,
     allocation_range,
+    buffer_id,
     export_handle,
     make_current,
     tensors_device,
@@ -130,6 +133,16 @@ def copy_bucket(plan: BucketPlan, bucket: int, sources: Sequence[torch.Tensor],
                 target.copy_(source)
 
 
+class _Exported(NamedTuple):
+    """A table the sender may publish again while ``addresses`` (per tensor) and the
+    ``buffer_ids`` of its blocks (at ``bases``) stay the same."""
+
+    addresses: np.ndarray
+    bases: list[int]
+    buffer_ids: list[int]
+    table: bytes
+
+
 class CudaIpcSender(Sender):
     """Rank 0: publishes the trainer's tensors; copies nothing itself."""
 
@@ -137,7 +150,7 @@ class CudaIpcSender(Sender):
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
-        self._exported: tuple[np.ndarray, bytes] | None = None  # (tensor addresses, their table)
+        self._exported: _Exported | None = None  # the last table of the trainer's own tensors
 
     def send(self, rendezvous, plan, sources, *, deadline_at, abort):
         start = time.monotonic()
@@ -169,11 +182,17 @@ class CudaIpcSender(Sender):
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
     def _table(self, shared: Sequence[torch.Tensor], *, remember: bool) -> bytes:
-        """The table of ``shared``; recomputed only when a tensor moved (a model's
-        parameters stay where they are from step to step)."""
+        """The table of ``shared``; recomputed only when a tensor moved or a block was
+        allocated anew (a model's parameters stay where they are from step to step).
+        Same addresses are not enough: a model moved off the GPU and back, with the
+        cache emptied between, can land at the very same addresses in new blocks, whose
+        handles differ; engines still holding the old blocks' mappings would copy from
+        freed memory. So every round checks each block's driver id (``buffer_id``)."""
         addresses = np.fromiter((t.data_ptr() for t in shared), dtype=np.uint64, count=len(shared))
-        if self._exported is not None and np.array_equal(self._exported[0], addresses):
-            return self._exported[1]
+        last = self._exported
+        if (remember and last is not None and np.array_equal(last.addresses, addresses)
+                and [buffer_id(base) for base in last.bases] == last.buffer_ids):
+            return last.table
         sizes = np.fromiter((t.nbytes for t in shared), dtype=np.uint64, count=len(shared))
         blocks = np.full(len(shared), -1, dtype=np.int32)
         offsets = np.zeros(len(shared), dtype=np.uint64)
@@ -191,7 +210,7 @@ class CudaIpcSender(Sender):
             blocks[index] = len(bases) - 1
             offsets[index] = address - bases[-1]
         table = encode_table([export_handle(b) for b in bases], block_sizes, blocks, offsets)
-        self._exported = (addresses, table) if remember else None
+        self._exported = _Exported(addresses, bases, [buffer_id(b) for b in bases], table) if remember else None
         return table
 
     def close(self) -> None:
