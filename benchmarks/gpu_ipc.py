@@ -5,6 +5,8 @@ process on the same GPU receives them over the cuda-ipc transport into CUDA tens
 its own, --rounds times after a warm-up round. The baseline is one ``copy_`` of a flat
 buffer of the same bytes inside one process. The figure that matters is
 ``memcpy_s / ipc_s``: the fraction of memcpy bandwidth a sync reaches (goal >= 0.8).
+``digest_s``: one ``weights_digest`` of the trainer's GPU tensors (from host copies), what
+a GPU engine's per-round digest of what it loaded costs.
 The first and last rounds are checked bitwise (digests), the others by a checksum on
 the GPU, before their times count. Writes JSON.
 
@@ -89,6 +91,7 @@ def run(size: int, tensors: int, rounds: int, bucket_bytes: int) -> dict:
     engine.start()
     sender = transports.make_sender(IPC, store)
     sync, engine_copy = [], []
+    digest_s = float("nan")
     try:
         for index, rdzv in enumerate(rdzvs):
             for _, t in named:
@@ -99,7 +102,12 @@ def run(size: int, tensors: int, rounds: int, bucket_bytes: int) -> dict:
                         abort=threading.Event())
             seconds = time.perf_counter() - start
             copy_s, digest = results.get(timeout=120)
+            hashed_at = time.perf_counter()
             ours = weights_digest(named) if index in (0, len(rdzvs) - 1) else gpu_checksum([t for _, t in named])
+            if index == len(rdzvs) - 1:
+                # What a GPU engine's digest of a round costs (the vLLM worker hashes every
+                # tensor it loads, from a host copy): the same call on the same tensors.
+                digest_s = time.perf_counter() - hashed_at
             if copy_s < 0 or digest != ours:
                 raise RuntimeError(f"round {index}: the engine does not hold the bytes sent ({digest})")
             if index:  # the first round maps the blocks: a warm-up
@@ -115,6 +123,7 @@ def run(size: int, tensors: int, rounds: int, bucket_bytes: int) -> dict:
     ipc = statistics.median(sync)
     return {"bytes": nbytes, "tensors": tensors, "rounds": rounds, "bucket_bytes": bucket_bytes,
             "ipc_sync_s": ipc, "engine_copy_s": statistics.median(engine_copy), "memcpy_s": memcpy,
+            "digest_s": digest_s, "digest_gbps": nbytes / digest_s / 1e9,
             "fraction_of_memcpy": memcpy / ipc, "ipc_gbps": nbytes / ipc / 1e9, "memcpy_gbps": nbytes / memcpy / 1e9,
             "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
@@ -138,7 +147,8 @@ def main() -> None:
             out.append(result)
             print(f"{size:>6} {tensors:>6} tensors: cuda-ipc {result['ipc_sync_s'] * 1e3:8.2f} ms "
                   f"(engine copy {result['engine_copy_s'] * 1e3:.2f} ms), memcpy {result['memcpy_s'] * 1e3:8.2f} ms, "
-                  f"{result['fraction_of_memcpy']:.2f} of memcpy bandwidth", flush=True)
+                  f"{result['fraction_of_memcpy']:.2f} of memcpy bandwidth; digest from the GPU "
+                  f"{result['digest_s'] * 1e3:.0f} ms", flush=True)
             if args.json:  # after every shape: a run cut short by its time limit keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(out, f, indent=2)
