@@ -29,7 +29,7 @@ from weightsync import transport as transports
 from weightsync.apps.bench.runner import parse_size
 from weightsync.packing import weights_digest
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
-from weightsync.transport.store import host_store
+from weightsync.transport.secure_store import StoreHost
 from weightsync.v1 import common_pb2
 
 IPC = common_pb2.TRANSPORT_KIND_CUDA_IPC
@@ -80,16 +80,20 @@ def run(size: int, tensors: int, rounds: int, bucket_bytes: int) -> dict:
     per = max(1, size // tensors // 4)
     named = [(f"t{i}", torch.randn(per, device="cuda")) for i in range(tensors)]
     plan = BucketPlan.from_tensors(named, bucket_bytes=bucket_bytes)
-    store = host_store("127.0.0.1", timeout_s=120)
+    # The store a trainer's rounds meet at (TrainerClient's): the authenticated one, whose
+    # waits wake the moment a key is set; torch's TCPStore would be polled.
+    store = StoreHost("127.0.0.1", timeout_s=120)
+    secret = store.new_secret()  # one for every round: the engine connects once and stays
     group = f"bench-{uuid.uuid4().hex[:8]}"
     rdzvs = [common_pb2.Rendezvous(group_id=group, transport=IPC, store_host="127.0.0.1", store_port=store.port,
-                                   world_size=2, session_id=uuid.uuid4().hex) for _ in range(rounds + 1)]
+                                   store_secret=secret, world_size=2, session_id=uuid.uuid4().hex)
+             for _ in range(rounds + 1)]
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     engine = spawn.Process(target=_engine, args=(plan.to_proto().SerializeToString(),
                                                  [r.SerializeToString() for r in rdzvs], results))
     engine.start()
-    sender = transports.make_sender(IPC, store)
+    sender = transports.make_sender(IPC, store.client())
     sync, engine_copy = [], []
     digest_s = float("nan")
     try:
@@ -118,6 +122,7 @@ def run(size: int, tensors: int, rounds: int, bucket_bytes: int) -> dict:
         engine.join(60)
         if engine.is_alive():
             engine.kill()
+        store.close()
     nbytes = plan.total_bytes
     memcpy = memcpy_seconds(nbytes, rounds)
     ipc = statistics.median(sync)

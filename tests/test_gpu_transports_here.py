@@ -170,3 +170,49 @@ def test_the_ipc_table_follows_blocks_allocated_anew_at_the_same_addresses(monke
 
     staged = sender._table(tensors, remember=False)  # a round's staged copies are never reused
     assert staged == moved and sender._exported is None
+
+
+def test_a_cuda_ipc_receiver_meets_the_trainers_store_and_reports_a_bad_table_there():
+    """cuda-ipc's control plane, which needs no GPU: an engine's receiver connects to the
+    trainer's authenticated store with the round's secret, waits for the table, refuses
+    a malformed one before mapping anything, and sets its ``err`` key so the trainer's
+    send stops at once."""
+    import threading
+    import time
+    import uuid
+
+    import torch
+
+    from weightsync.plan import BucketPlan
+    from weightsync.transport.cuda_ipc import CudaIpcReceiver
+    from weightsync.transport.secure_store import StoreHost
+    from weightsync.transport.store import session_key
+    from weightsync.v1 import common_pb2
+
+    host = StoreHost("127.0.0.1", timeout_s=10)
+    try:
+        rdzv = common_pb2.Rendezvous(group_id="g", transport=common_pb2.TRANSPORT_KIND_CUDA_IPC,
+                                     store_host="127.0.0.1", store_port=host.port, store_secret=host.new_secret(),
+                                     world_size=2, session_id=uuid.uuid4().hex)
+        plan = BucketPlan.from_tensors([("w", torch.zeros(4))], bucket_bytes=1 << 20)
+        receiver, outcome = CudaIpcReceiver(), []
+
+        def receive():
+            try:
+                receiver.receive(rdzv, 1, plan, [], deadline_at=time.monotonic() + 10, abort=threading.Event())
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        time.sleep(0.3)  # the receiver is waiting in the store for the table
+        assert thread.is_alive() and not outcome
+        trainer = host.client()
+        trainer.set(session_key(rdzv, "ipc-table"), b"not a table")
+        thread.join(10)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], TransferError) and "malformed" in str(outcome[0])
+        assert b"malformed" in trainer.get(session_key(rdzv, "err", 1))
+        receiver.close()
+    finally:
+        host.close()
