@@ -2,14 +2,15 @@
 device. NCCL is called through ``nccl_lib`` (ctypes, GIL released), not cupy's
 communicator, whose constructor blocks with the GIL held (see ``nccl_lib``).
 
-Group. One communicator per group id, reused from round to round and destroyed when
-the group id changes or after any failure. Rank 0 (the trainer) draws NCCL's unique
-id and publishes it under the round's session key (``nccl-id``, 128 bytes); every
-rank builds the communicator on its transfer device. Building blocks inside NCCL
-until every rank has joined, so it runs on a side thread while the caller polls the
-deadline and the peers' failure keys (``collective.join_in_background``); a build
-abandoned that way stays blocked in its thread (without the GIL) until its peers come
-or the process ends: NCCL's blocking init has no timeout of its own.
+Group. One communicator per group id, reused from round to round and ended
+(``ncclCommAbort``, see ``NcclGroup.close``) when the group id changes or after any
+failure. Rank 0 (the trainer) draws NCCL's unique id and publishes it under the
+round's session key (``nccl-id``, 128 bytes); every rank builds the communicator on
+its transfer device. Building blocks inside NCCL until every rank has joined, so it
+runs on a side thread while the caller polls the deadline and the peers' failure
+keys (``collective.join_in_background``); a build abandoned that way stays blocked
+in its thread (without the GIL) until its peers come or the process ends: NCCL's
+blocking init has no timeout of its own.
 
 Data. Two device buffers per side alternate: the sender packs bucket k+1 (on a copy
 stream) while bucket k is broadcast (on a communication stream); each receiver
@@ -98,20 +99,17 @@ class NcclGroup:
         wait_polling(EventDone(event, self.check), deadline_at, operation, abort=abort, store=store,
                      stop_keys=stop_keys)
 
-    def abort(self) -> None:
-        """ncclCommAbort: ends whatever is still queued on this communicator."""
-        self._end(abort=True)
-
     def close(self) -> None:
-        """Destroys an idle communicator (the orderly end of a group)."""
-        self._end(abort=False)
-
-    def _end(self, *, abort: bool) -> None:
+        """Ends the communicator with ``ncclCommAbort``, after a failure (whatever is
+        still queued ends) and at the orderly end of a group alike. ``ncclCommDestroy``
+        finalizes first, which can wait on peers, and a group ends when its membership
+        changed, often because a peer went away: that wait would have no deadline. On
+        an idle communicator the abort only frees it."""
         comm, self.comm = self.comm, None
         self.buffers = []
         if comm is not None:
             try:
-                comm.abort() if abort else comm.destroy()
+                comm.abort()
             except Exception as exc:  # already broken: nothing more to end
                 log.warning("ending the NCCL communicator failed: %s", exc)
 
@@ -166,7 +164,7 @@ class NcclSender(Sender):
                 self._store.set(session_key(rendezvous, "abort"), str(exc) or type(exc).__name__)
             except Exception:
                 pass
-            self._drop(abort_comm=True)
+            self.close()
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 
@@ -180,13 +178,10 @@ class NcclSender(Sender):
         self._group.fit(plan.bucket_bytes)
         return self._group
 
-    def _drop(self, *, abort_comm: bool) -> None:
+    def close(self) -> None:
         group, self._group = self._group, None
         if group is not None:
-            group.abort() if abort_comm else group.close()
-
-    def close(self) -> None:
-        self._drop(abort_comm=False)
+            group.close()
 
 
 class NcclReceiver(Receiver):
@@ -231,9 +226,7 @@ class NcclReceiver(Receiver):
                     self._store.store.set(session_key(rendezvous, "err", rank), f"rank {rank}: {exc}")
                 except Exception:
                     pass
-            group, self._group = self._group, None
-            if group is not None:
-                group.abort()
+            self.close()
             raise
         return TransferStats(plan.total_bytes, time.monotonic() - start, plan.num_buckets)
 

@@ -73,7 +73,6 @@ def library() -> ctypes.CDLL:
             "ncclBroadcast": [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p],
             "ncclCommGetAsyncError": [c_void_p, ctypes.POINTER(c_int)],
             "ncclCommAbort": [c_void_p],
-            "ncclCommDestroy": [c_void_p],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -137,16 +136,11 @@ class Communicator:
         _check(result.value, "an NCCL operation")
 
     def abort(self) -> None:
-        """ncclCommAbort: ends whatever is queued and frees the communicator."""
+        """ncclCommAbort: ends whatever is queued and frees the communicator; local, it
+        never waits on a peer (the only way weightsync ends a communicator)."""
         comm, self._comm = self._comm, ctypes.c_void_p(0)
         if comm:
             _check(library().ncclCommAbort(comm), "ncclCommAbort")
-
-    def destroy(self) -> None:
-        """ncclCommDestroy of an idle communicator (the orderly end of a group)."""
-        comm, self._comm = self._comm, ctypes.c_void_p(0)
-        if comm:
-            _check(library().ncclCommDestroy(comm), "ncclCommDestroy")
 
 
 __all__ = ["Communicator", "UniqueId", "UNIQUE_ID_BYTES", "library", "new_unique_id", "version"]
