@@ -140,6 +140,12 @@ def receive_and_load(receiver: Receiver, rendezvous: common_pb2.Rendezvous, rank
             if isinstance(item, BaseException):
                 raise item
             tensor = targets.take(item)
+            if tensor.is_cuda:
+                # Made and filled on the receiver's CUDA stream, used here on the loader's:
+                # without this, once the loader lets it go, the caching allocator could
+                # give its memory to the next target on the receiver's stream while the
+                # loader's copies from it are still queued on its own.
+                tensor.record_stream(torch.cuda.current_stream(tensor.device))
             with waiting:
                 state["ready_bytes"] -= plan.sizes[item]
                 waiting.notify_all()
