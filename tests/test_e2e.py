@@ -113,3 +113,25 @@ async def test_abort_pause_ends_in_flight_requests(cluster_factory):
         rid2 = await engine.generate([40, 41, 42], max_tokens=5)
         gen2 = await engine.get(rid2, wait_s=30)
         assert gen2.status == "finished" and set(gen2.versions) == {1}
+
+
+async def test_eight_engines_take_every_round_over_each_cpu_transport(cluster_factory):
+    """A fleet larger than the other tests': eight agents in one round, the round's
+    transport changing from round to round (each change is a new group of nine
+    members), every engine checked against the trainer's own tensors after each."""
+    cluster = cluster_factory(8)
+    model = ReferenceLM(PRESETS["tiny"])
+    engines = [f"engine-{i}" for i in range(8)]
+    async with TrainerClient(cluster.address, bucket_bytes=256 * 1024) as client:
+        for version, transport in enumerate(("shm", "gloo", "group", "shm"), start=1):
+            perturbed(model, version)
+            result = await client.update_weights(model.named_parameters(), version=version, timeout_s=120,
+                                                 transport=transport)
+            assert result.ok and sorted(e.engine_id for e in result.engines) == engines, result
+            assert set(result.resumed) == set(engines)
+            state = await client.get_state(include_digests=True)
+            local = weights_digest(model.named_parameters())
+            assert sorted(e.engine_id for e in state.engines) == engines
+            for e in state.engines:
+                assert e.weight_version == version and e.weights_digest == local, (transport, e.engine_id)
+                assert not e.torn and not e.paused
