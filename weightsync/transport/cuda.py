@@ -19,6 +19,7 @@ the block found with the driver's ``cuMemGetAddressRange``.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
@@ -27,6 +28,8 @@ import torch
 from weightsync.errors import TransferError
 
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+log = logging.getLogger("weightsync.transport.cuda")
 
 
 def cupy_module():
@@ -162,13 +165,18 @@ class MappedBlock:
         self.bytes = torch.as_tensor(array, device=device)
 
     def close(self) -> None:
-        """Unmaps the block; its tensor views must not be used after."""
+        """Unmaps the block; its tensor views must not be used after. A failure to
+        unmap is logged, not raised: it comes when the trainer has freed the block
+        already (a model moved off the GPU), and the round that drops the mapping must
+        not fail for it."""
         if self.address:
             cupy = cupy_module()
             self.bytes = None  # type: ignore[assignment]
             try:
                 with cupy.cuda.Device(self.device.index):
                     cupy.cuda.runtime.ipcCloseMemHandle(self.address)
+            except Exception as exc:
+                log.warning("unmapping the trainer's GPU block at %#x failed: %s", self.address, exc)
             finally:
                 self.address = 0
 
