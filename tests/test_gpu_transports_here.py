@@ -1,6 +1,7 @@
 """The GPU transports' parts that need no GPU: the cuda-ipc table's format, the check
-of NCCL's unique id and what a machine without CUDA answers. The transfers themselves
-are in tests/gpu (marker ``gpu``), run on a GPU machine by tests/gpu/device_kit.sh."""
+of NCCL's unique id, weightsync's NCCL calls against a stand-in library, and what a
+machine without CUDA answers. The transfers themselves are in tests/gpu (marker
+``gpu``), run on a GPU machine by tests/gpu/device_kit.sh."""
 
 from __future__ import annotations
 
@@ -216,3 +217,187 @@ def test_a_cuda_ipc_receiver_meets_the_trainers_store_and_reports_a_bad_table_th
         receiver.close()
     finally:
         host.close()
+
+
+# NCCL's side of the nccl transport against a stand-in library (tests/nccl_standin.c):
+# NCCL needs a GPU. What is checked is weightsync's use of it through ctypes: the
+# config it builds communicators with, its polling of a non-blocking communicator
+# under the round's deadline and the peers' failure keys, and its aborts.
+
+UID = bytes(range(128))
+
+
+@pytest.fixture(scope="module")
+def nccl_standin_builds(tmp_path_factory):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the NCCL stand-in")
+    source = Path(__file__).with_name("nccl_standin.c")
+    folder = tmp_path_factory.mktemp("nccl")
+    builds = {}
+    for name, flags in (("current", []), ("old", ["-DOLD_NCCL"])):
+        path = folder / f"libnccl-{name}.so"
+        subprocess.run([compiler, "-shared", "-fPIC", "-O1", *flags, "-o", str(path), str(source)], check=True,
+                       timeout=60)
+        builds[name] = str(path)
+    return builds
+
+
+def _use_nccl(monkeypatch, path):
+    """nccl_lib loads ``path`` (its cache emptied); returns the stand-in's own handle."""
+    import ctypes
+
+    from weightsync.transport import nccl_lib
+    monkeypatch.setenv("WEIGHTSYNC_NCCL_LIBRARY", path)
+    monkeypatch.setattr(nccl_lib, "_lib", None)
+    stub = ctypes.CDLL(path)  # the same loaded library: its counters are the ones nccl_lib's calls move
+    stub.stub_calls.restype = ctypes.c_char_p
+    stub.stub_config_size.restype = ctypes.c_size_t
+    stub.stub_config_magic.restype = ctypes.c_uint
+    stub.stub_config_version.restype = ctypes.c_uint
+    return stub
+
+
+@pytest.fixture
+def nccl_standin(nccl_standin_builds, monkeypatch):
+    return _use_nccl(monkeypatch, nccl_standin_builds["current"])
+
+
+@pytest.fixture
+def store_host():
+    from weightsync.transport.secure_store import StoreHost
+    host = StoreHost("127.0.0.1", timeout_s=10)
+    yield host
+    host.close()
+
+
+def _rendezvous(host):
+    import uuid
+
+    from weightsync.v1 import common_pb2
+    return common_pb2.Rendezvous(group_id="g", transport=common_pb2.TRANSPORT_KIND_NCCL, store_host="127.0.0.1",
+                                 store_port=host.port, store_secret=host.new_secret(), world_size=2,
+                                 session_id=uuid.uuid4().hex)
+
+
+def _join(host, rdzv, build, *, within_s, abort=None):
+    import threading
+    import time
+
+    from weightsync.transport.nccl import join_communicator
+    from weightsync.transport.store import session_key
+    started = time.monotonic()
+    try:
+        return join_communicator(build, rdzv, deadline_at=started + within_s, abort=abort or threading.Event(),
+                                 watch=host.client(), stop_keys=[session_key(rdzv, "err", 1)])
+    finally:
+        _join.took_s = time.monotonic() - started
+
+
+def test_a_communicator_is_built_non_blocking_and_polled_until_ready(nccl_standin, store_host):
+    from weightsync.transport.nccl_lib import Communicator
+    nccl_standin.stub_set(3, 0, 0)  # ready at the fourth poll
+    comm = _join(store_host, _rendezvous(store_host), lambda store: Communicator(2, UID, 1), within_s=10)
+    assert nccl_standin.stub_calls() == b"IEEEE"
+    # ncclConfig_t as NCCL 2.14 laid it out: NCCL reads it by size and version.
+    assert (nccl_standin.stub_config_size(), hex(nccl_standin.stub_config_magic()),
+            nccl_standin.stub_config_version(), nccl_standin.stub_config_blocking()) == (24, "0xcafebeef", 21400, 0)
+    assert (nccl_standin.stub_nranks(), nccl_standin.stub_rank()) == (2, 1)
+    assert not comm.blocking
+    comm.abort()
+    assert nccl_standin.stub_calls() == b"IEEEEA"
+
+
+def test_a_communicator_that_never_gets_ready_is_aborted_at_the_deadline(nccl_standin, store_host):
+    from weightsync.errors import StepTimeoutError
+    from weightsync.transport.nccl_lib import Communicator
+    nccl_standin.stub_set(-1, 0, 0)  # its peers never come
+    with pytest.raises(StepTimeoutError, match="nccl group setup"):
+        _join(store_host, _rendezvous(store_host), lambda store: Communicator(2, UID, 1), within_s=1.0)
+    assert 1.0 <= _join.took_s < 5
+    calls = nccl_standin.stub_calls()
+    assert calls.startswith(b"IE") and calls.endswith(b"A") and calls.count(b"A") == 1
+
+
+def test_a_peer_failing_while_the_communicator_is_built_aborts_it_at_once(nccl_standin, store_host):
+    import threading
+
+    from weightsync.transport.nccl_lib import Communicator
+    from weightsync.transport.store import session_key
+    nccl_standin.stub_set(-1, 0, 0)
+    rdzv = _rendezvous(store_host)
+    peer = threading.Timer(0.5, lambda: store_host.client().set(session_key(rdzv, "err", 1), b"rank 1: out of memory"))
+    peer.start()
+    try:
+        with pytest.raises(TransferError, match="rank 1: out of memory"):
+            _join(store_host, rdzv, lambda store: Communicator(2, UID, 0), within_s=30)
+    finally:
+        peer.join()
+    assert _join.took_s < 5
+    assert nccl_standin.stub_calls().endswith(b"A") and nccl_standin.stub_calls().count(b"A") == 1
+
+
+def test_a_build_that_fails_in_nccl_is_a_typed_error_and_is_aborted(nccl_standin, store_host):
+    from weightsync.transport.nccl_lib import Communicator
+    nccl_standin.stub_set(2, 0, 6)  # two polls in progress, then ncclRemoteError
+    with pytest.raises(TransferError, match="remote process exited .NCCL error 6."):
+        _join(store_host, _rendezvous(store_host), lambda store: Communicator(2, UID, 1), within_s=10)
+    assert nccl_standin.stub_calls() == b"IEEEA"
+
+
+def test_a_communicator_handed_over_after_its_caller_gave_up_is_aborted(nccl_standin, store_host):
+    """The side thread was still in its store read when the deadline came: the
+    communicator it builds after is aborted, not left joining peers that gave up."""
+    import time
+
+    from weightsync.errors import StepTimeoutError
+    from weightsync.transport.nccl_lib import Communicator
+    nccl_standin.stub_set(-1, 0, 0)
+
+    def late_build(store):
+        time.sleep(1.5)
+        return Communicator(2, UID, 1)
+
+    with pytest.raises(StepTimeoutError):
+        _join(store_host, _rendezvous(store_host), late_build, within_s=0.5)
+    assert nccl_standin.stub_calls() == b""
+    deadline = time.monotonic() + 10
+    while nccl_standin.stub_calls() != b"IA" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert nccl_standin.stub_calls() == b"IA"
+
+
+def test_a_broadcast_nccl_is_still_queueing_is_settled_before_the_next_call(nccl_standin):
+    """Until NCCL leaves ncclInProgress its kernel is not on the stream: an event
+    recorded there would not wait for it. Each chunk is settled before the next."""
+    from weightsync.transport import nccl_lib
+    nccl_standin.stub_set(0, 2, 0)
+    comm = nccl_lib.Communicator(2, UID, 0)
+    settled = []
+
+    def settle():
+        while not comm.ready():
+            pass
+        settled.append(nccl_standin.stub_calls())
+
+    comm.broadcast(0x1000, nccl_lib._MAX_COUNT + 10, 0, settle=settle)  # two chunks
+    assert settled == [b"IBEEE", b"IBEEEBEEE"]
+    assert nccl_standin.stub_calls() == b"IBEEEBEEE"
+    nccl_standin.stub_set(0, 0, 0)
+    comm.broadcast(0x1000, 64, 0, settle=lambda: pytest.fail("a queued broadcast needs no settling"))
+    assert nccl_standin.stub_calls() == b"B"
+    comm.abort()
+
+
+def test_an_nccl_older_than_2_14_gets_a_blocking_communicator(nccl_standin_builds, monkeypatch):
+    from weightsync.transport.nccl_lib import Communicator
+    stub = _use_nccl(monkeypatch, nccl_standin_builds["old"])
+    stub.stub_set(0, 0, 0)
+    comm = Communicator(3, UID, 2)
+    assert comm.blocking and comm.ready()
+    assert (stub.stub_calls(), stub.stub_nranks(), stub.stub_rank()) == (b"iE", 3, 2)
+    comm.abort()

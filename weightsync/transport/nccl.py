@@ -6,21 +6,24 @@ Group. One communicator per group id, reused from round to round and ended
 (``ncclCommAbort``, see ``NcclGroup.close``) when the group id changes or after any
 failure. Rank 0 (the trainer) draws NCCL's unique id and publishes it under the
 round's session key (``nccl-id``, 128 bytes); every rank builds the communicator on
-its transfer device. Building blocks inside NCCL until every rank has joined, so it
-runs on a side thread while the caller polls the deadline and the peers' failure
-keys (``collective.join_in_background``); a build abandoned that way stays blocked
-in its thread (without the GIL) until its peers come or the process ends: NCCL's
-blocking init has no timeout of its own.
+its transfer device. Reading the id from the store blocks, so that part runs on a
+side thread (``collective.join_in_background``); the communicator is non-blocking
+(``nccl_lib``), and the caller polls it ready with the deadline, the abort flag and
+the peers' failure keys (``join_communicator``). A build that does not get there is
+ended with ``ncclCommAbort``, also when the side thread hands it over only after
+the caller gave up: nothing is left joining peers that will not come.
 
 Data. Two device buffers per side alternate: the sender packs bucket k+1 (on a copy
 stream) while bucket k is broadcast (on a communication stream); each receiver
 unpacks bucket k while k+1 arrives. The streams are ordered by CUDA events, never by
 the host; the host keeps at most two buckets in flight and waits only by polling an
 event (``cuda.EventDone``), with the round's deadline, the abort flag, NCCL's
-asynchronous error check and the peers' failure keys. A side that fails sets
-``abort`` (sender) or ``err/<rank>`` (receiver) in the store and aborts its
-communicator (``ncclCommAbort``): a broadcast that can no longer finish is never left
-to hang, and the others stop at their next poll.
+asynchronous error check and the peers' failure keys. A broadcast NCCL is still
+queueing is polled the same way until it is on its stream, before any event is
+recorded after it. A side that fails sets ``abort`` (sender) or ``err/<rank>``
+(receiver) in the store and aborts its communicator (``ncclCommAbort``): a broadcast
+that can no longer finish is never left to hang, and the others stop at their next
+poll.
 
 NCCL refuses two ranks on one GPU: every engine needs a GPU of its own, and so does
 the trainer.
@@ -31,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +51,67 @@ from weightsync.v1 import common_pb2
 
 log = logging.getLogger("weightsync.transport.nccl")
 
+class _Ready:
+    """A communicator's last call (its build, or queueing a broadcast) as a piece of
+    work for ``collective.wait_polling``."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self._comm = comm
+
+    def is_completed(self) -> bool:
+        return self._comm.ready()
+
+    def wait(self) -> None:
+        """Completed: nothing left to wait for."""
+
+
+class _Handover:
+    """A communicator built on a side thread, taken by its caller or, once the caller
+    gave up (``give_up``), aborted: at once if it was already built, else as soon as
+    the side thread hands it over."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._comm: Communicator | None = None
+        self._abandoned = False
+
+    def keep(self, comm: Communicator) -> Communicator:
+        with self._lock:
+            if not self._abandoned:
+                self._comm = comm
+                return comm
+        comm.abort()
+        raise TransferError("the NCCL group setup was given up before its communicator was built")
+
+    def give_up(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            comm, self._comm = self._comm, None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception as exc:
+                log.warning("ending an NCCL communicator that never got ready failed: %s", exc)
+
+
+def join_communicator(build: Callable[[dist.Store], Communicator], rendezvous: common_pb2.Rendezvous, *,
+                      deadline_at: float, abort: threading.Event, watch: dist.Store,
+                      stop_keys: Sequence[str]) -> Communicator:
+    """A ready communicator from ``build`` (run on a side thread with a store
+    connection of its own): waited for with the deadline, ``abort`` and the peers'
+    failure keys, and aborted when it does not get ready."""
+    handover = _Handover()
+    try:
+        comm = join_in_background(lambda store: handover.keep(build(store)), rendezvous,
+                                  operation="nccl group setup", deadline_at=deadline_at, abort=abort, watch=watch,
+                                  stop_keys=stop_keys)
+        wait_polling(_Ready(comm), deadline_at, "nccl group setup", abort=abort, store=watch, stop_keys=stop_keys)
+    except BaseException:
+        handover.give_up()
+        raise
+    return comm
+
+
 class NcclGroup:
     """A communicator on one device, its two bucket buffers, streams and events."""
 
@@ -56,15 +120,19 @@ class NcclGroup:
         self.group_id = rendezvous.group_id
         self.device = device
         self.bucket_bytes = bucket_bytes
-        self.comm = join_in_background(lambda store: _communicator(store, rendezvous, rank, device),
-                                       rendezvous, operation="nccl group setup", deadline_at=deadline_at,
-                                       abort=abort, watch=watch, stop_keys=stop_keys)
-        with torch.cuda.device(device):
-            self.copy_stream = torch.cuda.Stream(device)
-            self.comm_stream = torch.cuda.Stream(device)
-        self.buffers = self._new_buffers(bucket_bytes)
-        self.on_wire = [torch.cuda.Event(), torch.cuda.Event()]  # each slot's last broadcast
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]   # each slot's last pack or unpack
+        self.buffers: list[torch.Tensor] = []
+        self.comm = join_communicator(lambda store: _communicator(store, rendezvous, rank, device), rendezvous,
+                                      deadline_at=deadline_at, abort=abort, watch=watch, stop_keys=stop_keys)
+        try:  # the buffers may not fit on the GPU: the communicator is not left behind
+            with torch.cuda.device(device):
+                self.copy_stream = torch.cuda.Stream(device)
+                self.comm_stream = torch.cuda.Stream(device)
+            self.buffers = self._new_buffers(bucket_bytes)
+            self.on_wire = [torch.cuda.Event(), torch.cuda.Event()]  # each slot's last broadcast
+            self.copied = [torch.cuda.Event(), torch.cuda.Event()]   # each slot's last pack or unpack
+        except BaseException:
+            self.close()
+            raise
 
     def fit(self, bucket_bytes: int) -> None:
         """Reallocates the buffers only when the plan's bucket size changed (the
@@ -83,11 +151,16 @@ class NcclGroup:
             buffer.record_stream(self.comm_stream)
         return buffers
 
-    def broadcast(self, slot: int, nbytes: int) -> None:
+    def broadcast(self, slot: int, nbytes: int, operation: str, *, deadline_at: float, abort: threading.Event,
+                  store: dist.Store, stop_keys: Sequence[str]) -> None:
         """Posts the broadcast of the first ``nbytes`` of buffer ``slot`` from rank 0,
-        after that slot's last pack or unpack, on the communication stream."""
+        after that slot's last pack or unpack, on the communication stream; returns
+        once it is queued there (a wait bounded like every other)."""
+        def settle() -> None:
+            wait_polling(_Ready(self.comm), deadline_at, operation, abort=abort, store=store, stop_keys=stop_keys)
+
         self.comm_stream.wait_event(self.copied[slot])
-        self.comm.broadcast(self.buffers[slot].data_ptr(), nbytes, self.comm_stream.cuda_stream)
+        self.comm.broadcast(self.buffers[slot].data_ptr(), nbytes, self.comm_stream.cuda_stream, settle=settle)
         self.on_wire[slot].record(self.comm_stream)
 
     def check(self) -> None:
@@ -116,8 +189,9 @@ class NcclGroup:
 
 def _communicator(store: dist.Store, rendezvous: common_pb2.Rendezvous, rank: int,
                   device: torch.device) -> Communicator:
-    """Builds this rank's communicator on ``device`` (blocks, GIL released, until every
-    rank joins); rank 0 draws the unique id and publishes it first."""
+    """Starts this rank's communicator on ``device`` (``join_communicator`` waits for
+    it to be ready); rank 0 draws the unique id and publishes it first, the others
+    read it from the store (a blocking read: this runs on a side thread)."""
     torch.cuda.set_device(device)  # NCCL takes the rank's GPU from this thread's current device
     key = session_key(rendezvous, "nccl-id")
     if rank == 0:
@@ -156,7 +230,7 @@ class NcclSender(Sender):
                         group.copy_stream.wait_event(group.on_wire[slot])
                         pack_bucket(plan, bucket, sources, group.buffers[slot])
                         group.copied[slot].record(group.copy_stream)
-                    group.broadcast(slot, plan.bucket_size(bucket))
+                    group.broadcast(slot, plan.bucket_size(bucket), "broadcast", **waits)
                 for bucket in range(max(0, plan.num_buckets - 2), plan.num_buckets):
                     group.wait(group.on_wire[bucket % 2], "broadcast", **waits)
         except BaseException as exc:
@@ -205,12 +279,12 @@ class NcclReceiver(Receiver):
             n = plan.num_buckets
             with torch.cuda.device(device):
                 group.copy_stream.wait_stream(torch.cuda.current_stream(device))  # the engine's own work first
-                group.broadcast(0, plan.bucket_size(0))
+                group.broadcast(0, plan.bucket_size(0), "receive", **waits)
                 for bucket in range(n):
                     if abort.is_set():
                         raise TransferError("receive aborted")
                     if bucket + 1 < n:  # its slot's last bucket was unpacked (waited below)
-                        group.broadcast((bucket + 1) % 2, plan.bucket_size(bucket + 1))
+                        group.broadcast((bucket + 1) % 2, plan.bucket_size(bucket + 1), "receive", **waits)
                     slot = bucket % 2
                     group.wait(group.on_wire[slot], "receive", **waits)
                     with torch.cuda.stream(group.copy_stream):
@@ -246,4 +320,4 @@ class NcclReceiver(Receiver):
             group.close()
 
 
-__all__ = ["NcclSender", "NcclReceiver", "NcclGroup"]
+__all__ = ["NcclSender", "NcclReceiver", "NcclGroup", "join_communicator"]

@@ -8,8 +8,18 @@ heartbeats, a trainer's asyncio loop -- beyond any deadline: the seed bug, insid
 library. A ctypes foreign call releases the GIL for its whole duration, so here a
 blocking NCCL call holds only the thread that made it.
 
-The library is the one the process already uses where it is loaded (torch's CUDA
-builds and cupy load ``libnccl.so.2``), else the ``nvidia-nccl-cu*`` wheel's.
+Communicators are non-blocking (``ncclCommInitRankConfig`` with ``blocking = 0``,
+NCCL 2.14 and later): no call waits on a peer. Building one returns at once while
+NCCL joins the peers on a thread of its own, and a broadcast may return
+``ncclInProgress`` before its kernel is on the stream; the caller polls ``ready``
+(``ncclCommGetAsyncError``) with its deadline, and a communicator that cannot get
+ready is ended by ``abort``, which stops NCCL's joining thread too. A blocking build
+left behind by a deadline would stay blocked in its thread, holding the GPU, until
+its peers came or the process ended. An older NCCL gets blocking communicators.
+
+The library is ``WEIGHTSYNC_NCCL_LIBRARY`` where set (a path), else the one the
+process already uses where it is loaded (torch's CUDA builds and cupy load
+``libnccl.so.2``), else the ``nvidia-nccl-cu*`` wheel's.
 """
 
 from __future__ import annotations
@@ -18,12 +28,19 @@ import ctypes
 import importlib.util
 import os
 import threading
+from collections.abc import Callable
 
 from weightsync.errors import TransferError
 
 UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
 NCCL_UINT8 = 1         # ncclUint8 in ncclDataType_t
+NCCL_IN_PROGRESS = 7   # ncclInProgress in ncclResult_t
 _MAX_COUNT = (1 << 31) - 1
+# ncclConfig_t of NCCL 2.14, the release that brought non-blocking communicators. NCCL
+# reads a config by its ``size`` and ``version`` and gives every field a later release
+# added its default, so this layout holds for every release since.
+_CONFIG_MAGIC = 0xCAFEBEEF
+_CONFIG_VERSION = 21400  # NCCL_VERSION(2, 14, 0)
 
 
 class UniqueId(ctypes.Structure):
@@ -32,11 +49,25 @@ class UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
 
 
+class Config(ctypes.Structure):
+    """ncclConfig_t as NCCL 2.14 laid it out (see ``_CONFIG_VERSION``)."""
+
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int)]
+
+    @classmethod
+    def non_blocking(cls) -> Config:
+        return cls(ctypes.sizeof(cls), _CONFIG_MAGIC, _CONFIG_VERSION, 0)
+
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
 
 def _candidates() -> list[str]:
+    chosen = os.environ.get("WEIGHTSYNC_NCCL_LIBRARY")
+    if chosen:
+        return [chosen]
     paths = ["libnccl.so.2", "libnccl.so"]
     for package in ("nvidia.nccl", "nvidia"):
         try:
@@ -77,6 +108,9 @@ def library() -> ctypes.CDLL:
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, c_int
+        if hasattr(lib, "ncclCommInitRankConfig"):  # NCCL 2.14 and later
+            fn = lib.ncclCommInitRankConfig
+            fn.argtypes, fn.restype = [ctypes.POINTER(c_void_p), c_int, UniqueId, c_int, ctypes.POINTER(Config)], c_int
         lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [c_int], ctypes.c_char_p
         _lib = lib
         return lib
@@ -106,41 +140,75 @@ class Communicator:
     """One rank's communicator. Every call releases the GIL while NCCL runs."""
 
     def __init__(self, world_size: int, unique_id: bytes, rank: int) -> None:
-        """Blocks (GIL released) until all ``world_size`` ranks have joined; the CUDA
-        device current on this thread is the rank's."""
+        """Starts joining the ``world_size`` ranks on the CUDA device current on this
+        thread. Non-blocking (see the module docstring): returns at once, and the
+        communicator is usable once ``ready`` says so; with an NCCL older than 2.14,
+        blocks (GIL released) until every rank has joined."""
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise TransferError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
         uid = UniqueId()
         ctypes.memmove(ctypes.addressof(uid), unique_id, UNIQUE_ID_BYTES)
         comm = ctypes.c_void_p(0)
-        _check(library().ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank), "ncclCommInitRank")
+        lib = library()
+        self.blocking = not hasattr(lib, "ncclCommInitRankConfig")
+        if self.blocking:
+            _check(lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank), "ncclCommInitRank")
+        else:
+            config = Config.non_blocking()
+            status = lib.ncclCommInitRankConfig(ctypes.byref(comm), world_size, uid, rank, ctypes.byref(config))
+            if status != NCCL_IN_PROGRESS:
+                _check(status, "ncclCommInitRankConfig")  # a failed call frees what it made
         self._comm = comm
 
-    def broadcast(self, address: int, nbytes: int, stream: int) -> None:
+    def ready(self) -> bool:
+        """Whether the last call has finished: the build, or the queueing of a
+        broadcast on its stream (a non-blocking communicator may still be at either
+        when the call returns). TransferError when it failed."""
+        state = self._async_state()
+        if state == NCCL_IN_PROGRESS:
+            return False
+        _check(state, "an NCCL operation")
+        return True
+
+    def broadcast(self, address: int, nbytes: int, stream: int, *, settle: Callable[[], None]) -> None:
         """Queues a broadcast of ``nbytes`` at device ``address`` from rank 0 on
-        ``stream`` (in place: rank 0 sends it, the others receive into it)."""
+        ``stream`` (in place: rank 0 sends it, the others receive into it). A call
+        that NCCL is still queueing (``ncclInProgress``) is waited for by ``settle``
+        (a bounded wait until ``ready``) before the next: until then its kernel is not
+        on the stream, and an event recorded there would not wait for it."""
         lib = library()
         done = 0
         while done < nbytes:  # NCCL counts in int on some builds: chunks every side cuts alike
             count = min(nbytes - done, _MAX_COUNT)
-            _check(lib.ncclBroadcast(address + done, address + done, count, NCCL_UINT8, 0, self._comm, stream),
-                   "ncclBroadcast")
+            status = lib.ncclBroadcast(address + done, address + done, count, NCCL_UINT8, 0, self._comm, stream)
+            if status == NCCL_IN_PROGRESS:
+                settle()
+            else:
+                _check(status, "ncclBroadcast")
             done += count
 
     def check(self) -> None:
         """TransferError when NCCL reports an asynchronous error (a peer went away)."""
+        state = self._async_state()
+        if state != NCCL_IN_PROGRESS:
+            _check(state, "an NCCL operation")
+
+    def _async_state(self) -> int:
         if not self._comm:
             raise TransferError("the NCCL communicator was aborted")
         result = ctypes.c_int(0)
         _check(library().ncclCommGetAsyncError(self._comm, ctypes.byref(result)), "ncclCommGetAsyncError")
-        _check(result.value, "an NCCL operation")
+        return result.value
 
     def abort(self) -> None:
-        """ncclCommAbort: ends whatever is queued and frees the communicator; local, it
-        never waits on a peer (the only way weightsync ends a communicator)."""
+        """ncclCommAbort: ends whatever is queued, or a build still joining its peers,
+        and frees the communicator; local, it never waits on a peer (the only way
+        weightsync ends a communicator)."""
         comm, self._comm = self._comm, ctypes.c_void_p(0)
         if comm:
-            _check(library().ncclCommAbort(comm), "ncclCommAbort")
+            status = library().ncclCommAbort(comm)
+            if status != NCCL_IN_PROGRESS:
+                _check(status, "ncclCommAbort")
 
 
-__all__ = ["Communicator", "UniqueId", "UNIQUE_ID_BYTES", "library", "new_unique_id", "version"]
+__all__ = ["Communicator", "Config", "NCCL_IN_PROGRESS", "UniqueId", "UNIQUE_ID_BYTES", "library", "new_unique_id", "version"]
