@@ -393,11 +393,89 @@ def test_a_broadcast_nccl_is_still_queueing_is_settled_before_the_next_call(nccl
     comm.abort()
 
 
-def test_an_nccl_older_than_2_14_gets_a_blocking_communicator(nccl_standin_builds, monkeypatch):
+@pytest.mark.parametrize("why", ["NCCL older than 2.14", "WEIGHTSYNC_NCCL_BLOCKING=1"])
+def test_a_blocking_communicator_where_non_blocking_is_missing_or_turned_off(nccl_standin_builds, monkeypatch, why):
     from weightsync.transport.nccl_lib import Communicator
-    stub = _use_nccl(monkeypatch, nccl_standin_builds["old"])
+    if why.startswith("WEIGHTSYNC"):
+        monkeypatch.setenv("WEIGHTSYNC_NCCL_BLOCKING", "1")
+        stub = _use_nccl(monkeypatch, nccl_standin_builds["current"])
+    else:
+        stub = _use_nccl(monkeypatch, nccl_standin_builds["old"])
     stub.stub_set(0, 0, 0)
     comm = Communicator(3, UID, 2)
     assert comm.blocking and comm.ready()
     assert (stub.stub_calls(), stub.stub_nranks(), stub.stub_rank()) == (b"iE", 3, 2)
     comm.abort()
+
+
+class _StandInProcessGroupNCCL:
+    """torch's ProcessGroupNCCL as far as ``group.open_group`` uses it (torch's CPU
+    build has none): building the communicator blocks until ``peers_came`` is set, as
+    NCCL's blocking init does until every rank has joined."""
+
+    built: list = []
+    peers_came = None
+
+    class Options:
+        def __init__(self):
+            self._timeout = None
+
+    def __init__(self, store, rank, world_size, options):
+        self.rank, self.world_size, self.options = rank, world_size, options
+
+    def eager_connect_single_device(self, device):
+        import threading
+        type(self).built.append((device, threading.current_thread().name))
+        assert type(self).peers_came.wait(30)
+
+
+@pytest.fixture
+def standin_nccl_group(monkeypatch):
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _StandInProcessGroupNCCL, raising=False)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_StandInProcessGroupNCCL, "built", [])
+    monkeypatch.setattr(_StandInProcessGroupNCCL, "peers_came", threading.Event())
+    yield _StandInProcessGroupNCCL
+    _StandInProcessGroupNCCL.peers_came.set()  # a build left waiting ends
+
+
+@pytest.mark.parametrize("peers_come", [False, True])
+def test_an_nccl_group_builds_its_communicator_on_the_joins_side_thread_within_the_deadline(
+        standin_nccl_group, peers_come):
+    """torch builds NCCL's communicator inside a group's first collective, a call that
+    blocks with no deadline until every rank has joined; open_group builds it before it
+    returns, on the side thread the round's deadline bounds, on the GPU it was given."""
+    import threading
+    import time
+    import uuid
+
+    import torch
+
+    from weightsync.errors import StepTimeoutError
+    from weightsync.transport.group import open_group
+    from weightsync.transport.store import connect_store, host_store
+    from weightsync.v1 import common_pb2
+
+    store = host_store("127.0.0.1", timeout_s=10)
+    rdzv = common_pb2.Rendezvous(group_id="g", transport=common_pb2.TRANSPORT_KIND_GROUP, group_backend="nccl",
+                                 store_host="127.0.0.1", store_port=store.port, world_size=2,
+                                 session_id=uuid.uuid4().hex)
+    watch = connect_store("127.0.0.1", store.port, deadline_at=time.monotonic() + 10)
+    if peers_come:
+        standin_nccl_group.peers_came.set()
+    started = time.monotonic()
+    try:
+        pg = open_group(rdzv, 1, watch=watch, deadline_at=started + 1.0, abort=threading.Event(),
+                        device=torch.device("cuda", 1))
+    except StepTimeoutError as exc:
+        assert not peers_come and "nccl group setup" in str(exc)
+        assert 1.0 <= time.monotonic() - started < 5
+    else:
+        assert peers_come and isinstance(pg, _StandInProcessGroupNCCL) and (pg.rank, pg.world_size) == (1, 2)
+        assert 0 < pg.options._timeout.total_seconds() <= 1.0
+    assert standin_nccl_group.built == [(torch.device("cuda", 1), "weightsync-join-g")]

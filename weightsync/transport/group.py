@@ -17,7 +17,14 @@ module builds the backend directly under the same keys, so its groups are never
 registered in torch's global group table and a retired group never blocks a name.
 
 Failure handling is the gloo transport's: waits poll, peers' failure keys in the
-store stop them at once, and a failed group is retired on a daemon thread.
+store stop them at once, and a failed group is retired on a daemon thread. With
+nccl, torch builds NCCL's communicator inside the group's first collective, and that
+call blocks, with no deadline, until every rank has built it: a peer that died before
+its first receive would hold the transfer thread for good. So ``open_group`` builds
+it at once (``eager_connect_single_device``) on the join's side thread, where the
+round's deadline and the peers' failure keys bound the wait. The group's GPU is the
+trainer's tensors' (``cuda.tensors_device``) on rank 0, the receive thread's current
+device elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from weightsync.transport.collective import (
     retire,
     wait_polling,
 )
+from weightsync.transport.cuda import tensors_device
 from weightsync.transport.flattened import (
     FLATTENED,
     LAYOUTS,
@@ -83,10 +91,12 @@ def group_layout(rendezvous: common_pb2.Rendezvous) -> str:
 
 
 def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Store, deadline_at: float,
-               abort: threading.Event, stop_keys: Sequence[str] = (), bind_host: str = "") -> dist.ProcessGroup:
+               abort: threading.Event, stop_keys: Sequence[str] = (), bind_host: str = "",
+               device: torch.device | None = None) -> dist.ProcessGroup:
     """Joins the rendezvous' group as ``rank``; returns once every rank has joined.
     With the gloo backend, this side listens on ``bind_host`` (when given; SGLang's own
-    side of the group picks its address itself).
+    side of the group picks its address itself). With nccl, the group's communicator
+    is built on ``device`` (this thread's current GPU when None) before it returns.
 
     The join runs in ``join_in_background``: a peer that failed before joining stops
     the wait at once, and the deadline holds whatever torch does.
@@ -96,13 +106,17 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
         raise FailedPrecondition("the nccl group backend needs CUDA and torch's NCCL; use gloo",
                                  reason="TRANSPORT_UNAVAILABLE")
     timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
+    if backend == "nccl" and device is None:
+        device = _device_for(backend)  # this thread's GPU: the side thread's current one may be another
 
     def build(store: dist.Store) -> dist.ProcessGroup:
         keyed = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", keyed), rank, world_size, options)
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", keyed), rank, world_size, options)
+            pg.eager_connect_single_device(device)  # here, not inside the first broadcast (module docstring)
+            return pg
         if not bind_host:
             return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, timeout)
         return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size,
@@ -115,18 +129,27 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
 class _Joined:
     """A joined group, reused while the rendezvous' group id and backend stay."""
 
-    def __init__(self, rendezvous: common_pb2.Rendezvous, pg: dist.ProcessGroup, timeout_s: float) -> None:
+    def __init__(self, rendezvous: common_pb2.Rendezvous, pg: dist.ProcessGroup, timeout_s: float,
+                 device: torch.device) -> None:
         self.group_id = rendezvous.group_id
         self.backend = group_backend(rendezvous)
+        self.device = device  # the wire's: an nccl group's communicator lives on one GPU
         self.pg = pg
         self.timeout_s = timeout_s  # every op's; retire() waits it out
 
-    def matches(self, rendezvous: common_pb2.Rendezvous) -> bool:
-        return self.group_id == rendezvous.group_id and self.backend == group_backend(rendezvous)
+    def matches(self, rendezvous: common_pb2.Rendezvous, device: torch.device) -> bool:
+        return (self.group_id == rendezvous.group_id and self.backend == group_backend(rendezvous)
+                and self.device == device)
 
 
 def _device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _sender_device(backend: str, sources: Sequence[torch.Tensor]) -> torch.device:
+    """The trainer's wire device: with nccl the GPU its tensors are on (NCCL's rank 0
+    is that GPU), else the CPU."""
+    return tensors_device(sources, "trainer's tensors") if backend == "nccl" else torch.device("cpu")
 
 
 def _fail(store: dist.Store | None, key: str, message: str, joined: _Joined | None) -> None:
@@ -201,8 +224,8 @@ class GroupSender(Sender):
         stop = [session_key(rendezvous, "err", r) for r in range(1, rendezvous.world_size)]
         try:
             backend = group_backend(rendezvous)
-            pg = self._ensure(rendezvous, deadline_at, abort, stop)
-            device = _device_for(backend)
+            device = _sender_device(backend, sources)
+            pg = self._ensure(rendezvous, device, deadline_at, abort, stop)
             in_flight = _InFlight(lambda work, _: wait_polling(work, deadline_at, "broadcast", abort=abort,
                                                         store=self._store, stop_keys=stop))
             if group_layout(rendezvous) == FLATTENED:
@@ -246,14 +269,14 @@ class GroupSender(Sender):
             buffer = self._staging.buffer(slot, calls.nbytes(call))
             self._staging.used(slot, in_flight.add(broadcast_from_root(pg, buffer), buffer))
 
-    def _ensure(self, rendezvous, deadline_at: float, abort: threading.Event,
+    def _ensure(self, rendezvous, device: torch.device, deadline_at: float, abort: threading.Event,
                 stop: Sequence[str]) -> dist.ProcessGroup:
-        if self._joined is None or not self._joined.matches(rendezvous):
+        if self._joined is None or not self._joined.matches(rendezvous, device):
             self.close()
             timeout_s = max(deadline_at - time.monotonic(), 0.001)  # open_group's op timeout
             pg = open_group(rendezvous, 0, watch=self._store, deadline_at=deadline_at, abort=abort, stop_keys=stop,
-                            bind_host=self._bind_host)
-            self._joined = _Joined(rendezvous, pg, timeout_s)
+                            bind_host=self._bind_host, device=device)
+            self._joined = _Joined(rendezvous, pg, timeout_s, device)
         return self._joined.pg
 
     def close(self) -> None:
@@ -279,7 +302,7 @@ class GroupReceiver(Receiver):
             wire_device = _device_for(group_backend(rendezvous))
             stop = [session_key(rendezvous, "abort")]
             with nothing_written():
-                pg = self._ensure(rendezvous, rank, deadline_at, abort, stop)
+                pg = self._ensure(rendezvous, rank, wire_device, deadline_at, abort, stop)
             store = self._store[1]
             buckets_done = 0
 
@@ -357,9 +380,9 @@ class GroupReceiver(Receiver):
             self._staging.used(slot, in_flight.add(broadcast_from_root(pg, buffer), buffer,
                                                    (first, end, buffer, views)))
 
-    def _ensure(self, rendezvous, rank: int, deadline_at: float, abort: threading.Event,
+    def _ensure(self, rendezvous, rank: int, device: torch.device, deadline_at: float, abort: threading.Event,
                 stop: Sequence[str]) -> dist.ProcessGroup:
-        if self._joined is not None and self._joined.matches(rendezvous):
+        if self._joined is not None and self._joined.matches(rendezvous, device):
             return self._joined.pg
         self._joined = None
         where = (rendezvous.store_host, rendezvous.store_port)
@@ -367,8 +390,8 @@ class GroupReceiver(Receiver):
             self._store = (where, connect_store(*where, deadline_at=deadline_at, secret=rendezvous.store_secret))
         timeout_s = max(deadline_at - time.monotonic(), 0.001)  # open_group's op timeout
         pg = open_group(rendezvous, rank, watch=self._store[1], deadline_at=deadline_at, abort=abort,
-                        bind_host=self._bind_host, stop_keys=stop)
-        self._joined = _Joined(rendezvous, pg, timeout_s)
+                        bind_host=self._bind_host, stop_keys=stop, device=device)
+        self._joined = _Joined(rendezvous, pg, timeout_s, device)
         return pg
 
     def close(self) -> None:

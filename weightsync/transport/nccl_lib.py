@@ -15,7 +15,11 @@ NCCL joins the peers on a thread of its own, and a broadcast may return
 (``ncclCommGetAsyncError``) with its deadline, and a communicator that cannot get
 ready is ended by ``abort``, which stops NCCL's joining thread too. A blocking build
 left behind by a deadline would stay blocked in its thread, holding the GPU, until
-its peers came or the process ended. An older NCCL gets blocking communicators.
+its peers came or the process ended. An older NCCL gets blocking communicators, and
+so does a process with ``WEIGHTSYNC_NCCL_BLOCKING=1`` (for an NCCL whose non-blocking
+mode misbehaves: torch stopped choosing it by default after random hangs with NCCL
+2.26); their build blocks the side thread that runs it, and the deadline still ends
+the wait for it (``nccl.join_communicator``).
 
 The library is ``WEIGHTSYNC_NCCL_LIBRARY`` where set (a path), else the one the
 process already uses where it is loaded (torch's CUDA builds and cupy load
@@ -142,15 +146,16 @@ class Communicator:
     def __init__(self, world_size: int, unique_id: bytes, rank: int) -> None:
         """Starts joining the ``world_size`` ranks on the CUDA device current on this
         thread. Non-blocking (see the module docstring): returns at once, and the
-        communicator is usable once ``ready`` says so; with an NCCL older than 2.14,
-        blocks (GIL released) until every rank has joined."""
+        communicator is usable once ``ready`` says so. A blocking one (an NCCL older
+        than 2.14, or ``WEIGHTSYNC_NCCL_BLOCKING=1``) blocks here, GIL released, until
+        every rank has joined."""
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise TransferError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
         uid = UniqueId()
         ctypes.memmove(ctypes.addressof(uid), unique_id, UNIQUE_ID_BYTES)
         comm = ctypes.c_void_p(0)
         lib = library()
-        self.blocking = not hasattr(lib, "ncclCommInitRankConfig")
+        self.blocking = os.environ.get("WEIGHTSYNC_NCCL_BLOCKING") == "1" or not hasattr(lib, "ncclCommInitRankConfig")
         if self.blocking:
             _check(lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank), "ncclCommInitRank")
         else:
