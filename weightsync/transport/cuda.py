@@ -161,8 +161,13 @@ class MappedBlock:
                                     "the engine on the trainer's host, in another process") from None
             memory = cupy.cuda.UnownedMemory(self.address, size, None, device.index)
             array = cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
-        # One uint8 tensor over the whole block: tensors are views of it (no copy).
-        self.bytes = torch.as_tensor(array, device=device)
+        # One uint8 tensor over the whole block: tensors are views of it. No device is
+        # named: ``as_tensor`` then takes the mapping's own device and never copies (asked
+        # for another GPU's than the block's, it would copy the block once, and every
+        # later round would read that copy's stale bytes).
+        self.bytes = torch.as_tensor(array)
+        if self.bytes.data_ptr() != self.address:
+            raise TransferError("mapping the trainer's GPU memory made a copy of it; refusing to read a copy")
 
     def close(self) -> None:
         """Unmaps the block; its tensor views must not be used after. A failure to
