@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import queue
 import re
 import threading
@@ -34,6 +35,7 @@ from weightsync.transport.store import connect_store
 from weightsync.v1 import common_pb2
 
 T = TypeVar("T")
+log = logging.getLogger("weightsync.transport.collective")
 
 PEER_CHECK_S = 0.05
 _RETIRED: queue.Queue = queue.Queue()
@@ -199,27 +201,53 @@ class _ThreadDone:
 
 def join_in_background(build: Callable[[dist.Store], T], rendezvous: common_pb2.Rendezvous, *, operation: str,
                        deadline_at: float, abort: threading.Event, watch: dist.Store,
-                       stop_keys: Sequence[str]) -> T:
+                       stop_keys: Sequence[str], discard: Callable[[T], None] | None = None) -> T:
     """Returns ``build(store)`` (a group joining its peers), run on a daemon thread with
     a store connection of its own, while this thread watches the deadline, ``abort``
     and the peers' failure keys (on ``watch``: a TCPStore connection cannot serve a
-    poll while the join blocks on it). An abandoned join ends at its own timeout."""
+    poll while the join blocks on it). An abandoned join ends at its own timeout; what
+    it builds after this wait gave up goes to ``discard`` (once, on whichever thread
+    sees it last), where the result holds something that must be ended."""
     result: list = []
+    lock = threading.Lock()
+    abandoned = False
 
     def run() -> None:
         try:
             store = connect_store(rendezvous.store_host, rendezvous.store_port, deadline_at=deadline_at,
                                   secret=rendezvous.store_secret)
-            result.append(build(store))
+            value = build(store)
         except Exception as exc:
-            result.append(exc)
+            value = exc
+        with lock:
+            result.append(value)
+            late = abandoned
+        if late:
+            _discard(value, discard)
 
     thread = threading.Thread(target=run, name=f"weightsync-join-{rendezvous.group_id}", daemon=True)
     thread.start()
-    wait_polling(_ThreadDone(thread), deadline_at, operation, abort=abort, store=watch, stop_keys=stop_keys)
+    try:
+        wait_polling(_ThreadDone(thread), deadline_at, operation, abort=abort, store=watch, stop_keys=stop_keys)
+    except BaseException:
+        with lock:
+            abandoned = True  # read by run() through its closure
+            built = list(result)
+        for value in built:  # built just as the wait gave up: nobody else will end it
+            _discard(value, discard)
+        raise
     if isinstance(result[0], Exception):
         raise as_transfer_error(result[0], operation) from result[0]
     return result[0]
+
+
+def _discard(value: object, discard: Callable | None) -> None:
+    if discard is None or isinstance(value, Exception):
+        return
+    try:
+        discard(value)
+    except Exception as exc:
+        log.warning("ending what an abandoned join built failed: %s", exc)
 
 
 __all__ = ["PEER_CHECK_S", "join_in_background", "retire", "as_transfer_error", "broadcast_from_root", "wait_polling"]

@@ -91,12 +91,12 @@ def group_layout(rendezvous: common_pb2.Rendezvous) -> str:
 
 
 def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Store, deadline_at: float,
-               abort: threading.Event, stop_keys: Sequence[str] = (), bind_host: str = "",
-               device: torch.device | None = None) -> dist.ProcessGroup:
+               abort: threading.Event, device: torch.device, stop_keys: Sequence[str] = (),
+               bind_host: str = "") -> dist.ProcessGroup:
     """Joins the rendezvous' group as ``rank``; returns once every rank has joined.
     With the gloo backend, this side listens on ``bind_host`` (when given; SGLang's own
     side of the group picks its address itself). With nccl, the group's communicator
-    is built on ``device`` (this thread's current GPU when None) before it returns.
+    is built on ``device`` (the wire's GPU) before it returns.
 
     The join runs in ``join_in_background``: a peer that failed before joining stops
     the wait at once, and the deadline holds whatever torch does.
@@ -106,8 +106,6 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
         raise FailedPrecondition("the nccl group backend needs CUDA and torch's NCCL; use gloo",
                                  reason="TRANSPORT_UNAVAILABLE")
     timeout = timedelta(seconds=max(deadline_at - time.monotonic(), 0.001))
-    if backend == "nccl" and device is None:
-        device = _device_for(backend)  # this thread's GPU: the side thread's current one may be another
 
     def build(store: dist.Store) -> dist.ProcessGroup:
         keyed = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
@@ -115,7 +113,9 @@ def open_group(rendezvous: common_pb2.Rendezvous, rank: int, *, watch: dist.Stor
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", keyed), rank, world_size, options)
-            pg.eager_connect_single_device(device)  # here, not inside the first broadcast (module docstring)
+            # Here, not inside the first broadcast (module docstring); on the caller's GPU,
+            # not this side thread's current one.
+            pg.eager_connect_single_device(device)
             return pg
         if not bind_host:
             return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", keyed), rank, world_size, timeout)

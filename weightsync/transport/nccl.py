@@ -65,49 +65,21 @@ class _Ready:
         """Completed: nothing left to wait for."""
 
 
-class _Handover:
-    """A communicator built on a side thread, taken by its caller or, once the caller
-    gave up (``give_up``), aborted: at once if it was already built, else as soon as
-    the side thread hands it over."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._comm: Communicator | None = None
-        self._abandoned = False
-
-    def keep(self, comm: Communicator) -> Communicator:
-        with self._lock:
-            if not self._abandoned:
-                self._comm = comm
-                return comm
-        comm.abort()
-        raise TransferError("the NCCL group setup was given up before its communicator was built")
-
-    def give_up(self) -> None:
-        with self._lock:
-            self._abandoned = True
-            comm, self._comm = self._comm, None
-        if comm is not None:
-            try:
-                comm.abort()
-            except Exception as exc:
-                log.warning("ending an NCCL communicator that never got ready failed: %s", exc)
-
-
 def join_communicator(build: Callable[[dist.Store], Communicator], rendezvous: common_pb2.Rendezvous, *,
                       deadline_at: float, abort: threading.Event, watch: dist.Store,
                       stop_keys: Sequence[str]) -> Communicator:
     """A ready communicator from ``build`` (run on a side thread with a store
     connection of its own): waited for with the deadline, ``abort`` and the peers'
     failure keys, and aborted when it does not get ready."""
-    handover = _Handover()
+    comm = join_in_background(build, rendezvous, operation="nccl group setup", deadline_at=deadline_at, abort=abort,
+                              watch=watch, stop_keys=stop_keys, discard=Communicator.abort)
     try:
-        comm = join_in_background(lambda store: handover.keep(build(store)), rendezvous,
-                                  operation="nccl group setup", deadline_at=deadline_at, abort=abort, watch=watch,
-                                  stop_keys=stop_keys)
         wait_polling(_Ready(comm), deadline_at, "nccl group setup", abort=abort, store=watch, stop_keys=stop_keys)
     except BaseException:
-        handover.give_up()
+        try:
+            comm.abort()
+        except Exception as exc:
+            log.warning("ending an NCCL communicator that never got ready failed: %s", exc)
         raise
     return comm
 

@@ -169,10 +169,13 @@ class Communicator:
         """Whether the last call has finished: the build, or the queueing of a
         broadcast on its stream (a non-blocking communicator may still be at either
         when the call returns). TransferError when it failed."""
-        state = self._async_state()
-        if state == NCCL_IN_PROGRESS:
+        if not self._comm:
+            raise TransferError("the NCCL communicator was aborted")
+        state = ctypes.c_int(0)
+        _check(library().ncclCommGetAsyncError(self._comm, ctypes.byref(state)), "ncclCommGetAsyncError")
+        if state.value == NCCL_IN_PROGRESS:
             return False
-        _check(state, "an NCCL operation")
+        _check(state.value, "an NCCL operation")
         return True
 
     def broadcast(self, address: int, nbytes: int, stream: int, *, settle: Callable[[], None]) -> None:
@@ -194,16 +197,7 @@ class Communicator:
 
     def check(self) -> None:
         """TransferError when NCCL reports an asynchronous error (a peer went away)."""
-        state = self._async_state()
-        if state != NCCL_IN_PROGRESS:
-            _check(state, "an NCCL operation")
-
-    def _async_state(self) -> int:
-        if not self._comm:
-            raise TransferError("the NCCL communicator was aborted")
-        result = ctypes.c_int(0)
-        _check(library().ncclCommGetAsyncError(self._comm, ctypes.byref(result)), "ncclCommGetAsyncError")
-        return result.value
+        self.ready()
 
     def abort(self) -> None:
         """ncclCommAbort: ends whatever is queued, or a build still joining its peers,
