@@ -12,7 +12,9 @@ step's key is retried. Checked throughout:
   of a round that really ran (never a "try again" such as "no engine is available");
 - afterwards a sync with a new key succeeds and every engine's digest is the trainer's.
 
-``WEIGHTSYNC_CHAOS_SEED`` picks the schedule (printed, so a failure can be replayed).
+``WEIGHTSYNC_CHAOS_SEED`` picks the schedule (printed, so a failure can be replayed);
+``WEIGHTSYNC_CHAOS_TRANSPORT`` the data plane (default ``auto``: shm on this host), so
+a soak can run many seeds over gloo and group too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from weightsync.errors import WeightSyncError
 from weightsync.packing import weights_digest
 
 SEED = int(os.environ.get("WEIGHTSYNC_CHAOS_SEED", "20261130"))
+TRANSPORT = os.environ.get("WEIGHTSYNC_CHAOS_TRANSPORT", "auto")
 STEPS = 8
 SYNC_TIMEOUT_S = 20.0
 HANG_LIMIT_S = SYNC_TIMEOUT_S + 25.0  # the deadline, the resume grace and retries' backoff
@@ -101,7 +104,7 @@ async def bounded(coro):
 
 
 async def test_seeded_chaos_around_sync_rounds(cluster_factory):
-    print(f"chaos seed {SEED}")
+    print(f"chaos seed {SEED}, transport {TRANSPORT}")
     rng = random.Random(SEED)
     cluster = cluster_factory(3, agent_args=("--enable-fault-injection", "--shutdown-grace", "0.5"),
                               agent_env={"WEIGHTSYNC_FAULTS": json.dumps(SLOW_RECEIVE)},
@@ -113,7 +116,7 @@ async def test_seeded_chaos_around_sync_rounds(cluster_factory):
     for i, action in enumerate(rng.sample(ACTIONS[1:], len(ACTIONS) - 1)):
         schedule[i] = action
     version = 0
-    async with TrainerClient(cluster.address, retry=retry, bucket_bytes=BUCKET) as client:
+    async with TrainerClient(cluster.address, retry=retry, bucket_bytes=BUCKET, transport=TRANSPORT) as client:
         for step, action in enumerate(schedule):
             version += 1
             model = perturbed(100 + step)
@@ -127,7 +130,7 @@ async def test_seeded_chaos_around_sync_rounds(cluster_factory):
             extra = None
             await asyncio.sleep(rng.uniform(0.1, 1.2))
             if action == "duplicate":
-                async with TrainerClient(cluster.address, retry=retry, bucket_bytes=BUCKET) as twin:
+                async with TrainerClient(cluster.address, retry=retry, bucket_bytes=BUCKET, transport=TRANSPORT) as twin:
                     extra = await bounded(sync(client=twin))
             else:
                 await chaos.act(action)
