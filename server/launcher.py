@@ -133,7 +133,7 @@ class EngineLauncher:
         try:
             await asyncio.to_thread(self.stop)
             await asyncio.sleep(backoff)
-            self.start()
+            self.start()  # on the loop thread, not to_thread: the death signal follows the starting thread (spawn)
             await self.wait_ready()
             if self.on_relaunch is not None:
                 await self.on_relaunch()

@@ -69,7 +69,12 @@ def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, stdout=None
     (``docs/benchmarks.md``, "A CPU group per started process"). In their starter's
     session they share its group; their own process group still lets a tree be
     stopped as one (``os.killpg``) and keeps a terminal's Ctrl-C, which goes to the
-    foreground group, away from them."""
+    foreground group, away from them.
+
+    Linux sends the death signal when the *thread* that started the child ends, not
+    the process: start children from a thread that lives as long as the process (the
+    main thread, an event loop's), never from a pool thread that may be retired first.
+    That is why the launcher starts its engine on the agent's loop thread."""
     # stdin: none. A process outside the terminal's foreground group that read it
     # would be stopped (SIGTTIN); nothing weightsync starts reads it.
     return subprocess.Popen(list(args), env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=cwd,

@@ -87,10 +87,11 @@ class Stack:
 
 
 def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vllm-0",
-                     faults: str = "", tensor_parallel: int = 1) -> tuple[subprocess.Popen, str]:
+                     faults: str = "", tensor_parallel: int = 1,
+                     agent_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """An agent that launches vLLM (with weightsync's worker extension) and registers
     with the coordinator at ``address``; returns (agent process, vLLM url). The caller
-    stops the agent (which stops vLLM)."""
+    stops the agent (which stops vLLM). ``agent_args``: more of the agent's options."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **VLLM_ENV}
@@ -110,7 +111,7 @@ def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vl
             "agent", "--insecure", "--coordinator", address, "--engine", "vllm", "--engine-url", url,
             "--engine-id", engine_id, "--port-file", port_file,
             "--health-url", f"{url}/health", "--launch-timeout", "300", "--shutdown-grace", "10", *fault_args,
-            "--launch", "--", *vllm_server(model, port, *EXTENSION, tensor_parallel=tensor_parallel)),
+            *agent_args, "--launch", "--", *vllm_server(model, port, *EXTENSION, tensor_parallel=tensor_parallel)),
             env=env, stdout=log, stderr=log)
     try:
         wait_for_file(port_file, timeout_s=360, proc=agent)
