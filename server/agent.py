@@ -364,8 +364,10 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.torn, self.torn_version = False, 0  # boot weights: whole, if perhaps old
         self._kv_offloaded_for_sync = False
         self.record("engine_relaunched", restarts=self.launcher.restarts if self.launcher else 0)
-        await self.watch.refresh()
+        # Paused first: the engine serves its boot weights from its first healthy answer
+        # until this pause (vLLM and SGLang cannot boot paused), so nothing goes before it.
         await self.fence.raise_now(why="engine relaunched")
+        await self.watch.refresh()
 
     async def release_engine(self) -> None:
         """Lets the engine run: its KV cache awake first (Invariant 1), then resumed."""

@@ -46,10 +46,11 @@ PROBE_SEQUENCES = [[5, 6, 7, 8, 9, 10, 11, 12], [11, 3, 8, 1, 40, 2, 90, 17, 4],
 LOGPROB_ATOL = 1e-3  # fp32 on CPU: vLLM's kernels vs another vLLM or transformers differ by ~1e-6
 
 
-def make_model(out: str, *, arch: str = "llama", tied: bool = False, seed: int = 0, experts: int = 8) -> str:
+def make_model(out: str, *, arch: str = "llama", tied: bool = False, seed: int = 0, experts: int = 8,
+               layers: int = 2, intermediate: int = 128) -> str:
     subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), out, "--arch", arch, "--seed", str(seed),
-                    "--experts", str(experts), *(["--tied"] if tied else [])], check=True, timeout=300,
-                   capture_output=True)
+                    "--experts", str(experts), "--layers", str(layers), "--intermediate", str(intermediate),
+                    *(["--tied"] if tied else [])], check=True, timeout=300, capture_output=True)
     return out
 
 

