@@ -155,6 +155,7 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
                                   launcher=agent.launcher)
     if agent.launcher is not None:
         agent.launcher.on_relaunch = core.engine_relaunched
+        agent.launcher.restart_needed = adapter.restart_needed
     freeze_startup_heap(log)  # the engine and its model exist; nothing is served yet
     GcPauseMonitor("agent").install()
     agent.tasks.append(asyncio.create_task(core.loop_lag.run()))

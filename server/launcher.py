@@ -4,8 +4,10 @@ The command runs under ``weightsync.reaper`` (see there for why), in a process g
 of its own, with a parent-death signal: if the agent is SIGKILLed, the reaper still
 takes the engine's entire tree down. Readiness and liveness come from the engine's
 HTTP health URL when one is given (vLLM: ``/health``), else from the process being
-alive. A fault (exit, or health failing for ``unhealthy_after_s``) is reported in
-the agent's heartbeats, so the coordinator marks the engine unavailable.
+alive. A fault (exit, health failing for ``unhealthy_after_s``, or the adapter's
+``restart_needed``: an engine alive and healthy that can only be trusted again after
+a restart) is reported in the agent's heartbeats, so the coordinator marks the
+engine unavailable.
 
 With ``restart="on-failure"`` a faulted engine is relaunched, up to ``max_restarts``
 times, with a back-off that doubles from ``backoff_s`` (capped at ``MAX_BACKOFF_S``):
@@ -41,7 +43,8 @@ class EngineLauncher:
     def __init__(self, command: Sequence[str], *, health_url: str = "", ready_timeout_s: float = 120.0,
                  grace_s: float = 10.0, check_interval_s: float = 1.0, unhealthy_after_s: float = 5.0,
                  log_path: str = "", restart: str = "no", max_restarts: int = 0, backoff_s: float = 1.0,
-                 on_relaunch: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_relaunch: Callable[[], Awaitable[None]] | None = None,
+                 restart_needed: Callable[[], str] | None = None) -> None:
         if not command:
             raise ValueError("--launch needs a command")
         if restart not in RESTART_POLICIES:
@@ -52,6 +55,10 @@ class EngineLauncher:
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.on_relaunch = on_relaunch
+        # Asks the engine's adapter whether the engine, alive and healthy, can only be
+        # trusted again after a restart (e.g. vLLM after a call to its workers timed
+        # out); called on the loop, so it must answer from memory.
+        self.restart_needed = restart_needed
         self.restarts = 0
         self._relaunching = ""
         self.command = list(command)
@@ -117,6 +124,8 @@ class EngineLauncher:
                     self._last_healthy = time.monotonic()
                 elif time.monotonic() - self._last_healthy > self.unhealthy_after_s:
                     self._fault = f"engine stopped answering {self.health_url}"
+            if code is None and self.restart_needed is not None and (why := self.restart_needed()):
+                self._fault = why
             if self._fault and self.restart == "on-failure" and self.restarts < self.max_restarts:
                 await self._relaunch(self._fault)
             await asyncio.sleep(self.check_interval_s)

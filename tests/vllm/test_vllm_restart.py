@@ -1,4 +1,4 @@
-"""A real vLLM that crashes mid-round and comes back (``--restart on-failure``).
+"""A real vLLM that crashes, or freezes, mid-round and comes back (``--restart on-failure``).
 
 The agent launched vLLM. After a round over gloo (whose group the agent and vLLM's
 worker then keep for the next one), vLLM's API server is SIGKILLed while the next
@@ -11,6 +11,13 @@ faked:
 - the next rounds (gloo again, then shm) bring it to the trainer's weights: its greedy
   tokens and log-probs equal the trainer's own model (transformers), a reference
   independent of vLLM's reload path, and the held completion then runs.
+
+Then vLLM's worker is frozen (SIGSTOP) mid-round past the round's deadline, and
+thawed. vLLM pairs its workers' replies with its calls by order, so the late reply
+would answer every later call with the one before (it did: every round after failed,
+the engine torn for good). The trainer gets a typed failure at the deadline; the agent
+reports the engine faulted, the launcher relaunches it, and the next round brings it
+up.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(imp
 BUCKET = 4096
 CRASH_WITHIN_S = 30.0  # the failure must reach the trainer well before the round's deadline
 DEADLINE_S = 180.0
+FROZEN_DEADLINE_S = 20.0
 
 
 def vllm_server_process(agent_pid: int) -> psutil.Process:
@@ -64,6 +72,31 @@ def vllm_server_process(agent_pid: int) -> psutil.Process:
         except psutil.NoSuchProcess:
             continue
     raise AssertionError("the agent has no vLLM server under it")
+
+
+def vllm_workers(agent_pid: int) -> list[psutil.Process]:
+    """vLLM's worker processes (where the weights are received)."""
+    found = []
+    for proc in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            if proc.name().startswith("VLLM::Worker"):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    assert found, "vLLM has no worker process"
+    return found
+
+
+async def wait_relaunched(client: TrainerClient, restarts: int, timeout_s: float = 240.0):
+    """Waits until the agent has relaunched its engine ``restarts`` times and the new
+    one is healthy again (its fault clears only once it is fenced); returns its state."""
+    end = time.monotonic() + timeout_s
+    while True:
+        state = await engine_state(client, "vllm-0")
+        if state.engine_restarts == restarts and state.available and not state.faulted:
+            return state
+        assert time.monotonic() < end, f"vLLM was not relaunched ({restarts}): {state}"
+        await asyncio.sleep(0.5)
 
 
 async def engine_state(client: TrainerClient, engine_id: str):
@@ -89,14 +122,14 @@ def assert_serves(url: str, model_dir: str, weights, what: str) -> None:
     assert_same_outputs(greedy_all(url), [trainer_greedy(model, p) for p in PROMPTS], what)
 
 
-async def test_a_vllm_killed_mid_round_is_relaunched_fenced_and_brought_up_by_the_next_round(tmp_path):
+async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brought_up_by_the_next_round(tmp_path):
     tmp = str(tmp_path)
     model_dir = make_model(os.path.join(tmp, "tinyllama"), layers=4, intermediate=2048)
     original = checkpoint(model_dir)
     coordinator, address, _ = start_coordinator(tmp)
     try:
         agent, url = await asyncio.to_thread(start_vllm_agent, address, model_dir, tmp,
-                                             agent_args=("--restart", "on-failure", "--max-restarts", "2"))
+                                             agent_args=("--restart", "on-failure", "--max-restarts", "3"))
         try:
             async with TrainerClient(address, bucket_bytes=BUCKET) as client:
                 weights = round_weights(original, 500)
@@ -115,13 +148,7 @@ async def test_a_vllm_killed_mid_round_is_relaunched_fenced_and_brought_up_by_th
                 (engine,) = failed.value.result.failed
                 assert engine.engine_id == "vllm-0" and engine.error_reason == "ENGINE_UNAVAILABLE", engine
 
-                end = time.monotonic() + 360
-                while True:  # relaunched and healthy again (its fault clears only once it is fenced)
-                    state = await engine_state(client, "vllm-0")
-                    if state.engine_restarts == 1 and state.available and not state.faulted:
-                        break
-                    assert time.monotonic() < end, f"vLLM was not relaunched: {state}"
-                    await asyncio.sleep(0.5)
+                state = await wait_relaunched(client, 1)
                 assert vllm_server_process(agent.pid).pid != crashed.pid
                 assert state.fenced and not state.ready and state.paused and not state.torn, state
                 assert get(url, "/is_paused")["is_paused"] is True
@@ -147,6 +174,27 @@ async def test_a_vllm_killed_mid_round_is_relaunched_fenced_and_brought_up_by_th
                     if version == 3:
                         held.join(timeout=60)
                         assert answers, "the held completion did not run after the round"
+
+                frozen_round = asyncio.create_task(client.update_weights(
+                    round_weights(original, 505), version=5, transport="gloo", timeout_s=FROZEN_DEADLINE_S))
+                await wait_transfer_started(tmp, 5)
+                frozen = vllm_workers(agent.pid)
+                for proc in frozen:
+                    proc.send_signal(signal.SIGSTOP)
+                try:
+                    with pytest.raises(SyncFailed) as failed:
+                        await asyncio.wait_for(frozen_round, FROZEN_DEADLINE_S + 30)
+                finally:
+                    for proc in frozen:
+                        proc.send_signal(signal.SIGCONT)
+                (engine,) = failed.value.result.failed
+                assert engine.error_reason == "ENGINE_FAULT" and "must be restarted" in engine.error_message, engine
+                state = await wait_relaunched(client, 2)
+                assert state.fenced and not state.ready, state
+                weights = round_weights(original, 506)
+                result = await client.update_weights(weights, version=6, transport="gloo", timeout_s=DEADLINE_S)
+                assert result.ok and result.engines[0].weight_version == 6, result
+                assert_serves(url, model_dir, weights, "after the frozen worker's relaunch")
         finally:
             await asyncio.to_thread(stop_vllm_agent, agent)
     finally:

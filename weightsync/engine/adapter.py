@@ -127,6 +127,12 @@ class EngineAdapter(abc.ABC):
         there is nothing to forget."""
         return None
 
+    def restart_needed(self) -> str:
+        """Why the engine can only be trusted again after a restart ("" when it can):
+        the launcher relaunches it then, under ``--restart on-failure``. By default
+        nothing the adapter sees calls for one."""
+        return ""
+
     def wake_paused(self, tags: Sequence[str]) -> list[str]:
         """Wakes ``tags`` only where the engine stays paused (after a failed receive it
         must not run); returns the tags woken. Waking memory does not resume an engine,

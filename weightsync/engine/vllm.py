@@ -14,6 +14,15 @@ JSON; no pickle.
 
 Attestation: ``score`` runs the probe inside the worker with vLLM's own model while
 the scheduler stays paused (``vllm_probe.py``).
+
+vLLM pairs its workers' replies with its calls by order alone: a ``collective_rpc``
+that times out inside vLLM while its worker goes on (a worker frozen, swapped out or
+stuck past the deadline) leaves that reply queued, and every later call, vLLM's own
+steps included, would read the reply of the call before it. So the worker's own
+deadline ends before the call's (``WORKER_MARGIN``), and once a call timed out
+anyway the adapter makes no further call and reports the engine faulted until it is
+restarted (``restart_needed``: the launcher relaunches it under
+``--restart on-failure``).
 """
 
 from __future__ import annotations
@@ -41,6 +50,15 @@ from weightsync.v1 import common_pb2
 MODES = {common_pb2.PAUSE_MODE_KEEP: "keep", common_pb2.PAUSE_MODE_ABORT: "abort",
          common_pb2.PAUSE_MODE_WAIT: "wait"}
 EXTENSION = "weightsync.engine.vllm_worker.WeightsyncWorkerExtension"
+# The worker's receive ends this long before vLLM stops waiting for its reply (5 s
+# plus 5% of the time left, at most half of it): time to give up its transport and
+# answer, and for a load already under way to finish.
+WORKER_MARGIN_S, WORKER_MARGIN_SHARE = 5.0, 0.05
+
+
+def worker_deadline_s(left_s: float) -> float:
+    """How long the worker may take when vLLM waits ``left_s`` for its reply."""
+    return left_s - min(WORKER_MARGIN_S + WORKER_MARGIN_SHARE * left_s, left_s / 2)
 
 
 class VllmAdapter(HttpEngineAdapter):
@@ -58,14 +76,35 @@ class VllmAdapter(HttpEngineAdapter):
         self._workers: int | None = None
         self._peak_target_bytes = 0
         self.last_received_digest = ""
+        self._out_of_step = ""  # why vLLM's replies may no longer match its calls; "" while they do
 
     # ----- HTTP ---------------------------------------------------------------------
 
     def collective_rpc(self, method: str, *args: str, timeout_s: float) -> list:
-        """Calls ``method`` of the worker extension on every worker; one result per worker."""
-        out = self._call("POST", "/collective_rpc", body={"method": method, "args": list(args),
-                                                          "timeout": timeout_s}, timeout_s=timeout_s + 10)
+        """Calls ``method`` of the worker extension on every worker; one result per worker.
+        Refused once a call timed out (see the module docstring): its answer would be
+        another call's."""
+        if self._out_of_step:
+            raise EngineFault(self._out_of_step)
+        try:
+            out = self._call("POST", "/collective_rpc", body={"method": method, "args": list(args),
+                                                              "timeout": timeout_s}, timeout_s=timeout_s + 10)
+        except (EngineFault, StepTimeoutError) as exc:
+            # vLLM's own timeout (HTTP 500 naming it), or ours, 10 s after vLLM's: the
+            # worker may still answer, into the reply queue of a later call.
+            if isinstance(exc, StepTimeoutError) or f"RPC call to {method} timed out" in str(exc):
+                self._out_of_step = (f"vLLM's call {method} to its workers timed out; vLLM pairs replies with "
+                                     f"calls by order, so its later calls would read earlier replies: the engine "
+                                     f"must be restarted ({exc})")
+                raise EngineFault(self._out_of_step) from None
+            raise
         return out.get("results", [])
+
+    def restart_needed(self) -> str:
+        return self._out_of_step
+
+    def fault(self) -> str | None:
+        return self._out_of_step or super().fault()
 
     # ----- control ------------------------------------------------------------------
 
@@ -97,6 +136,7 @@ class VllmAdapter(HttpEngineAdapter):
         self._asleep.clear()
         self._worker_plans.clear()
         self.last_received_digest = ""
+        self._out_of_step = ""
 
     def wake_paused(self, tags):
         # A full /wake_up resumes vLLM's scheduler by itself: nothing is woken, and
@@ -153,8 +193,8 @@ class VllmAdapter(HttpEngineAdapter):
             wire = plan.to_proto() if whole else plan.reference_proto()
             results = self.collective_rpc(
                 "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
-                json_format.MessageToJson(wire), str(left), "1" if skip_post_load else "", delivery.data_host,
-                timeout_s=left)
+                json_format.MessageToJson(wire), str(worker_deadline_s(left)), "1" if skip_post_load else "",
+                delivery.data_host, timeout_s=left)
             if not whole and any(isinstance(r, dict) and str(r.get("error", "")).startswith("PlanUnknown")
                                  for r in results):
                 self._worker_plans.discard(plan.plan_id)
