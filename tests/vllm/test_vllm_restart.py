@@ -59,7 +59,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(imp
 BUCKET = 4096
 CRASH_WITHIN_S = 30.0  # the failure must reach the trainer well before the round's deadline
 DEADLINE_S = 180.0
-FROZEN_DEADLINE_S = 20.0
+FROZEN_DEADLINE_S = 10.0
 
 
 def vllm_server_process(agent_pid: int) -> psutil.Process:
