@@ -60,6 +60,7 @@ from weightsync.plan import BucketPlan, is_reference
 from weightsync.server.engine_watch import EngineWatch
 from weightsync.server.fence import VersionFence
 from weightsync.server.launcher import EngineLauncher
+from weightsync.server.pause_keeper import PauseKeeper
 from weightsync.server.weight_export import WeightExporter
 from weightsync.sharding import Owners
 from weightsync.threads import run_in
@@ -207,6 +208,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.loop_lag = LoopLagMonitor("agent")  # run by the agent's main on its loop
         self.accepting = True
         self.fence = VersionFence(self)
+        self.pause_keeper = PauseKeeper(self)
         self.exporter = WeightExporter(self)
 
     # ----- helpers --------------------------------------------------------------------
@@ -283,7 +285,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         check_pause_mode(request.mode)
         timeout_s = check_timeout(request.timeout_s) or DEFAULT_TIMEOUT_S
         async with self.fence.lock:  # a fence being lifted never resumes the engine under this Pause
-            await self.run_on_engine(self.adapter.pause, request.mode, timeout_s=timeout_s)
+            await self.pause_engine(request.mode, timeout_s=timeout_s)
             self.paused = True
         self.record("paused", mode=common_pb2.PauseMode.Name(request.mode))
         if request.offload_kv:
@@ -373,7 +375,17 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         """Lets the engine run: its KV cache awake first (Invariant 1), then resumed."""
         if "kv_cache" in self._asleep_tags():
             await self._wake_tags(["kv_cache"])
-        await self.run_on_engine(self.adapter.resume)
+        try:
+            await self.run_on_engine(self.adapter.resume)
+        finally:
+            self.pause_keeper.commanded()
+
+    async def pause_engine(self, mode: int, *, timeout_s: float) -> None:
+        """Pauses the engine (every pause the agent makes goes through here)."""
+        try:
+            await self.run_on_engine(self.adapter.pause, mode, timeout_s=timeout_s)
+        finally:
+            self.pause_keeper.commanded()
 
     # ----- RPCs: weights --------------------------------------------------------------
 

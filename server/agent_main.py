@@ -188,6 +188,9 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
         write_port_file(options.port_file, core.address)
     log.info("agent %s serving on %s, registered with %s", agent.engine_id, core.address, options.coordinator)
     agent.tasks.append(asyncio.create_task(_heartbeats(stub, core, options, interval)))
+    # From here on the agent's pause state is settled (fenced above, then the fleet's
+    # version): an engine found otherwise is put back.
+    agent.tasks.append(asyncio.create_task(core.pause_keeper.run()))
 
 
 async def _shutdown(agent: _RunningAgent, shutdown: Shutdown, grace: float) -> None:

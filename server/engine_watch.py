@@ -42,7 +42,9 @@ class EngineSnapshot:
     version_known: bool = False  # False: the last reading failed (or none finished yet)
     running: int = 0
     queued: int = 0
+    paused: bool | None = None   # whether the engine itself says it is paused; None: it cannot say
     polled_at: float = 0.0       # time.monotonic() of the poll; 0 = never
+    asked_at: float = 0.0        # time.monotonic() when the poll began (its readings are no older)
 
 
 class EngineWatch:
@@ -77,11 +79,13 @@ class EngineWatch:
 
     def poll_once(self) -> EngineSnapshot:
         """Asks the engine (blocking: call on the watch's thread) and stores the answer."""
+        asked_at = time.monotonic()
         with self._lock:
             commits = self._commits
         fault = self.adapter.fault() or ""
         version = self.adapter.weight_version
         running, queued = self.adapter.counts()
+        paused = self.adapter.paused_now()
         with self._lock:
             last = self.snapshot
             if commits != self._commits:  # a commit landed mid-poll: the reading may predate it
@@ -91,7 +95,8 @@ class EngineWatch:
             else:
                 version_known = True
             self.snapshot = EngineSnapshot(fault=fault, weight_version=version, version_known=version_known,
-                                           running=running, queued=queued, polled_at=time.monotonic())
+                                           running=running, queued=queued, paused=paused,
+                                           polled_at=time.monotonic(), asked_at=asked_at)
             return self.snapshot
 
     async def refresh(self) -> EngineSnapshot:

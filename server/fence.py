@@ -64,6 +64,7 @@ class VersionFence:
             (core.receiving(), "receiving weights"),
             (self.fenced, "fenced"),
             (core.paused, "paused"),
+            (mismatch := core.pause_keeper.mismatch(), mismatch),
         )
         return next((why for condition, why in reasons if condition), "")
 
@@ -95,8 +96,7 @@ class VersionFence:
         waits instead of being dropped. A heartbeat answer lifts it if it is current."""
         async with self.lock:
             try:
-                await self.core.run_on_engine(self.core.adapter.pause, common_pb2.PAUSE_MODE_KEEP,
-                                              timeout_s=FENCE_PAUSE_TIMEOUT_S)
+                await self.core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=FENCE_PAUSE_TIMEOUT_S)
             except Exception as exc:  # a faulted engine is reported as such; it cannot serve anyway
                 log.warning("could not pause engine %s to fence it: %r", self.core.engine_id, exc)
             self.fenced = True
@@ -130,8 +130,7 @@ class VersionFence:
             served = engine.weight_version
             try:
                 if self.behind(served) and not self.fenced:
-                    await core.run_on_engine(core.adapter.pause, common_pb2.PAUSE_MODE_ABORT,
-                                             timeout_s=FENCE_PAUSE_TIMEOUT_S)
+                    await core.pause_engine(common_pb2.PAUSE_MODE_ABORT, timeout_s=FENCE_PAUSE_TIMEOUT_S)
                     self.fenced = True
                     core.record("fenced", version=served, fleet_version=self.fleet_version)
                 elif not self.behind(served) and self.fenced and not core.torn:

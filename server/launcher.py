@@ -4,7 +4,8 @@ The command runs under ``weightsync.reaper`` (see there for why), in a process g
 of its own, with a parent-death signal: if the agent is SIGKILLed, the reaper still
 takes the engine's entire tree down. Readiness and liveness come from the engine's
 HTTP health URL when one is given (vLLM: ``/health``), else from the process being
-alive. A fault (exit, health failing for ``unhealthy_after_s``, or the adapter's
+alive. A fault (exit, health failing for ``unhealthy_after_s`` -- cleared when it
+answers again and is not relaunched --, or the adapter's
 ``restart_needed``: an engine alive and healthy that can only be trusted again after
 a restart) is reported in the agent's heartbeats, so the coordinator marks the
 engine unavailable.
@@ -122,13 +123,20 @@ class EngineLauncher:
             elif self.health_url:
                 if await asyncio.to_thread(self._healthy_once):
                     self._last_healthy = time.monotonic()
+                    if self._fault == self._unanswered():
+                        # Answering again, and not relaunched (no restart left, or none
+                        # allowed): it can serve again; the agent puts its pause state back.
+                        self._fault = None
                 elif time.monotonic() - self._last_healthy > self.unhealthy_after_s:
-                    self._fault = f"engine stopped answering {self.health_url}"
+                    self._fault = self._unanswered()
             if code is None and self.restart_needed is not None and (why := self.restart_needed()):
                 self._fault = why
             if self._fault and self.restart == "on-failure" and self.restarts < self.max_restarts:
                 await self._relaunch(self._fault)
             await asyncio.sleep(self.check_interval_s)
+
+    def _unanswered(self) -> str:
+        return f"engine stopped answering {self.health_url}"
 
     async def _relaunch(self, why: str) -> None:
         """Reaps the faulted engine's tree, waits out the back-off, starts it again and

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from tests.conftest import start_coordinator, wait_available
@@ -329,3 +330,28 @@ async def assert_broken_round_caught_then_healed(stack: Stack, weights, version:
     assert get(stack.url, "/is_paused")["is_paused"] is False
     assert_same_outputs(greedy_all(stack.url), [trainer_greedy(model, p) for p in PROMPTS],
                         "the good round after the broken one")
+
+
+def vllm_server_process(agent_pid: int) -> psutil.Process:
+    """The vLLM API server the agent launched (not the reaper above it, whose command
+    line holds the same words)."""
+    for proc in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            if proc.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]:
+                return proc
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError("the agent has no vLLM server under it")
+
+
+def vllm_workers(agent_pid: int) -> list[psutil.Process]:
+    """vLLM's worker processes (where the weights are received)."""
+    found = []
+    for proc in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            if proc.name().startswith("VLLM::Worker"):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    assert found, "vLLM has no worker process"
+    return found

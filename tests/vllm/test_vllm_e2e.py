@@ -41,10 +41,12 @@ from tests.vllm.harness import (
     trainer_greedy,
     trainer_logits_fn,
     trainer_model,
+    vllm_server_process,
 )
 from tests.vllm.make_tiny_model import MAX_POSITIONS
 from weightsync.client import Probe, TrainerClient
 from weightsync.client.engine import EngineClient
+from weightsync.errors import StepTimeoutError
 from weightsync.packing import weights_digest
 from weightsync.transport.group import IN_FLIGHT_BYTES
 
@@ -293,6 +295,38 @@ async def test_a_vllm_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(v
             assert answers[0] == completions(url, tiny_model)  # the held request ran with the new weights
         finally:
             await asyncio.to_thread(stop_vllm_agent, joiner)
+
+
+async def test_a_pause_that_lands_after_its_round_gave_up_is_undone(vllm_stack, tiny_model):
+    """vLLM's API server stalls (SIGSTOP) past a round's deadline: the agent's Pause
+    times out and the round fails, typed. vLLM still takes that Pause when it goes on,
+    and used to serve nothing from then on while the agent, and readiness, said it was
+    ready. The agent reads vLLM's own pause state at every poll: it finds vLLM paused
+    while it lets it run and resumes it; a completion then runs. The launched engine's
+    health fault (it stopped answering for seconds) clears once it answers again."""
+    address, url, agent, tmp = vllm_stack
+    server = vllm_server_process(agent.pid)
+    async with TrainerClient(address) as client:
+        version = (await client.get_state()).weight_version + 1
+        server.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(StepTimeoutError):
+                await client.update_weights(round_weights(checkpoint(tiny_model), 400), version=version, timeout_s=8)
+        finally:
+            server.send_signal(signal.SIGCONT)
+        end = time.monotonic() + 60
+        while True:
+            engine = (await client.get_state()).engines[0]
+            if engine.ready and get(url, "/is_paused")["is_paused"] is False:
+                break
+            assert time.monotonic() < end, f"vLLM was not brought back: {engine}"
+            await asyncio.sleep(0.2)
+    with open(os.path.join(tmp, "vllm-0.addr")) as f:
+        async with EngineClient(f.read().strip()) as engine_client:
+            kinds = [e.kind for e in await engine_client.events()]
+    assert "engine_resumed_again" in kinds, "vLLM never took the late Pause: the test checked nothing"
+    answers = await asyncio.wait_for(asyncio.to_thread(completions, url, tiny_model), 60)
+    assert len(answers) == len(PROMPTS), answers  # it ran: a paused vLLM would time out
 
 
 def test_agent_sigterm_reaps_vllm(vllm_stack):

@@ -29,7 +29,6 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from tests.conftest import start_coordinator
@@ -46,6 +45,8 @@ from tests.vllm.harness import (
     stop_vllm_agent,
     trainer_greedy,
     trainer_model,
+    vllm_server_process,
+    vllm_workers,
 )
 from weightsync.client import SyncFailed, TrainerClient
 from weightsync.client.engine import EngineClient
@@ -60,31 +61,6 @@ BUCKET = 4096
 CRASH_WITHIN_S = 30.0  # the failure must reach the trainer well before the round's deadline
 DEADLINE_S = 180.0
 FROZEN_DEADLINE_S = 10.0
-
-
-def vllm_server_process(agent_pid: int) -> psutil.Process:
-    """The vLLM API server the agent launched (not the reaper above it, whose command
-    line holds the same words)."""
-    for proc in psutil.Process(agent_pid).children(recursive=True):
-        try:
-            if proc.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]:
-                return proc
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError("the agent has no vLLM server under it")
-
-
-def vllm_workers(agent_pid: int) -> list[psutil.Process]:
-    """vLLM's worker processes (where the weights are received)."""
-    found = []
-    for proc in psutil.Process(agent_pid).children(recursive=True):
-        try:
-            if proc.name().startswith("VLLM::Worker"):
-                found.append(proc)
-        except psutil.NoSuchProcess:
-            continue
-    assert found, "vLLM has no worker process"
-    return found
 
 
 async def wait_relaunched(client: TrainerClient, restarts: int, timeout_s: float = 240.0):

@@ -127,6 +127,13 @@ class EngineAdapter(abc.ABC):
         there is nothing to forget."""
         return None
 
+    def paused_now(self) -> bool | None:
+        """Whether the engine itself says it is paused, asked now (blocking: the agent
+        calls it on its watch's thread); None when the engine cannot say, or cannot be
+        asked now. The agent puts a differing engine back (``server/pause_keeper.py``).
+        By default the engine cannot say."""
+        return None
+
     def restart_needed(self) -> str:
         """Why the engine can only be trusted again after a restart ("" when it can):
         the launcher relaunches it then, under ``--restart on-failure``. By default

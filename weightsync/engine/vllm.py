@@ -40,6 +40,7 @@ from weightsync.engine.adapter import ATTESTATION_UNSUPPORTED, Delivery, validat
 from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.errors import (
     EngineFault,
+    EngineUnavailable,
     InvalidArgument,
     StepTimeoutError,
     TransferError,
@@ -102,6 +103,13 @@ class VllmAdapter(HttpEngineAdapter):
 
     def restart_needed(self) -> str:
         return self._out_of_step
+
+    def paused_now(self) -> bool | None:
+        try:
+            paused = self._call("GET", "/is_paused", timeout_s=5).get("is_paused")
+        except (EngineUnavailable, EngineFault, StepTimeoutError):
+            return None
+        return paused if isinstance(paused, bool) else None
 
     def fault(self) -> str | None:
         return self._out_of_step or super().fault()
