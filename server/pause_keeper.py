@@ -11,8 +11,10 @@ So, where the engine can say whether it is paused (``EngineAdapter.paused_now``,
 by the watch's poller off the loop), the keeper compares it with the agent's own
 state at every poll, and puts a differing engine back, under the fence's lock (which
 Pause, Resume and the fence take too): paused again (KEEP) while the agent holds it,
-released (its KV cache woken first, Invariant 1) while the agent lets it run. Until
-then readiness says the engine is not serving (``mismatch``).
+resumed with all of its memory woken first while the agent lets it run
+(``EngineAdapter.resume_awake``: a sleep that landed late pauses vLLM as well, and
+leaves the ledger of what sleeps wrong; Invariant 1). Until then readiness says the
+engine is not serving (``mismatch``).
 """
 
 from __future__ import annotations
@@ -82,7 +84,12 @@ class PauseKeeper:
                 await core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)
                 core.record("engine_paused_again", why="found running while the agent holds it paused")
             else:
-                await core.release_engine()
+                # Not release_engine: the ledger of what sleeps may be wrong here (a
+                # sleep that landed late pauses vLLM too), so all of it is woken first.
+                try:
+                    await core.run_on_engine(core.adapter.resume_awake)
+                finally:
+                    self.commanded()
                 core.record("engine_resumed_again", why="found paused while the agent lets it run")
             await core.watch.refresh()
 

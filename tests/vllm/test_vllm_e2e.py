@@ -34,6 +34,7 @@ from tests.vllm.harness import (
     get,
     greedy_all,
     make_model,
+    post,
     ready_for_a_test,
     round_weights,
     start_vllm_agent,
@@ -327,6 +328,31 @@ async def test_a_pause_that_lands_after_its_round_gave_up_is_undone(vllm_stack, 
     assert "engine_resumed_again" in kinds, "vLLM never took the late Pause: the test checked nothing"
     answers = await asyncio.wait_for(asyncio.to_thread(completions, url, tiny_model), 60)
     assert len(answers) == len(PROMPTS), answers  # it ran: a paused vLLM would time out
+
+
+async def test_a_vllm_put_to_sleep_behind_the_agents_back_is_woken_whole_before_it_runs(vllm_stack, tiny_model):
+    """A sleep the agent did not see (here sent to vLLM directly; in the field a sleep
+    whose call timed out and landed later) pauses vLLM and leaves the agent's ledger of
+    what sleeps saying "awake". The agent finds vLLM paused and brings it back with
+    every sleeping part woken first: vLLM's ``/resume`` alone would step with its
+    memory asleep (a crash on a GPU; on this CPU it shows as ``/is_sleeping`` staying
+    true)."""
+    address, url, agent, tmp = vllm_stack
+    post(url, "/sleep?level=1&mode=keep", {})
+    end = time.monotonic() + 60
+    async with TrainerClient(address) as client:
+        while True:
+            engine = (await client.get_state()).engines[0]
+            if engine.ready and get(url, "/is_sleeping")["is_sleeping"] is False:
+                break
+            assert time.monotonic() < end, f"vLLM was not woken and resumed: {engine}, {get(url, '/is_sleeping')}"
+            await asyncio.sleep(0.2)
+    with open(os.path.join(tmp, "vllm-0.addr")) as f:
+        async with EngineClient(f.read().strip()) as engine_client:
+            kinds = [e.kind for e in await engine_client.events()]
+    assert "engine_resumed_again" in kinds
+    assert get(url, "/is_paused")["is_paused"] is False
+    assert len(await asyncio.wait_for(asyncio.to_thread(completions, url, tiny_model), 60)) == len(PROMPTS)
 
 
 def test_agent_sigterm_reaps_vllm(vllm_stack):

@@ -134,6 +134,14 @@ class EngineAdapter(abc.ABC):
         By default the engine cannot say."""
         return None
 
+    def resume_awake(self) -> None:
+        """Resumes the engine with all of its memory awake, whatever the ledger says (the
+        pause keeper's repair of an engine found paused: a sleep may have landed
+        unseen, and a resume onto memory asleep is what Invariant 1 forbids). By
+        default: wake what the ledger says is asleep, then resume."""
+        self.wake(self.asleep)
+        self.resume()
+
     def restart_needed(self) -> str:
         """Why the engine can only be trusted again after a restart ("" when it can):
         the launcher relaunches it then, under ``--restart on-failure``. By default

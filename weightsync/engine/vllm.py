@@ -104,6 +104,14 @@ class VllmAdapter(HttpEngineAdapter):
     def restart_needed(self) -> str:
         return self._out_of_step
 
+    def resume_awake(self):
+        # vLLM's /wake_up without tags wakes whatever sleeps (nothing, without a word,
+        # if nothing does) and resumes the scheduler only once all of it is resident.
+        answer = self._call("POST", "/wake_up")
+        if answer.get("status") != "awake":
+            raise EngineFault(f"vLLM did not wake fully: {answer!r}")
+        self._asleep.clear()
+
     def paused_now(self) -> bool | None:
         try:
             paused = self._call("GET", "/is_paused", timeout_s=5).get("is_paused")
@@ -127,8 +135,16 @@ class VllmAdapter(HttpEngineAdapter):
         newly = [t for t in tags if t not in self._asleep]
         if newly:
             # vLLM sleeps weights and KV together (level 1); the ledger records both.
-            self._call("POST", "/sleep", query={"level": 1, "mode": "keep"})
             newly = [t for t in ("weights", "kv_cache") if t not in self._asleep]
+            try:
+                self._call("POST", "/sleep", query={"level": 1, "mode": "keep"})
+            except (StepTimeoutError, EngineUnavailable):
+                # It may have landed, or land later (a stalled server takes it when it
+                # goes on): counted asleep, so every resume wakes first. vLLM's wake of
+                # memory that is awake does nothing, and a resume onto memory asleep is
+                # the engine fault Invariant 1 forbids.
+                self._asleep.update(newly)
+                raise
             self._asleep.update(newly)
         return newly
 
