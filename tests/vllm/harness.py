@@ -355,3 +355,28 @@ def vllm_workers(agent_pid: int) -> list[psutil.Process]:
             continue
     assert found, "vLLM has no worker process"
     return found
+
+
+async def agent_events(tmp: str, engine_id: str = "vllm-0") -> list[tuple[str, dict]]:
+    """The agent's event log (kind, fields), oldest first; its address is in ``tmp``."""
+    from weightsync.client.engine import EngineClient
+
+    with open(os.path.join(tmp, f"{engine_id}.addr")) as f:
+        async with EngineClient(f.read().strip()) as engine:
+            return [(e.kind, dict(e.fields)) for e in await engine.events()]
+
+
+async def wait_ready_and(address: str, url: str, path: str, key: str, want: object, timeout_s: float = 60) -> None:
+    """Waits until the coordinator reports the (only) engine ready and vLLM's ``GET path``
+    answers ``{key: want}``."""
+    from weightsync.client import TrainerClient
+
+    end = time.monotonic() + timeout_s
+    async with TrainerClient(address) as client:
+        while True:
+            engine = (await client.get_state()).engines[0]
+            answer = get(url, path)
+            if engine.ready and answer.get(key) == want:
+                return
+            assert time.monotonic() < end, f"not ready with {path} {key}={want!r}: {engine}, {answer}"
+            await asyncio.sleep(0.2)

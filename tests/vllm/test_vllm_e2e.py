@@ -26,6 +26,7 @@ import pytest
 from tests.vllm.harness import (
     PROBE_SEQUENCES,
     PROMPTS,
+    agent_events,
     agent_stack,
     assert_same_outputs,
     checkpoint,
@@ -43,6 +44,7 @@ from tests.vllm.harness import (
     trainer_logits_fn,
     trainer_model,
     vllm_server_process,
+    wait_ready_and,
 )
 from tests.vllm.make_tiny_model import MAX_POSITIONS
 from weightsync.client import Probe, TrainerClient
@@ -307,6 +309,7 @@ async def test_a_pause_that_lands_after_its_round_gave_up_is_undone(vllm_stack, 
     health fault (it stopped answering for seconds) clears once it answers again."""
     address, url, agent, tmp = vllm_stack
     server = vllm_server_process(agent.pid)
+    seen = len(await agent_events(tmp))
     async with TrainerClient(address) as client:
         version = (await client.get_state()).weight_version + 1
         server.send_signal(signal.SIGSTOP)
@@ -315,17 +318,9 @@ async def test_a_pause_that_lands_after_its_round_gave_up_is_undone(vllm_stack, 
                 await client.update_weights(round_weights(checkpoint(tiny_model), 400), version=version, timeout_s=8)
         finally:
             server.send_signal(signal.SIGCONT)
-        end = time.monotonic() + 60
-        while True:
-            engine = (await client.get_state()).engines[0]
-            if engine.ready and get(url, "/is_paused")["is_paused"] is False:
-                break
-            assert time.monotonic() < end, f"vLLM was not brought back: {engine}"
-            await asyncio.sleep(0.2)
-    with open(os.path.join(tmp, "vllm-0.addr")) as f:
-        async with EngineClient(f.read().strip()) as engine_client:
-            kinds = [e.kind for e in await engine_client.events()]
-    assert "engine_resumed_again" in kinds, "vLLM never took the late Pause: the test checked nothing"
+    await wait_ready_and(address, url, "/is_paused", "is_paused", False)
+    kinds = [kind for kind, _ in (await agent_events(tmp))[seen:]]
+    assert "engine_resumed_again" in kinds, f"vLLM never took the late Pause: the test checked nothing ({kinds})"
     answers = await asyncio.wait_for(asyncio.to_thread(completions, url, tiny_model), 60)
     assert len(answers) == len(PROMPTS), answers  # it ran: a paused vLLM would time out
 
@@ -338,19 +333,11 @@ async def test_a_vllm_put_to_sleep_behind_the_agents_back_is_woken_whole_before_
     memory asleep (a crash on a GPU; on this CPU it shows as ``/is_sleeping`` staying
     true)."""
     address, url, agent, tmp = vllm_stack
+    seen = len(await agent_events(tmp))
     post(url, "/sleep?level=1&mode=keep", {})
-    end = time.monotonic() + 60
-    async with TrainerClient(address) as client:
-        while True:
-            engine = (await client.get_state()).engines[0]
-            if engine.ready and get(url, "/is_sleeping")["is_sleeping"] is False:
-                break
-            assert time.monotonic() < end, f"vLLM was not woken and resumed: {engine}, {get(url, '/is_sleeping')}"
-            await asyncio.sleep(0.2)
-    with open(os.path.join(tmp, "vllm-0.addr")) as f:
-        async with EngineClient(f.read().strip()) as engine_client:
-            kinds = [e.kind for e in await engine_client.events()]
-    assert "engine_resumed_again" in kinds
+    await wait_ready_and(address, url, "/is_sleeping", "is_sleeping", False)
+    kinds = [kind for kind, _ in (await agent_events(tmp))[seen:]]
+    assert "engine_resumed_again" in kinds, kinds
     assert get(url, "/is_paused")["is_paused"] is False
     assert len(await asyncio.wait_for(asyncio.to_thread(completions, url, tiny_model), 60)) == len(PROMPTS)
 

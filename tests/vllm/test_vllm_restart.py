@@ -34,6 +34,7 @@ import pytest
 from tests.conftest import start_coordinator
 from tests.vllm.harness import (
     PROMPTS,
+    agent_events,
     assert_same_outputs,
     checkpoint,
     completions,
@@ -49,7 +50,6 @@ from tests.vllm.harness import (
     vllm_workers,
 )
 from weightsync.client import SyncFailed, TrainerClient
-from weightsync.client.engine import EngineClient
 from weightsync.lifecycle import stop_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -77,12 +77,6 @@ async def wait_relaunched(client: TrainerClient, restarts: int, timeout_s: float
 
 async def engine_state(client: TrainerClient, engine_id: str):
     return next(e for e in (await client.get_state()).engines if e.engine_id == engine_id)
-
-
-async def agent_events(tmp: str) -> list[tuple[str, dict]]:
-    with open(os.path.join(tmp, "vllm-0.addr")) as f:
-        async with EngineClient(f.read().strip()) as engine:
-            return [(e.kind, dict(e.fields)) for e in await engine.events()]
 
 
 async def wait_transfer_started(tmp: str, version: int, timeout_s: float = 60.0) -> None:
