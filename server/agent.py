@@ -371,6 +371,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         await self.fence.raise_now(why="engine relaunched")
         await self.watch.refresh()
 
+    def found_torn(self, version: int) -> None:
+        """At start-up: the engine records a receive to ``version`` that never finished
+        (an agent before this one died during it). Its weights are torn: it stays paused,
+        as after a failed transfer here, until a good broadcast (Invariant 3)."""
+        self.torn, self.torn_version, self.paused = True, version, True
+        self.record("torn_found", version=version)
+
     async def release_engine(self) -> None:
         """Lets the engine run: its KV cache awake first (Invariant 1), then resumed."""
         if "kv_cache" in self._asleep_tags():
@@ -621,7 +628,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
         own = run_in(self._transfer, self.adapter.receive, Delivery(
             request.rendezvous, request.rank, job.plan, job.receiver, job.deadline_at, self._abort, on_bucket,
-            skip_post_load, self.data_host, job.senders, job.owners))
+            skip_post_load, self.data_host, job.senders, job.owners, request.version))
         if not request.HasField("relay"):
             return own
         if self._relay is None:

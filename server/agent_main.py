@@ -163,7 +163,9 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
         metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
     # The engine is asked how it is on the watch's own thread, never on this loop; the
     # first answer is in before the coordinator hears of us.
-    await core.watch.refresh()
+    first = await core.watch.refresh()
+    if first.torn_to is not None:
+        core.found_torn(first.torn_to)  # a receive began before this agent and never finished
     agent.tasks.append(asyncio.create_task(core.watch.run()))
     try:  # reported in every heartbeat: a round gives each of the engine's workers a rank
         core.workers = await asyncio.wait_for(core.run_on_engine(adapter.workers), WORKERS_QUERY_TIMEOUT_S)

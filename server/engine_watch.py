@@ -43,6 +43,7 @@ class EngineSnapshot:
     running: int = 0
     queued: int = 0
     paused: bool | None = None   # whether the engine itself says it is paused; None: it cannot say
+    torn_to: int | None = None   # the engine records a receive to this version that never finished
     polled_at: float = 0.0       # time.monotonic() of the poll; 0 = never
     asked_at: float = 0.0        # time.monotonic() when the poll began (its readings are no older)
 
@@ -75,7 +76,8 @@ class EngineWatch:
         """The agent recorded ``version`` in the engine: it is known without asking."""
         with self._lock:
             self._commits += 1
-            self.snapshot = dataclasses.replace(self.snapshot, weight_version=version, version_known=True)
+            self.snapshot = dataclasses.replace(self.snapshot, weight_version=version, version_known=True,
+                                                torn_to=None)
 
     def poll_once(self) -> EngineSnapshot:
         """Asks the engine (blocking: call on the watch's thread) and stores the answer."""
@@ -84,6 +86,7 @@ class EngineWatch:
             commits = self._commits
         fault = self.adapter.fault() or ""
         version = self.adapter.weight_version
+        torn_to = self.adapter.torn_to()
         running, queued = self.adapter.counts()
         paused = self.adapter.paused_now()
         with self._lock:
@@ -95,7 +98,7 @@ class EngineWatch:
             else:
                 version_known = True
             self.snapshot = EngineSnapshot(fault=fault, weight_version=version, version_known=version_known,
-                                           running=running, queued=queued, paused=paused,
+                                           running=running, queued=queued, paused=paused, torn_to=torn_to,
                                            polled_at=time.monotonic(), asked_at=asked_at)
             return self.snapshot
 

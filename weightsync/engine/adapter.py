@@ -83,6 +83,7 @@ class Delivery:
     # A sharded trainer: every sender's lane (``rendezvous`` is sender 0's) and who sends what.
     senders: tuple[SenderLane, ...] = ()
     owners: Owners | None = None
+    version: int = 0                    # the weight version this receive moves the engine to
 
 
 class EngineAdapter(abc.ABC):
@@ -141,6 +142,14 @@ class EngineAdapter(abc.ABC):
         default: wake what the ledger says is asleep, then resume."""
         self.wake(self.asleep)
         self.resume()
+
+    def torn_to(self) -> int | None:
+        """Where the engine itself records that a receive into it began and never
+        finished: the version it was moving to (read with ``weight_version``, on the
+        watch's thread); None otherwise, or where the engine keeps no such record (the
+        default). An agent started after its predecessor died mid-receive learns from it
+        that the engine is torn."""
+        return None
 
     def restart_needed(self) -> str:
         """Why the engine can only be trusted again after a restart ("" when it can):

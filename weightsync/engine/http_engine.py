@@ -26,6 +26,7 @@ class HttpEngineAdapter(EngineAdapter):
     def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self._torn_to: int | None = None
 
     def _call(self, method: str, path: str, *, query: dict | list | None = None, body: dict | None = None,
               timeout_s: float | None = None) -> dict:
@@ -53,14 +54,36 @@ class HttpEngineAdapter(EngineAdapter):
         except json.JSONDecodeError:
             return {"text": text}
 
+    # What an engine's version says while weights are moving into it
+    # ("weightsync-receiving-NEW-from-OLD"): its weights are torn until the agent commits
+    # NEW, whoever reads it (a restarted agent knows nothing of the receive its
+    # predecessor began). Read back as OLD, with ``torn_to`` NEW.
+    RECEIVING = "weightsync-receiving-"
+
+    def receiving_marker(self, new: int, old: int) -> str:
+        return f"{self.RECEIVING}{new}-from-{old}"
+
+    def torn_to(self) -> int | None:
+        """The version a receive was moving the engine to when the last version reading
+        found it unfinished (see ``RECEIVING``); None when it was not."""
+        return self._torn_to
+
     def _version_from(self, path: str) -> int | None:
         """The integer ``weight_version`` at ``path``: 0 when the engine never set one,
         or a non-number; None (unknown) when the engine cannot be asked (unreachable,
-        HTTP error, slow) -- never a made-up 0, which would make versions go backwards."""
+        HTTP error, slow) -- never a made-up 0, which would make versions go backwards.
+        An unfinished receive's marker reads as the version it started from."""
         try:
             value = self._call("GET", path).get("weight_version")
         except (EngineUnavailable, EngineFault, StepTimeoutError):
             return None
+        self._torn_to = None
+        if isinstance(value, str) and value.startswith(self.RECEIVING):
+            new, _, old = value[len(self.RECEIVING):].partition("-from-")
+            try:
+                self._torn_to, value = int(new), int(old)
+            except ValueError:
+                return 0
         try:  # an engine that answers but never set a numeric version (vLLM boots with a name)
             return int(value)
         except (TypeError, ValueError):

@@ -206,6 +206,12 @@ class VllmAdapter(HttpEngineAdapter):
         their old kernels, expert kernels are not laid out anew)."""
         rendezvous, rank, plan = delivery.rendezvous, delivery.rank, delivery.plan
         deadline_at, skip_post_load = delivery.deadline_at, delivery.skip_post_load
+        # vLLM itself says its weights are moving until commit() names the new version:
+        # an agent started after this one died mid-receive reads no version it could
+        # serve, and keeps the engine fenced until a round lands whole.
+        before = self._version_from("/weight_info") or 0
+        self._call("POST", "/update_weight_version",
+                   body={"new_version": self.receiving_marker(delivery.version, before)})
         # The worker remembers plans it took whole: later rounds name the plan by id (a
         # 20k-tensor plan is megabytes of JSON). A worker that forgot it (vLLM restarted)
         # answers PlanUnknown before receiving anything, and gets the whole plan.
