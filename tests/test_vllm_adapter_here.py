@@ -1,0 +1,129 @@
+"""The vLLM adapter's answers to a vLLM that misbehaves, without vLLM.
+
+A stand-in HTTP server answers as vLLM 0.32 does (the same paths and bodies); the
+real behaviour behind each answer is checked against a real vLLM in the vLLM tier
+(``tests/vllm/test_vllm_restart.py``, ``tests/vllm/test_vllm_e2e.py``). Here, where
+``make test SKIP_VLLM=1`` leaves that tier out, the adapter's side is pinned down:
+- a ``collective_rpc`` that vLLM says timed out makes every later call to the
+  workers refused without reaching vLLM (its replies are out of step), asks for a
+  restart, and a relaunch clears it;
+- vLLM's version recording an unfinished receive reads as the version it started
+  from, with the version it was moving to;
+- a ``/sleep`` whose call failed is counted asleep;
+- the worker's receive ends before vLLM stops waiting for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from weightsync.engine.vllm import VllmAdapter, worker_deadline_s
+from weightsync.errors import EngineFault, StepTimeoutError
+
+
+class StandIn:
+    """A vLLM stand-in: ``answers`` maps "METHOD /path" to (status, body); every request
+    is recorded in ``calls``."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, tuple[int, dict]] = {}
+        self.calls: list[str] = []
+        self.stall = threading.Event()  # set: requests wait until it is cleared (a stalled server)
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                key = f"{self.command} {self.path.split('?')[0]}"
+                outer.calls.append(key)
+                if outer.stall.is_set():
+                    outer.released.wait(10)
+                status, body = outer.answers.get(key, (200, {}))
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.released = threading.Event()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def vllm():
+    stand_in = StandIn()
+    yield stand_in
+    stand_in.close()
+
+
+def test_a_worker_call_vllm_timed_out_stops_all_later_calls_until_a_relaunch(vllm):
+    adapter = VllmAdapter(vllm.url, timeout_s=5)
+    vllm.answers["POST /collective_rpc"] = (200, {"results": [{"vocab_size": 8}]})
+    assert adapter.collective_rpc("weightsync_probe_limits", timeout_s=1) == [{"vocab_size": 8}]
+    vllm.answers["POST /collective_rpc"] = (500, {"error": {"message": "Call to collective_rpc method failed: "
+                                                             "RPC call to weightsync_probe_limits timed out."}})
+    with pytest.raises(EngineFault, match="must be restarted"):
+        adapter.collective_rpc("weightsync_probe_limits", timeout_s=1)
+    assert "must be restarted" in adapter.restart_needed() and "must be restarted" in adapter.fault()
+    vllm.answers["POST /collective_rpc"] = (200, {"results": [{"vocab_size": 8}]})
+    asked = vllm.calls.count("POST /collective_rpc")
+    with pytest.raises(EngineFault, match="must be restarted"):
+        adapter.collective_rpc("weightsync_probe_limits", timeout_s=1)  # its answer would be another call's
+    assert vllm.calls.count("POST /collective_rpc") == asked, "the call reached vLLM"
+    adapter.engine_restarted()
+    assert adapter.restart_needed() == ""
+    assert adapter.collective_rpc("weightsync_probe_limits", timeout_s=1) == [{"vocab_size": 8}]
+
+
+def test_a_worker_call_that_fails_otherwise_asks_for_no_restart(vllm):
+    adapter = VllmAdapter(vllm.url, timeout_s=5)
+    vllm.answers["POST /collective_rpc"] = (500, {"error": {"message": "Call to collective_rpc method failed: "
+                                                             "worker extension not loaded"}})
+    with pytest.raises(EngineFault, match="not loaded"):
+        adapter.collective_rpc("weightsync_probe_limits", timeout_s=1)
+    assert adapter.restart_needed() == ""
+
+
+def test_an_unfinished_receive_reads_as_its_old_version_and_names_the_new(vllm):
+    adapter = VllmAdapter(vllm.url, timeout_s=5)
+    vllm.answers["GET /weight_info"] = (200, {"weight_version": adapter.receiving_marker(7, 6)})
+    assert adapter.weight_version == 6 and adapter.torn_to() == 7
+    vllm.answers["GET /weight_info"] = (200, {"weight_version": "7"})
+    assert adapter.weight_version == 7 and adapter.torn_to() is None
+    vllm.answers["GET /weight_info"] = (200, {"weight_version": "weightsync-receiving-garbage"})
+    assert adapter.weight_version == 0 and adapter.torn_to() is None  # unreadable: behind anything
+
+
+def test_a_sleep_whose_call_timed_out_is_counted_asleep(vllm):
+    adapter = VllmAdapter(vllm.url, timeout_s=0.5)
+    vllm.stall.set()  # the server takes the call, and answers too late
+    with pytest.raises(StepTimeoutError):
+        adapter.sleep(["kv_cache"])
+    assert adapter.asleep == ["kv_cache", "weights"]  # so every resume wakes first
+
+
+def test_the_workers_receive_ends_before_vllm_stops_waiting():
+    for left in (0.5, 4.0, 30.0, 180.0, 3600.0):
+        worker = worker_deadline_s(left)
+        assert left / 2 <= worker < left
+    assert worker_deadline_s(180.0) == pytest.approx(180.0 - 5.0 - 9.0)
