@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -213,6 +214,16 @@ def complete(url: str, model: str, prompt=(5, 6, 7), max_tokens: int = 12, timeo
 
 def completions(url: str, model: str) -> list[str]:
     return [complete(url, model, prompt) for prompt in PROMPTS]
+
+
+def hold_completions(url: str, model: str, wait_s: float = 3.0) -> tuple[threading.Thread, list]:
+    """Sends the completions on a thread of their own and gives them ``wait_s``; returns
+    the thread and the list their answers land in (empty while vLLM holds them)."""
+    answers: list = []
+    thread = threading.Thread(target=lambda: answers.append(completions(url, model)), daemon=True)
+    thread.start()
+    thread.join(timeout=wait_s)
+    return thread, answers
 
 
 @dataclass

@@ -34,6 +34,7 @@ from tests.vllm.harness import (
     completions,
     get,
     greedy_all,
+    hold_completions,
     make_model,
     post,
     ready_for_a_test,
@@ -277,11 +278,7 @@ async def test_a_vllm_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(v
             assert late.fenced and not late.ready and late.versions_behind == version, late
             assert late.workers == 2, late
             assert get(joiner_url, "/is_paused")["is_paused"] is True
-            answers: list = []
-            pending = threading.Thread(target=lambda: answers.append(completions(joiner_url, tiny_model)),
-                                       daemon=True)
-            pending.start()
-            pending.join(timeout=3.0)
+            pending, answers = hold_completions(joiner_url, tiny_model)
             assert pending.is_alive() and not answers, "a fenced vLLM ran a completion"
 
             weights = round_weights(original, 301)

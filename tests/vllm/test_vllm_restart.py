@@ -27,7 +27,6 @@ import importlib.util
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,9 +40,9 @@ from tests.vllm.harness import (
     agent_events,
     assert_same_outputs,
     checkpoint,
-    completions,
     get,
     greedy_all,
+    hold_completions,
     make_model,
     round_weights,
     start_vllm_agent,
@@ -192,10 +191,7 @@ async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brough
                 assert vllm_server_process(agent.pid).pid != crashed.pid
                 assert state.fenced and not state.ready and state.paused and not state.torn, state
                 assert get(url, "/is_paused")["is_paused"] is True
-                answers: list = []
-                held = threading.Thread(target=lambda: answers.append(completions(url, model_dir)), daemon=True)
-                held.start()
-                held.join(timeout=3.0)
+                held, answers = hold_completions(url, model_dir)
                 assert held.is_alive() and not answers, "a relaunched vLLM ran a completion on its boot weights"
                 # Fenced by the relaunch itself, before its fault cleared: not left for a
                 # heartbeat answer to notice the boot weights' version.
@@ -280,10 +276,7 @@ async def test_an_agent_restarted_beside_a_vllm_it_left_torn_keeps_it_fenced(tmp
             assert state.torn and state.torn_version == 2 and state.paused and not state.ready, state
             assert get(url, "/weight_info")["weight_version"] == "weightsync-receiving-2-from-1"
             assert get(url, "/is_paused")["is_paused"] is True
-            answers: list = []
-            held = threading.Thread(target=lambda: answers.append(completions(url, model_dir)), daemon=True)
-            held.start()
-            held.join(timeout=3.0)
+            held, answers = hold_completions(url, model_dir)
             assert held.is_alive() and not answers, "vLLM ran a completion on the weights a cut round left"
 
             weights = round_weights(original, 602)
