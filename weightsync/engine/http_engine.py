@@ -73,21 +73,27 @@ class HttpEngineAdapter(EngineAdapter):
         or a non-number; None (unknown) when the engine cannot be asked (unreachable,
         HTTP error, slow) -- never a made-up 0, which would make versions go backwards.
         An unfinished receive's marker reads as the version it started from."""
+        version, self._torn_to = self._read_version(path)
+        return version
+
+    def _read_version(self, path: str) -> tuple[int | None, int | None]:
+        """``_version_from``'s reading and the unfinished receive's target, without
+        keeping either (the transfer thread reads too, beside the watch's poller)."""
         try:
             value = self._call("GET", path).get("weight_version")
         except (EngineUnavailable, EngineFault, StepTimeoutError):
-            return None
-        self._torn_to = None
+            return None, None
+        torn_to = None
         if isinstance(value, str) and value.startswith(self.RECEIVING):
             new, _, old = value[len(self.RECEIVING):].partition("-from-")
             try:
-                self._torn_to, value = int(new), int(old)
+                torn_to, value = int(new), int(old)
             except ValueError:
-                return 0
+                return 0, None
         try:  # an engine that answers but never set a numeric version (vLLM boots with a name)
-            return int(value)
+            return int(value), torn_to
         except (TypeError, ValueError):
-            return 0
+            return 0, torn_to
 
     def fault(self) -> str | None:
         try:

@@ -19,7 +19,7 @@ vLLM pairs its workers' replies with its calls by order alone: a ``collective_rp
 that times out inside vLLM while its worker goes on (a worker frozen, swapped out or
 stuck past the deadline) leaves that reply queued, and every later call, vLLM's own
 steps included, would read the reply of the call before it. So the worker's own
-deadline ends before the call's (``WORKER_MARGIN``), and once a call timed out
+deadline ends before the call's (``worker_deadline_s``), and once a call timed out
 anyway the adapter makes no further call and reports the engine faulted until it is
 restarted (``restart_needed``: the launcher relaunches it under
 ``--restart on-failure``).
@@ -207,9 +207,9 @@ class VllmAdapter(HttpEngineAdapter):
         rendezvous, rank, plan = delivery.rendezvous, delivery.rank, delivery.plan
         deadline_at, skip_post_load = delivery.deadline_at, delivery.skip_post_load
         # vLLM itself says its weights are moving until commit() names the new version:
-        # an agent started after this one died mid-receive reads no version it could
-        # serve, and keeps the engine fenced until a round lands whole.
-        before = self._version_from("/weight_info") or 0
+        # an agent started after this one died mid-receive reads that record and keeps
+        # the engine torn and paused until a round lands whole (``torn_to``).
+        before = self._read_version("/weight_info")[0] or 0
         self._call("POST", "/update_weight_version",
                    body={"new_version": self.receiving_marker(delivery.version, before)})
         # The worker remembers plans it took whole: later rounds name the plan by id (a
