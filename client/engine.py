@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 
+from weightsync.client.channel import LoopChannel
 from weightsync.client.retry import new_key
 from weightsync.errors import from_rpc_error
 from weightsync.grpc_options import CHANNEL_OPTIONS
@@ -20,8 +21,14 @@ class EngineClient:
 
     def __init__(self, address: str, *, security: Security | None = None) -> None:
         self.address = address
-        self._channel = (security or Security()).channel(address, options=CHANNEL_OPTIONS)
-        self.stub = agent_pb2_grpc.EngineAgentStub(self._channel)
+        security = security or Security()
+        self._control = LoopChannel(lambda: security.channel(address, options=CHANNEL_OPTIONS),
+                                    agent_pb2_grpc.EngineAgentStub, owner="EngineClient")
+
+    @property
+    def stub(self) -> agent_pb2_grpc.EngineAgentStub:
+        """The agent's stub on the running event loop (opened there on first use)."""
+        return self._control.stub()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -31,7 +38,7 @@ class EngineClient:
 
     async def aclose(self) -> None:
         """Closes the channel. Idempotent."""
-        await self._channel.close(grace=None)
+        await self._control.aclose()
 
     async def _call(self, method, request, *, timeout_s: float, operation: str):
         try:

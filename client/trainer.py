@@ -37,6 +37,7 @@ from weightsync import deadline, metrics
 from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
+from weightsync.client.channel import LoopChannel
 from weightsync.client.context import AsyncClient
 from weightsync.client.loop_lag import LoopLagProbe
 from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
@@ -304,8 +305,8 @@ class TrainerClient(AsyncClient):
         self.retry = retry or RetryPolicy()
         self._executor: ThreadPoolExecutor | None = None
         self._send_pool: ThreadPoolExecutor | None = None  # one thread per lane being sent
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        # The coordinator's channel, reopened on a new event loop (asyncio.run per step).
+        self._control: LoopChannel[coordinator_pb2_grpc.CoordinatorStub] | None = None
         # Rendezvous stores, hosted on first use: status-only clients never open a port.
         # gloo and shm rounds use the authenticated store (a secret per round); the group
         # transport a torch TCPStore, which SGLang joins with torch's own client.
@@ -331,8 +332,10 @@ class TrainerClient(AsyncClient):
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-transfer")
             # Lanes beyond this many wait for a thread: their engines' deadlines still hold.
             self._send_pool = ThreadPoolExecutor(MAX_CONCURRENT_LANES, thread_name_prefix="weightsync-send")
-            self._channel = self.security.channel(self.coordinator, options=CHANNEL_OPTIONS)
-            self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+            self._control = LoopChannel(
+                lambda: self.security.channel(self.coordinator, options=CHANNEL_OPTIONS),
+                coordinator_pb2_grpc.CoordinatorStub, owner="TrainerClient")
+            self._control.stub()
         return self
 
     async def aclose(self) -> None:
@@ -359,18 +362,18 @@ class TrainerClient(AsyncClient):
         if self._send_pool is not None:
             self._send_pool.shutdown(wait=False, cancel_futures=True)
             self._send_pool = None
-        if self._channel is not None:
+        if self._control is not None:
             try:
-                await self._channel.close(grace=None)
+                await self._control.aclose()
             except Exception as exc:
                 errors.append(exc)
         if errors:
             raise ExceptionGroup("TrainerClient.aclose failed", errors)
 
     def _ready(self) -> coordinator_pb2_grpc.CoordinatorStub:
-        if self._stub is None or self._closed:
+        if self._control is None or self._closed:
             raise RuntimeError("TrainerClient is not started (use 'async with' or await start())")
-        return self._stub
+        return self._control.stub()
 
     async def _in_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Runs blocking work on the transfer thread with the caller's context (deadline)."""
