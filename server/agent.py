@@ -185,6 +185,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.faults = faults
         self.launcher = launcher
         self.watch = EngineWatch(adapter, launcher=launcher)
+        self.watch.on_reboot = self.engine_rebooted
         self.address = ""  # HOST:PORT registered with the coordinator (set at start)
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
@@ -264,7 +265,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return common_pb2.EngineState(
             engine_id=self.engine_id, address=self.address, available=not fault,
             paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
-            receiving=self.receiving(), engine_restarts=self.launcher.restarts if self.launcher else 0,
+            receiving=self.receiving(), engine_restarts=self.engine_restarts,
             can_export=self.adapter.can_export_weights, host_id=host_id(), workers=self.workers,
             group_layouts=self.adapter.group_layouts,
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
@@ -358,17 +359,34 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.record("resumed", allow_torn=request.allow_torn, torn=self.torn)
         return self._outcome()
 
+    @property
+    def engine_restarts(self) -> int:
+        """How often the engine was started again under this agent: relaunched by its
+        launcher, or (an engine it did not launch) seen to have booted again. Part of
+        the round's group identity: a new process has joined no group."""
+        return self.launcher.restarts if self.launcher else self.watch.reboots
+
     async def engine_relaunched(self) -> None:
         """The launcher started a new engine process (``--restart on-failure``): it holds
         its boot weights and none of the old process's state. It is fenced before its
         fault clears; the next heartbeat answer lifts the fence if it is current."""
+        await self._engine_started_again("engine_relaunched", why="engine relaunched")
+
+    async def engine_rebooted(self) -> None:
+        """An engine this agent did not launch was started again by whatever runs it (its
+        version record is its boot one again, ``EngineWatch.reboots``): as after a
+        relaunch, whatever this agent knew of the old process is forgotten and the
+        engine is fenced until it holds the fleet's version."""
+        await self._engine_started_again("engine_rebooted", why="engine restarted outside the agent")
+
+    async def _engine_started_again(self, event: str, *, why: str) -> None:
         self.adapter.engine_restarted()
         self.torn, self.torn_version = False, 0  # boot weights: whole, if perhaps old
         self._kv_offloaded_for_sync = False
-        self.record("engine_relaunched", restarts=self.launcher.restarts if self.launcher else 0)
+        self.record(event, restarts=self.engine_restarts)
         # Paused first: the engine serves its boot weights from its first healthy answer
         # until this pause (vLLM and SGLang cannot boot paused), so nothing goes before it.
-        await self.fence.raise_now(why="engine relaunched")
+        await self.fence.raise_now(why=why)
         await self.watch.refresh()
 
     def found_torn(self, version: int) -> None:

@@ -12,6 +12,14 @@ the snapshot keeps the last known one and says so, so versions never go backward
 in GetState or the metrics. A version the agent just committed is known at once; a
 poll that was reading while a commit happened is discarded for the version, as it
 may predate the commit.
+
+An engine the agent did not launch can be restarted by whatever runs it (systemd,
+Kubernetes, a person) between two polls; it comes back holding its boot weights and
+none of the old process's state, and says nothing of it but its version record: the
+one it boots with ("default" for vLLM and SGLang) where weightsync had written one
+(``EngineAdapter.version_is_boot``). The watch counts those restarts (``reboots``)
+and hands each to ``on_reboot`` (the agent treats it as a relaunch). An engine the
+agent launched is the launcher's to restart, and is not counted here.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,6 +68,10 @@ class EngineWatch:
         self.snapshot = EngineSnapshot()
         self._commits = 0                # bumped by committed(); guards a poll that raced a commit
         self._lock = threading.Lock()
+        self.reboots = 0              # restarts of an engine nobody here launched, seen in its record
+        self._reboots_handled = 0
+        self._recorded = False        # the engine was last seen holding a version record weightsync wrote
+        self.on_reboot: Callable[[], Awaitable[None]] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-health")
 
     def current(self) -> EngineSnapshot:
@@ -76,6 +89,7 @@ class EngineWatch:
         """The agent recorded ``version`` in the engine: it is known without asking."""
         with self._lock:
             self._commits += 1
+            self._recorded = True
             self.snapshot = dataclasses.replace(self.snapshot, weight_version=version, version_known=True,
                                                 torn_to=None)
 
@@ -89,6 +103,7 @@ class EngineWatch:
         torn_to = self.adapter.torn_to()
         running, queued = self.adapter.counts()
         paused = self.adapter.paused_now()
+        boot = self.adapter.version_is_boot()
         with self._lock:
             last = self.snapshot
             if commits != self._commits:  # a commit landed mid-poll: the reading may predate it
@@ -97,6 +112,10 @@ class EngineWatch:
                 version, version_known = last.weight_version, False
             else:
                 version_known = True
+                if boot is not None and self.launcher is None:
+                    if boot and self._recorded:
+                        self.reboots += 1
+                    self._recorded = not boot
             self.snapshot = EngineSnapshot(fault=fault, weight_version=version, version_known=version_known,
                                            running=running, queued=queued, paused=paused, torn_to=torn_to,
                                            polled_at=time.monotonic(), asked_at=asked_at)
@@ -111,6 +130,9 @@ class EngineWatch:
         while True:
             try:
                 await self.refresh()
+                if self.reboots != self._reboots_handled and self.on_reboot is not None:
+                    self._reboots_handled = self.reboots
+                    await self.on_reboot()
             except Exception as exc:
                 log.warning("engine poll failed: %r", exc)
             await asyncio.sleep(self.interval_s)

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from weightsync.packing import weights_digest  # noqa: E402  (the test hook's digest)
 
 ARGS = argparse.Namespace(die_during_update=False, fail_version_update=False, slow_state=0.0)  # main() fills it; tests import the recipe
-state = {"paused": "", "released": set(), "running": 0, "weight_version": "0"}
+state = {"paused": "", "released": set(), "running": 0, "weight_version": "default"}  # SGLang boots with "default"
 lock = threading.Lock()           # control state
 weights_lock = threading.Lock()   # one weight update at a time, as SGLang's model_update_lock
 params: dict[str, torch.Tensor] = {}

@@ -514,3 +514,41 @@ async def test_an_unreadable_version_is_reported_unknown_not_zero(sglang):
             assert time.monotonic() < end
             await asyncio.sleep(0.1)
         assert (await client.update_weights(tiny_weights(2), version=2, timeout_s=120)).ok
+
+
+async def test_an_sglang_started_again_by_whatever_runs_it_is_fenced_and_joins_a_new_group(sglang, tmp_path):
+    """SGLang restarted on its port behind the agent's back (the agent did not launch
+    it) comes back on its boot weights, in no update group. It reads as SGLang's boot
+    version record ("default") again: the agent counts the restart, fences it (paused,
+    not ready) and forgets the group it had joined, so the next round makes a new
+    group, which the new process joins, and lands. Before, that round failed: the agent
+    sent the update into a group the new process had never joined. (Against a real
+    vLLM: tests/vllm/test_vllm_restart.py.)"""
+    address, _, url, calls, standin = sglang
+    model_dir = os.path.join(str(tmp_path), "model")
+    async with TrainerClient(address, transport="group") as client:
+        assert (await client.update_weights(tiny_weights(1), version=1, timeout_s=60)).ok
+        standin.kill()
+        standin.wait(timeout=10)
+        port_file = os.path.join(str(tmp_path), "sglang-again.port")
+        again = spawn([sys.executable, STANDIN, port_file, calls, "--model-dir", model_dir,
+                       "--port", url.rsplit(":", 1)[1]])
+        try:
+            wait_for_file(port_file, timeout_s=30, proc=again)
+            end = time.monotonic() + 15
+            while (state := (await client.get_state()).engines[0]).engine_restarts != 1:
+                assert time.monotonic() < end, f"the agent never saw SGLang start again: {state}"
+                await asyncio.sleep(0.1)
+            assert state.fenced and state.paused and not state.ready and state.weight_version == 0, state
+            paths = [p for p, _ in calls_of(calls)]
+            assert paths[-1] == "/pause_generation", paths  # the new process, paused on sight
+            weights = tiny_weights(seed=2)
+            result = await client.update_weights(weights, version=2, timeout_s=60)
+            assert result.ok, result
+            assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))
+            assert get(url, "/model_info")["weight_version"] == "2"
+            assert [p for p, _ in calls_of(calls)].count("/init_weights_update_group") == 2  # one per process
+            state = (await client.get_state()).engines[0]
+            assert state.ready and not state.fenced, state
+        finally:
+            stop_process(again, grace_s=10)

@@ -10,6 +10,9 @@ real behaviour behind each answer is checked against a real vLLM in the vLLM tie
 - vLLM's version recording an unfinished receive reads as the version it started
   from, with the version it was moving to;
 - a ``/sleep`` whose call failed is counted asleep;
+- a vLLM started again by whatever runs it reads as its boot version record again:
+  the agent's watch counts that as a restart (an engine it did not launch), and the
+  digest of what the adapter received into the old process is no longer vouched for;
 - the worker's receive ends before vLLM stops waiting for it.
 """
 
@@ -23,6 +26,7 @@ import pytest
 
 from weightsync.engine.vllm import VllmAdapter, worker_deadline_s
 from weightsync.errors import EngineFault, StepTimeoutError
+from weightsync.server.engine_watch import EngineWatch
 
 
 class StandIn:
@@ -112,6 +116,45 @@ def test_an_unfinished_receive_reads_as_its_old_version_and_names_the_new(vllm):
     assert adapter.weight_version == 7 and adapter.torn_to() is None
     vllm.answers["GET /weight_info"] = (200, {"weight_version": "weightsync-receiving-garbage"})
     assert adapter.weight_version == 0 and adapter.torn_to() is None  # unreadable: behind anything
+
+
+def test_a_vllm_started_again_behind_the_agent_is_told_by_its_boot_version_record(vllm):
+    adapter = VllmAdapter(vllm.url, timeout_s=5)
+    watch = EngineWatch(adapter)
+    try:
+        vllm.answers["GET /weight_info"] = (200, {"weight_version": "default"})
+        watch.poll_once()
+        assert watch.reboots == 0 and adapter.version_is_boot()  # booted, never synced: nothing to tell
+        adapter.last_received_digest = "d1"  # what a receive into this process loaded
+        watch.committed(3)
+        vllm.answers["GET /weight_info"] = (200, {"weight_version": adapter.receiving_marker(4, 3)})
+        watch.poll_once()  # a receive under way is weightsync's record too
+        vllm.answers["GET /weight_info"] = (200, {"weight_version": "3"})
+        watch.poll_once()
+        assert watch.reboots == 0 and adapter.weights_digest() == "d1"
+        vllm.answers["GET /weight_info"] = (500, {})  # down while it restarts: unknown, not a restart yet
+        watch.poll_once()
+        assert watch.reboots == 0 and not watch.snapshot.version_known
+        assert adapter.weights_digest() == ""  # what vLLM holds cannot be vouched for
+        vllm.answers["GET /weight_info"] = (200, {"weight_version": "default"})
+        watch.poll_once()
+        watch.poll_once()
+        assert watch.reboots == 1 and watch.snapshot.weight_version == 0  # counted once
+        assert adapter.weights_digest() == "", "the old process's digest reported for a vLLM on boot weights"
+    finally:
+        watch.close()
+
+
+def test_an_engine_the_agent_launched_is_the_launchers_to_count(vllm):
+    adapter = VllmAdapter(vllm.url, timeout_s=5)
+    watch = EngineWatch(adapter, launcher=object())  # only its presence matters here
+    try:
+        watch.committed(2)
+        vllm.answers["GET /weight_info"] = (200, {"weight_version": "default"})
+        watch.poll_once()
+        assert watch.reboots == 0
+    finally:
+        watch.close()
 
 
 def test_a_sleep_whose_call_timed_out_is_counted_asleep(vllm):

@@ -237,19 +237,33 @@ async def test_a_vllm_killed_or_frozen_mid_round_is_relaunched_fenced_and_brough
         stop_process(coordinator, grace_s=10)
 
 
-async def test_an_agent_restarted_beside_a_vllm_it_left_torn_keeps_it_fenced(tmp_path, model_dir):
+async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_restarted_itself_stays_fenced(
+        tmp_path, model_dir):
     """The agent beside a vLLM it did not launch is SIGKILLed while a round streams into
     vLLM, and the stream is then cut (the trainer dies). vLLM holds half of the new
     weights; the agent that knew it is gone. The agent started in its place must not
     serve them: vLLM's own version says a receive began and never finished, so the new
     agent keeps vLLM fenced (paused, not ready, a completion does not run) until a
-    round lands whole, after which vLLM computes as the trainer's model."""
+    round lands whole, after which vLLM computes as the trainer's model.
+
+    Then vLLM itself is killed and started again on its port by whatever runs it (here,
+    the test), the agent left running. It comes back on its boot weights, having joined
+    no group; before the agent told that from vLLM's boot version record, GetState went
+    on reporting the digest of the weights the old process had received (a check of the
+    engines said it held the trainer's), and the next gloo round waited in a group the
+    new process never joined until its deadline. Now: fenced, no digest vouched for, and
+    the next round lands, equal to the trainer's model."""
     tmp = str(tmp_path)
     original = checkpoint(model_dir)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with open(os.path.join(tmp, "vllm.log"), "w") as log:
-        vllm = spawn(vllm_server(model_dir, port, *EXTENSION), env={**os.environ, **VLLM_ENV}, stdout=log, stderr=log)
+
+    def boot_vllm(name: str):
+        with open(os.path.join(tmp, name), "w") as log:
+            return spawn(vllm_server(model_dir, port, *EXTENSION), env={**os.environ, **VLLM_ENV},
+                         stdout=log, stderr=log)
+
+    vllm = boot_vllm("vllm.log")
     coordinator, address, _ = start_coordinator(tmp)
     agent_args = ("--engine", "vllm", "--engine-url", url, "--port-file", os.path.join(tmp, "vllm-0.addr"))
     agent = None
@@ -285,6 +299,33 @@ async def test_an_agent_restarted_beside_a_vllm_it_left_torn_keeps_it_fenced(tmp
             state = await engine_state(client, "vllm-0")
             assert state.ready and state.weight_version == 3, state
             assert_serves(url, model_dir, weights, "after the round that healed the torn vLLM")
+            held.join(timeout=60)
+            assert answers, "the held completion did not run after the round"
+
+            vllm.kill()
+            await asyncio.to_thread(vllm.wait, 30)
+            vllm = boot_vllm("vllm-again.log")
+            await asyncio.to_thread(wait_healthy, url, vllm, 300)
+            end = time.monotonic() + 30
+            while (state := await engine_state(client, "vllm-0")).engine_restarts != 1:
+                assert time.monotonic() < end, f"the agent never saw vLLM start again: {state}"
+                await asyncio.sleep(0.2)
+            assert "engine_rebooted" in [kind for kind, _ in await agent_events(tmp)]
+            state = await engine_state(client, "vllm-0")
+            assert state.fenced and state.paused and not state.ready and state.weight_version == 0, state
+            assert get(url, "/is_paused")["is_paused"] is True
+            held, answers = hold_completions(url, model_dir)
+            assert held.is_alive() and not answers, "vLLM ran a completion on its boot weights"
+            check = await client.check_engines(weights, within_s=1.0)
+            assert not check.ok and [e.engine_id for e in check.unread] == ["vllm-0"], check.describe()
+
+            weights = round_weights(original, 603)
+            result = await client.update_weights(weights, version=4, transport="gloo", timeout_s=DEADLINE_S)
+            assert result.ok, result
+            state = await engine_state(client, "vllm-0")
+            assert state.ready and state.weight_version == 4 and not state.fenced, state
+            assert_serves(url, model_dir, weights, "after the round that followed vLLM's restart")
+            assert (await client.check_engines(weights)).ok
             held.join(timeout=60)
             assert answers, "the held completion did not run after the round"
     finally:

@@ -151,6 +151,14 @@ class EngineAdapter(abc.ABC):
         that the engine is torn."""
         return None
 
+    def version_is_boot(self) -> bool | None:
+        """Whether the last version reading (``weight_version``, on the watch's thread)
+        found the version record the engine boots with rather than one weightsync
+        writes: after the agent had recorded a version, the engine was started again
+        (by whatever runs it) and holds its boot weights. None where the engine keeps
+        no such record or could not be read (the default)."""
+        return None
+
     def restart_needed(self) -> str:
         """Why the engine can only be trusted again after a restart ("" when it can):
         the launcher relaunches it then, under ``--restart on-failure``. By default

@@ -27,6 +27,7 @@ class HttpEngineAdapter(EngineAdapter):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._torn_to: int | None = None
+        self._boot: bool | None = None  # the last version reading found the engine's boot record
 
     def _call(self, method: str, path: str, *, query: dict | list | None = None, body: dict | None = None,
               timeout_s: float | None = None) -> dict:
@@ -73,27 +74,34 @@ class HttpEngineAdapter(EngineAdapter):
         or a non-number; None (unknown) when the engine cannot be asked (unreachable,
         HTTP error, slow) -- never a made-up 0, which would make versions go backwards.
         An unfinished receive's marker reads as the version it started from."""
-        version, self._torn_to = self._read_version(path)
+        version, self._torn_to, self._boot = self._read_version(path)
         return version
 
-    def _read_version(self, path: str) -> tuple[int | None, int | None]:
-        """``_version_from``'s reading and the unfinished receive's target, without
-        keeping either (the transfer thread reads too, beside the watch's poller)."""
+    def version_is_boot(self) -> bool | None:
+        return self._boot
+
+    def _read_version(self, path: str) -> tuple[int | None, int | None, bool | None]:
+        """``_version_from``'s reading, the unfinished receive's target, and whether the
+        record is the engine's boot one (a name such as vLLM's and SGLang's "default":
+        nothing weightsync writes; None where there is no record to judge), without
+        keeping any of them (the transfer thread reads too, beside the watch's poller)."""
         try:
             value = self._call("GET", path).get("weight_version")
         except (EngineUnavailable, EngineFault, StepTimeoutError):
-            return None, None
+            return None, None, None
+        if value is None:
+            return 0, None, None
         torn_to = None
         if isinstance(value, str) and value.startswith(self.RECEIVING):
             new, _, old = value[len(self.RECEIVING):].partition("-from-")
             try:
                 torn_to, value = int(new), int(old)
             except ValueError:
-                return 0, None
+                return 0, None, True
         try:  # an engine that answers but never set a numeric version (vLLM boots with a name)
-            return int(value), torn_to
+            return int(value), torn_to, False
         except (TypeError, ValueError):
-            return 0, torn_to
+            return 0, torn_to, True
 
     def fault(self) -> str | None:
         try:

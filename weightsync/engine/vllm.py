@@ -282,8 +282,11 @@ class VllmAdapter(HttpEngineAdapter):
     def weights_digest(self):
         # vLLM repacks weights on CPU (oneDNN), so its parameters cannot be hashed back
         # into checkpoint form; the extension's digest of what it received and loaded is
-        # the attestation.
-        return self.last_received_digest
+        # the attestation -- only while vLLM still holds the version record weightsync
+        # wrote: a vLLM restarted behind the agent's back holds its boot weights,
+        # whatever this adapter received into the process before.
+        version, _, boot = self._read_version("/weight_info")
+        return "" if version is None or boot else self.last_received_digest
 
     def submit(self, prompt: Sequence[int], max_tokens: int) -> str:
         raise Unsupported("send generation requests to vLLM's OpenAI API directly", reason="GENERATION_UNSUPPORTED")
