@@ -196,7 +196,8 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     async def Resume(self, request, context):
         return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self.idempotency.execute(
             request.idempotency_key, "resume", request, lambda: self.round.resume(request),
-            coordinator_pb2.ResumeResponse))
+            # Paused engines serve nothing: a Resume runs even when the disk cannot record it.
+            coordinator_pb2.ResumeResponse, record_optional=True))
 
     # ----- registry ---------------------------------------------------------------------
 

@@ -16,7 +16,10 @@ round itself is here):
 Per-engine keys are derived from the trainer's, so a retried step can never start a
 second receive on any engine. The round's state and the weight version persist in
 SQLite (``meta``); a round that was broadcasting when the coordinator died comes back
-``failed`` with a new epoch.
+``failed`` with a new epoch. A database that cannot be written (``StateNotWritable``)
+refuses a step whose save comes before any change (a Broadcast, nothing moved), and
+never a change already made: engines paused, weights moved or engines resumed are
+kept in memory and written with the next save that succeeds (``save_after_change``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -40,6 +44,7 @@ from weightsync.errors import (
     FailedPrecondition,
     InvalidArgument,
     PlanUnknown,
+    StateNotWritable,
     WeightSyncError,
     from_rpc_error,
     nothing_changed,
@@ -56,6 +61,8 @@ from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.transport import AUTO_LAYOUT, FLATTENED, LAYOUTS, TENSORS, is_relay_upstream
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2
 from weightsync.validate import check_pause_mode, check_port, check_timeout
+
+log = logging.getLogger("weightsync.coordinator")
 
 DEFAULT_PAUSE_TIMEOUT_S = 60.0
 DEFAULT_TRANSFER_TIMEOUT_S = 300.0
@@ -237,6 +244,7 @@ class SyncRound:
         self.lock = asyncio.Lock()  # one step of one round at a time
         self.started_at = time.monotonic()
         self.rejoin_window_s = rejoin_window_s
+        self.unsaved_changes = 0  # saves after a change that the database could not take
         self._load()
 
     # ----- state ------------------------------------------------------------------------
@@ -272,6 +280,18 @@ class SyncRound:
                 set_meta(conn, key, value)
 
         await self.db.run(save)
+
+    async def save_after_change(self, what: str) -> None:
+        """Saves state that records a change already made (``what``). A database that
+        cannot take it must not turn that change into a failure: the engines did pause,
+        receive or resume. The state stays in memory (the next save writes all of it)
+        and the failure is logged and counted."""
+        try:
+            await self.save()
+        except StateNotWritable as exc:
+            self.unsaved_changes += 1
+            metrics.STATE_UNSAVED.inc()
+            log.error("the round's state after %s is kept in memory only: %s", what, exc.message)
 
     def view(self) -> coordinator_pb2.RoundState:
         """The round as GetState shows it."""
@@ -320,7 +340,7 @@ class SyncRound:
             self.round_id += 1
             self.round_engines = [o.engine_id for o in outcomes if o.ok]
             self.phase = "paused" if self.round_engines else "idle"
-            await self.save()
+            await self.save_after_change("a pause")
             self._report("pause", outcomes, ok=bool(self.round_engines))
             metrics.ROUND_ID.set(self.round_id)
             await self.emit("paused", round_id=self.round_id, engines=",".join(self.round_engines),
@@ -364,8 +384,14 @@ class SyncRound:
             with nothing_changed():  # until the transfer starts, a failure leaves everything as it was
                 setup = await self._set_up(request)
                 await self._check_with_every_engine(request, setup)
+            before = self.phase, self.target_version
             self.phase, self.target_version = "broadcasting", request.version
-            await self.save()
+            try:
+                with nothing_changed():
+                    await self.save()
+            except WeightSyncError:
+                self.phase, self.target_version = before  # nothing moved: the round is as it was
+                raise
             try:
                 return await self._transfer(request, setup, progress)
             except BaseException as exc:
@@ -375,7 +401,7 @@ class SyncRound:
                     self.phase = "failed"
                     self.epoch += 1  # never reuse a group that saw a failure
                     metrics.BROADCAST_IN_PROGRESS.set(0)
-                    await asyncio.shield(self.save())
+                    await asyncio.shield(self.save_after_change("a failed broadcast"))
                     await self.emit("broadcast_failed", version=request.version, error=repr(exc))
                 raise
 
@@ -609,7 +635,7 @@ class SyncRound:
         else:
             self.phase = "failed"
             self.epoch += 1  # never reuse a group that saw a failure
-        await self.save()
+        await self.save_after_change("a broadcast")
         self._report("broadcast", outcomes, ok=ok)
         metrics.SYNC_SECONDS.observe(seconds)
         if ok:
@@ -643,7 +669,7 @@ class SyncRound:
             still_paused = [o.engine_id for o in outcomes if not o.ok]
             self.round_engines = still_paused  # they stay members until a good round
             self.phase = "failed" if still_paused else "idle"
-            await self.save()
+            await self.save_after_change("a resume")
             self._report("resume", outcomes, ok=not still_paused)
             await self.emit("resumed", engines=",".join(o.engine_id for o in outcomes if o.ok),
                             still_paused=",".join(still_paused))

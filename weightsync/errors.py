@@ -177,6 +177,15 @@ class OperationAborted(WeightSyncError):
     code = grpc.StatusCode.ABORTED
 
 
+class StateNotWritable(WeightSyncError):
+    """A server cannot write its state database (the disk is full, an I/O error, a
+    read-only file): the call that needed the write changed nothing; it can be made
+    again once the database can be written."""
+
+    reason = "STATE_NOT_WRITABLE"
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class StepTimeoutError(WeightSyncError, TimeoutError):
     """A deadline expired; ``operation`` names what was running."""
 
@@ -194,7 +203,8 @@ _BY_REASON: dict[str, type[WeightSyncError]] = {
     cls.reason: cls
     for cls in (InvalidArgument, IdempotencyConflict, FailedPrecondition, PermissionDenied, PlanUnknown,
                 EngineUnavailable,
-                EngineFault, TornWeightsError, EngineOutputMismatch, TransferError, OperationAborted)
+                EngineFault, TornWeightsError, EngineOutputMismatch, TransferError, OperationAborted,
+                StateNotWritable)
 }
 
 
@@ -274,5 +284,5 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 __all__ = [
     "AFTER_TRANSFER", "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
     "PermissionDenied", "PlanUnknown", "Unsupported", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
-    "StepTimeoutError", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
+    "StateNotWritable", "StepTimeoutError", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

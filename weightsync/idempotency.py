@@ -19,6 +19,12 @@ is not what the operation means -- version, plan, transport and digest are). Rec
 for the life of the process) or in the coordinator's SQLite state, where an operation
 that was running when the process died is finished as ``OPERATION_ABORTED`` on the
 next start, never re-run. Retention is bounded by age and by count.
+
+A state database that cannot be written (``StateNotWritable``: the disk full) refuses
+a new key, nothing run -- except for operations that are safe to run again and must
+not wait for the disk (``record_optional``: the coordinator's Resume, without which
+paused engines serve nothing); their records, and every outcome the database could
+not take, are kept in this process's memory instead, so a retry here still replays.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -38,6 +45,7 @@ from weightsync.errors import (
     IdempotencyConflict,
     InvalidArgument,
     OperationAborted,
+    StateNotWritable,
     WeightSyncError,
     from_status,
 )
@@ -45,6 +53,7 @@ from weightsync.statedb import StateDB
 from weightsync.v1 import common_pb2
 
 M = TypeVar("M", bound=Message)
+log = logging.getLogger("weightsync.idempotency")
 
 MAX_KEY_LEN = 128
 DEFAULT_RETENTION_S = 24 * 3600.0
@@ -131,6 +140,9 @@ class IdempotencyStore:
         self.retention_s = retention_s
         self.max_records = max_records
         self._memory: OrderedDict[str, _Record] = OrderedDict()
+        # With a database: what it could not take (None: a key it could not forget),
+        # consulted before it; bounded like the rest.
+        self._unsaved: OrderedDict[str, _Record | None] = OrderedDict()
         self._running: dict[str, asyncio.Task] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.executions = 0  # operations actually started (not replays)
@@ -156,11 +168,13 @@ class IdempotencyStore:
 
     async def execute(self, key: str, operation: str, request: Message,
                       fn: Callable[[], Awaitable[M]], response_type: type[M], *,
-                      on_accept: Callable[[], None] | None = None) -> M:
+                      on_accept: Callable[[], None] | None = None, record_optional: bool = False) -> M:
         """Runs ``fn`` at most once for ``key``; see the module docstring.
 
         ``on_accept`` is called once the request is known to be the key's own (new,
         attaching or replayed; never for a conflicting one), before ``fn`` starts.
+        ``record_optional``: run even when the database cannot record the key (the
+        record is then kept in memory); otherwise that is ``StateNotWritable``.
         """
         validate_key(key)
         # Off the loop: a Broadcast's or Receive's request holds the whole plan (a
@@ -183,9 +197,10 @@ class IdempotencyStore:
             else:
                 if on_accept is not None:
                     on_accept()
-                await self._insert(key, _Record(operation, fp, "running", created_at=time.time()))
+                new = _Record(operation, fp, "running", created_at=time.time())
+                await self._insert(key, new, optional=record_optional)
                 self.executions += 1
-                task = asyncio.ensure_future(self._run_and_record(key, fn))
+                task = asyncio.ensure_future(self._run_and_record(key, new, fn))
                 self._running[key] = task
                 task.add_done_callback(lambda _t, k=key: self._forget_running(k))
         if task is not None and record is not None:
@@ -208,24 +223,24 @@ class IdempotencyStore:
         if lock is not None and not lock.locked():
             self._locks.pop(key, None)
 
-    async def _run_and_record(self, key: str, fn: Callable[[], Awaitable[M]]) -> M:
+    async def _run_and_record(self, key: str, record: _Record, fn: Callable[[], Awaitable[M]]) -> M:
         try:
             response = await fn()
         except WeightSyncError as exc:
             if exc.nothing_ran:
                 await self._forget(key)
             else:
-                await self._update(key, state="failed", error=exc)
+                await self._update(key, record, state="failed", error=exc)
             raise
         except asyncio.CancelledError:
             err = OperationAborted("the operation was cancelled (server shutting down)")
-            await asyncio.shield(self._update(key, state="failed", error=err))
+            await asyncio.shield(self._update(key, record, state="failed", error=err))
             raise
         except Exception as exc:
             err = WeightSyncError(f"internal error: {exc!r}")
-            await self._update(key, state="failed", error=err)
+            await self._update(key, record, state="failed", error=err)
             raise err from exc
-        await self._update(key, state="done", response=response.SerializeToString())
+        await self._update(key, record, state="done", response=response.SerializeToString())
         return response
 
     @staticmethod
@@ -241,6 +256,8 @@ class IdempotencyStore:
     async def _load(self, key: str) -> _Record | None:
         if self._db is None:
             return self._memory.get(key)
+        if key in self._unsaved:
+            return self._unsaved[key]
 
         def load(conn):
             return conn.execute(
@@ -254,7 +271,14 @@ class IdempotencyStore:
         error = _error_from_fields(code, reason, message, metadata) if state == "failed" else None
         return _Record(op, fp, state, response, error, created)
 
-    async def _insert(self, key: str, record: _Record) -> None:
+    def _keep_unsaved(self, key: str, record: _Record | None, exc: StateNotWritable) -> None:
+        log.error("idempotency key %s kept in memory only: %s", key, exc.message)
+        self._unsaved[key] = record
+        self._unsaved.move_to_end(key)
+        while len(self._unsaved) > self.max_records:
+            self._unsaved.popitem(last=False)
+
+    async def _insert(self, key: str, record: _Record, *, optional: bool = False) -> None:
         if self._db is None:
             self._memory[key] = record
             self._prune_memory()
@@ -270,28 +294,45 @@ class IdempotencyStore:
             conn.execute("DELETE FROM idempotency WHERE state != 'running' AND key IN (SELECT key FROM "
                          "idempotency ORDER BY created_at DESC LIMIT -1 OFFSET ?)", (limit,))
 
-        await self._db.run(insert)
+        try:
+            await self._db.run(insert)
+        except StateNotWritable as exc:
+            if not optional:
+                raise
+            self._keep_unsaved(key, record, exc)
 
-    async def _update(self, key: str, *, state: str, response: bytes | None = None,
+    async def _update(self, key: str, record: _Record, *, state: str, response: bytes | None = None,
                       error: WeightSyncError | None = None) -> None:
+        """Records the outcome. It has happened: a database that cannot take it keeps it
+        from no caller (the record stays in memory), and never replaces it with its own error."""
+        record.state, record.response, record.error = state, response, error
         if self._db is None:
-            record = self._memory.get(key)
-            if record is not None:
-                record.state, record.response, record.error = state, response, error
             return
         fields = _error_fields(error) if error is not None else (None, None, None, None)
 
-        def update(conn):
-            conn.execute("UPDATE idempotency SET state=?, response=?, error_code=?, error_reason=?, "
-                         "error_message=?, error_metadata=? WHERE key=?", (state, response, *fields, key))
+        def update(conn) -> int:
+            return conn.execute("UPDATE idempotency SET state=?, response=?, error_code=?, error_reason=?, "
+                                "error_message=?, error_metadata=? WHERE key=?",
+                                (state, response, *fields, key)).rowcount
 
-        await self._db.run(update)
+        try:
+            updated = await self._db.run(update)
+        except StateNotWritable as exc:
+            self._keep_unsaved(key, record, exc)
+        else:
+            if updated:  # else the key's record is the one in memory (its insert failed)
+                self._unsaved.pop(key, None)
 
     async def _forget(self, key: str) -> None:
         if self._db is None:
             self._memory.pop(key, None)
             return
-        await self._db.run(lambda conn: conn.execute("DELETE FROM idempotency WHERE key=?", (key,)))
+        try:
+            await self._db.run(lambda conn: conn.execute("DELETE FROM idempotency WHERE key=?", (key,)))
+        except StateNotWritable as exc:
+            self._keep_unsaved(key, None, exc)
+        else:
+            self._unsaved.pop(key, None)
 
     def _prune_memory(self) -> None:
         cutoff = time.time() - self.retention_s

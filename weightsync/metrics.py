@@ -23,6 +23,8 @@ FAILURES = Counter("weightsync_failures_total", "Engine failures in rounds, by r
 ENGINE_TRANSFERS = Counter("weightsync_engine_transfers_total",
                            "Engine receives in broadcasts, by engine, the transport it received over, and outcome",
                            ["engine", "transport", "outcome"])
+STATE_UNSAVED = Counter("weightsync_state_unsaved_total",
+                        "Changes the coordinator made but could not write to its state database (kept in memory)")
 REPLAYS = Counter("weightsync_idempotent_replays_total", "Calls answered from the idempotency store")
 ROUND_ID = Gauge("weightsync_round_id", "Id of the current (or last) sync round")
 BROADCAST_IN_PROGRESS = Gauge("weightsync_broadcast_in_progress", "1 while a broadcast is moving bytes")

@@ -4,6 +4,11 @@ SQLite calls block, so none runs on the event loop: every statement goes through
 single-thread executor, which also serialises writes. WAL + ``synchronous=NORMAL``
 keeps a committed transaction across a process crash (SIGKILL), which is what
 restart recovery relies on.
+
+A database that cannot be written (the disk full, an I/O error, a read-only file)
+raises ``StateNotWritable``, rolled back: callers decide whether the write had to
+come before a change (the call is refused, nothing changed) or records one already
+made (logged, the state kept in memory until a later write succeeds).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from weightsync.errors import StateNotWritable
 from weightsync.threads import run_in
 
 T = TypeVar("T")
@@ -27,6 +33,11 @@ CREATE TABLE IF NOT EXISTS idempotency (
     error_message TEXT, error_metadata TEXT, created_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency(created_at);
 """
+
+
+# SQLite's primary result codes of a storage that fails: SQLITE_BUSY, SQLITE_LOCKED,
+# SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN.
+STORAGE_FAILURES = frozenset({5, 6, 8, 10, 13, 14})
 
 
 class StateDB:
@@ -55,7 +66,7 @@ class StateDB:
                 conn.execute("BEGIN IMMEDIATE")
                 return fn(conn)
 
-        return await run_in(self._executor, in_transaction)
+        return await run_in(self._executor, self._typed, in_transaction)
 
     def run_sync(self, fn: Callable[[sqlite3.Connection], T], timeout_s: float = 30.0) -> T:
         """Blocking variant for start-up and shutdown paths (never call from the loop)."""
@@ -68,7 +79,16 @@ class StateDB:
                 conn.execute("BEGIN IMMEDIATE")
                 return fn(conn)
 
-        return self._executor.submit(in_transaction).result(timeout=timeout_s)
+        return self._executor.submit(self._typed, in_transaction).result(timeout=timeout_s)
+
+    def _typed(self, transaction: Callable[[], T]) -> T:
+        """Runs ``transaction``; SQLite's storage failures come out as StateNotWritable."""
+        try:
+            return transaction()
+        except sqlite3.OperationalError as exc:
+            if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) not in STORAGE_FAILURES:
+                raise  # a statement's own error: a bug, not the storage
+            raise StateNotWritable(f"state database {self.path} cannot be written: {exc}") from exc
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Closes the connection and the thread (bounded). Idempotent."""
