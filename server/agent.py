@@ -82,6 +82,37 @@ DEFAULT_TIMEOUT_S = 60.0
 COORDINATOR_SILENCE_S = KEEPALIVE_S + KEEPALIVE_TIMEOUT_S + 1.0
 
 
+# Segments torch's wrappers put in front of a module's parameter names: torch.compile
+# (``_orig_mod``), DistributedDataParallel (``module``), FSDP1 and activation
+# checkpointing when their names are not cleaned.
+WRAPPER_SEGMENTS = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _unwrapped(name: str) -> str:
+    """``name`` without the wrapper segments (anywhere in it: wrappers nest)."""
+    parts = [p for p in name.split(".") if f"{p}." not in WRAPPER_SEGMENTS]
+    return ".".join(parts)
+
+
+def _naming_hint(unknown: list[str], specs) -> str:
+    """Why a plan's names may not be the engine's, where it can be told: a wrapped
+    module's names, or fused experts. Empty otherwise."""
+    return _wrapper_hint(unknown, specs) or _fused_experts_hint(unknown, specs)
+
+
+def _wrapper_hint(unknown: list[str], specs) -> str:
+    """Names of a wrapped module (``torch.compile(model).named_parameters()`` gives
+    ``_orig_mod.embed.weight``) where the engine has the bare ones."""
+    for name in unknown:
+        bare = _unwrapped(name)
+        if bare != name and bare in specs:
+            segments = sorted({f"{p}." for p in name.split(".") if f"{p}." in WRAPPER_SEGMENTS})
+            return (f"; {name!r} is the engine's {bare!r} under a wrapper's {' '.join(segments)} prefix "
+                    f"(torch.compile, DistributedDataParallel, FSDP): send the wrapped module's own tensors "
+                    f"(model._orig_mod, model.module) or their names without it")
+    return ""
+
+
 def _fused_experts_hint(unknown: list[str], specs) -> str:
     """A hint for the commonest such refusal: a trainer whose model holds a layer's
     experts fused into one tensor (transformers 5 loads Qwen-MoE and Mixtral so:
@@ -539,7 +570,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         unknown = list(islice((n for n in head if n not in specs), 5))
         if unknown:
             raise InvalidArgument(f"plan names tensors the engine does not have: {unknown} (it lists {count} "
-                                  f"tensors; the engine has {len(specs)}){_fused_experts_hint(unknown, specs)}",
+                                  f"tensors; the engine has {len(specs)}){_naming_hint(unknown, specs)}",
                                   metadata={"tensor": unknown[0]})
         raise InvalidArgument(f"plan lists {count} tensors; the engine has {len(specs)}")
 
@@ -552,7 +583,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         unknown = list(islice((n for n in names if n not in specs), 5))
         if unknown:
             raise InvalidArgument(f"plan names tensors the engine does not have: {unknown}"
-                                  f"{_fused_experts_hint(unknown, specs)}", metadata={"tensor": unknown[0]})
+                                  f"{_naming_hint(unknown, specs)}", metadata={"tensor": unknown[0]})
         if len(names) != len(specs):  # every name is the engine's and names are unique: some are missing
             planned = set(names)
             missing = list(islice((n for n in specs if n not in planned), 5))

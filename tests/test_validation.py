@@ -174,3 +174,27 @@ async def test_fused_experts_are_refused_with_the_checkpoint_names_to_send(clust
     assert ".moe.experts.0." in message, message
     assert after.weight_version == before.weight_version == 0
     assert after.engines[0].weights_digest == before.engines[0].weights_digest and not after.engines[0].torn
+
+
+async def test_a_compiled_models_names_are_refused_with_the_wrapper_named(cluster):
+    """``torch.compile(model).named_parameters()`` names every tensor under ``_orig_mod.``
+    (no compilation happens for that: the wrapper is lazy). Refused before anything
+    changes, saying which engine tensor the name wraps and what to send instead; the
+    wrapped module's own tensors then sync."""
+    model = ReferenceLM(PRESETS["tiny"])
+    compiled = torch.compile(model)
+    wrapped = [(n, p.detach()) for n, p in compiled.named_parameters()]
+    assert all(n.startswith("_orig_mod.") for n, _ in wrapped)
+    async with TrainerClient(cluster.address) as client:
+        before = await client.get_state(include_digests=True)
+        with pytest.raises(InvalidArgument) as info:
+            await client.update_weights(wrapped, version=1, timeout_s=30)
+        after = await client.get_state(include_digests=True)
+        message = str(info.value)
+        first = wrapped[0][0]
+        assert f"{first!r} is the engine's {first.removeprefix('_orig_mod.')!r}" in message, message
+        assert "_orig_mod. prefix" in message and "model._orig_mod" in message, message
+        assert after.weight_version == before.weight_version == 0
+        assert [e.weights_digest for e in after.engines] == [e.weights_digest for e in before.engines]
+        assert not any(e.paused or e.torn for e in after.engines)
+        assert (await client.update_weights(compiled._orig_mod.named_parameters(), version=1, timeout_s=30)).ok
