@@ -431,17 +431,24 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         """Lets the engine run: its KV cache awake first (Invariant 1), then resumed."""
         if "kv_cache" in self._asleep_tags():
             await self._wake_tags(["kv_cache"])
-        try:
-            await self.run_on_engine(self.adapter.resume)
-        finally:
-            self.pause_keeper.commanded()
+        await self._command(self.adapter.resume)
 
     async def pause_engine(self, mode: int, *, timeout_s: float) -> None:
         """Pauses the engine (every pause the agent makes goes through here)."""
+        await self._command(self.adapter.pause, mode, timeout_s=timeout_s)
+
+    async def _command(self, fn: Callable[..., None], *args, **kwargs) -> None:
+        """A pause or resume; one that failed leaves the pause keeper in doubt (it may
+        have landed, or land later, or never reached the engine)."""
+        known = False
         try:
-            await self.run_on_engine(self.adapter.pause, mode, timeout_s=timeout_s)
+            await self.run_on_engine(fn, *args, **kwargs)
+            known = True
+        except (FailedPrecondition, InvalidArgument):
+            known = True  # refused before anything was sent: the engine is as it was
+            raise
         finally:
-            self.pause_keeper.commanded()
+            self.pause_keeper.commanded(landed=known)
 
     # ----- RPCs: weights --------------------------------------------------------------
 

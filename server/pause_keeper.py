@@ -15,6 +15,17 @@ resumed with all of its memory woken first while the agent lets it run
 (``EngineAdapter.resume_awake``: a sleep that landed late pauses vLLM as well, and
 leaves the ledger of what sleeps wrong; Invariant 1). Until then readiness says the
 engine is not serving (``mismatch``).
+
+An engine that cannot say (SGLang) is put back on doubt instead: a pause or resume
+whose outcome is unknown (unreachable, timed out: it may land later, or never did)
+and an engine that answers again after it could not be reached (it may have been
+restarted, or taken a queued call meanwhile) leave the keeper in doubt, and the
+next check with the engine healthy sends it the agent's state again: a pause while
+the agent holds it paused, a resume (through ``release_engine``, which wakes what the
+ledger says sleeps) while it lets it run. Found with an SGLang that came up after
+its agent, with the fleet at version 1: the agent's fence had tried to pause it
+while it could not be reached, then reported it paused and fenced while SGLang, never
+asked again, served its boot weights to whoever called it.
 """
 
 from __future__ import annotations
@@ -40,11 +51,15 @@ class PauseKeeper:
     def __init__(self, core: AgentCore) -> None:
         self.core = core
         self._commanded_at = 0.0  # when the agent last finished pausing or resuming the engine
+        self.in_doubt = False     # the engine's pause state is unknown (an engine that cannot say)
+        self._was_faulted = False
 
-    def commanded(self) -> None:
+    def commanded(self, *, landed: bool = True) -> None:
         """The agent itself just paused or resumed the engine: a poll begun before now
-        may show the state before, and says nothing against the agent's."""
+        may show the state before, and says nothing against the agent's. ``landed``:
+        False when the call failed, so whether it reached the engine is unknown."""
         self._commanded_at = time.monotonic()
+        self.in_doubt = not landed
 
     def wanted_paused(self) -> bool:
         core = self.core
@@ -71,7 +86,15 @@ class PauseKeeper:
 
     async def check(self) -> None:
         core = self.core
-        if not self.mismatch() or core.fault():
+        faulted = bool(core.fault())
+        if self._was_faulted and not faulted:
+            self.in_doubt = True  # back after it could not be reached: whatever it holds now is unknown
+        self._was_faulted = faulted
+        if core.watch.current().paused is None:
+            if self.in_doubt and not faulted and not core.receiving():
+                await self._send_again()
+            return
+        if not self.mismatch() or faulted:
             return
         async with core.fence.lock:
             # Asked again under the lock: the snapshot may predate a Pause or Resume that
@@ -92,6 +115,18 @@ class PauseKeeper:
                     self.commanded()
                 core.record("engine_resumed_again", why="found paused while the agent lets it run")
             await core.watch.refresh()
+
+    async def _send_again(self) -> None:
+        """The agent's pause state, sent again to an engine that cannot say its own."""
+        core = self.core
+        async with core.fence.lock:
+            if not self.in_doubt or core.fault() or core.receiving():
+                return
+            if self.wanted_paused():
+                await core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)
+            else:
+                await core.release_engine()
+            core.record("engine_pause_state_sent_again", paused=self.wanted_paused())
 
 
 __all__ = ["PauseKeeper"]

@@ -18,7 +18,7 @@ contract, failure modes included, so the adapter is tested against them:
 - an update with ``flush_cache`` while requests are held by an in-place pause fails
   the cache flush, which SGLang's scheduler asserts on: the process exits.
 Every POST is appended to CALL_LOG (one JSON object per line). ``/start_requests``,
-``/standin/weights`` and ``/standin/break_version`` are test hooks, not SGLang
+``/standin/weights``, ``/standin/paused`` and ``/standin/break_version`` are test hooks, not SGLang
 endpoints; ``--slow-state S`` makes ``/health`` and ``/model_info`` take S seconds.
 
     python sglang_standin.py PORT_FILE CALL_LOG --model-dir DIR [--tp-size N] [--drop-param NAME]
@@ -185,6 +185,9 @@ class Handler(BaseHTTPRequestHandler):
             with weights_lock:
                 return self._reply(200, {"digest": weights_digest(sorted(params.items())),
                                          "groups": sorted(groups)})
+        if self.path == "/standin/paused":  # test hook: the scheduler's pause state
+            with lock:
+                return self._reply(200, {"paused": state["paused"]})
         return self._reply(404, {"error": "not found"})
 
     def do_POST(self):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 import urllib.request
@@ -552,3 +553,80 @@ async def test_an_sglang_started_again_by_whatever_runs_it_is_fenced_and_joins_a
             assert state.ready and not state.fenced, state
         finally:
             stop_process(again, grace_s=10)
+
+
+async def wait_standin_paused(url: str, want: str, what: str, timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while (paused := get(url, "/standin/paused")["paused"]) != want:
+        assert time.monotonic() < end, f"{what}: SGLang's pause state is {paused!r}"
+        await asyncio.sleep(0.1)
+
+
+async def test_an_sglang_that_comes_up_after_its_agent_is_paused_when_it_answers(tmp_path):
+    """The fleet is at version 1 (a reference engine took it) when an agent starts for
+    an SGLang that is not up yet. The agent fences it, but its pause cannot reach
+    SGLang. Before, it then reported SGLang paused and fenced while SGLang, once up,
+    was never asked again and served its boot weights; now the pause is sent again
+    when SGLang answers (SGLang cannot say whether it is paused), and the next round
+    brings it up and releases it."""
+    tmp = str(tmp_path)
+    coordinator, address, _ = start_coordinator(tmp)
+    procs = [coordinator]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        reference = start_agent(tmp, address, "ref-0")
+        procs.append(reference.proc)
+        wait_available(address, ["ref-0"])
+        async with TrainerClient(address, transport="group") as client:
+            assert (await client.update_weights(tiny_weights(1), version=1, timeout_s=60)).ok
+            agent = start_agent(tmp, address, "sglang-0", "--engine", "sglang", "--engine-url", url)
+            procs.append(agent.proc)
+            model_dir = os.path.join(tmp, "model")
+            os.makedirs(model_dir)
+            save_file(dict(tiny_weights()), os.path.join(model_dir, "model.safetensors"))
+            standin = spawn([sys.executable, STANDIN, os.path.join(tmp, "sglang.port"), os.path.join(tmp, "calls"),
+                             "--model-dir", model_dir, "--port", str(port)])
+            procs.append(standin)
+            wait_for_file(os.path.join(tmp, "sglang.port"), timeout_s=30, proc=standin)
+            await wait_standin_paused(url, "in_place", "SGLang up while its agent fences it")
+            await asyncio.to_thread(wait_available, address, ["sglang-0"])
+            state = next(e for e in (await client.get_state()).engines if e.engine_id == "sglang-0")
+            assert state.fenced and not state.ready and state.weight_version == 0, state
+            weights = tiny_weights(seed=2)
+            result = await client.update_weights(weights, version=2, timeout_s=60)
+            assert result.ok and [e.engine_id for e in result.engines] == ["ref-0", "sglang-0"], result
+            assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))
+            assert get(url, "/standin/paused")["paused"] == ""
+    finally:
+        for proc in reversed(procs):
+            stop_process(proc, grace_s=10)
+
+
+async def test_a_pause_sglang_takes_after_its_round_gave_up_is_undone(sglang):
+    """SGLang stalls (SIGSTOP) past a round's deadline: the agent's pause and its resume
+    time out, and SGLang, when it goes on, takes them in whatever order its threads
+    run them. The agent cannot ask SGLang whether it is paused; it sends its own state
+    (running) again once SGLang answers, so SGLang does not stay paused, serving
+    nothing, while the agent reports it ready. (vLLM, which can say, is put back by
+    comparing: tests/vllm/test_vllm_e2e.py.)"""
+    address, _, url, calls, standin = sglang
+    async with TrainerClient(address, transport="group", resume_grace_s=3) as client:
+        assert (await client.update_weights(tiny_weights(1), version=1, timeout_s=60)).ok
+        os.kill(standin.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(WeightSyncError):
+                await client.update_weights(tiny_weights(2), version=2, timeout_s=3)
+            await asyncio.sleep(6)  # the agent's health check says SGLang stopped answering
+        finally:
+            os.kill(standin.pid, signal.SIGCONT)
+        await wait_standin_paused(url, "", "the round that gave up is over")
+        end = time.monotonic() + 20
+        while not (state := (await client.get_state()).engines[0]).ready:
+            assert time.monotonic() < end, f"SGLang is not ready again: {state}"
+            await asyncio.sleep(0.1)
+        assert "/pause_generation" in [p for p, _ in calls_of(calls)]
+        assert get(url, "/standin/paused")["paused"] == ""  # and it stays so
+        weights = tiny_weights(seed=3)
+        assert (await client.update_weights(weights, version=3, timeout_s=60)).ok
+        assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))

@@ -161,6 +161,26 @@ host.close()
 """
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP, then waits until every thread of ``pid`` is stopped: the group stop
+    reaches each thread as it next runs, which on a loaded machine can be after the
+    next request has been answered."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + 10
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        if all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < end, f"process {pid} did not stop: {states}"
+        time.sleep(0.01)
+
+
 def _within(seconds: float, call):
     """``call()``'s result or exception, failing the test if it has neither after
     ``seconds`` (a hang is the bug these tests look for: fail, do not hang)."""
@@ -202,7 +222,7 @@ def test_a_frozen_trainers_store_ends_each_wait_by_its_deadline_and_a_new_round_
         link = StoreLink()
         engine = link.connect(rendezvous, deadline_at=time.monotonic() + 2)  # its store timeout: 2 s
         engine.set("mode/1", b"push")
-        os.kill(trainer.pid, signal.SIGSTOP)
+        _stop(trainer.pid)
         started = time.monotonic()
         with pytest.raises((TransferError, StepTimeoutError)) as caught:
             _within(10, lambda: wait_for_keys(engine, ["written/1"], deadline_at=time.monotonic() + 1.0,
@@ -215,7 +235,7 @@ def test_a_frozen_trainers_store_ends_each_wait_by_its_deadline_and_a_new_round_
         os.kill(trainer.pid, signal.SIGCONT)
         again = link.connect(rendezvous, deadline_at=time.monotonic() + 2)
         assert again is not engine and again.get("mode/1") == b"push"
-        os.kill(trainer.pid, signal.SIGSTOP)
+        _stop(trainer.pid)
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="no answer within"):
             _within(10, lambda: again.set("done/1", b"1"))
