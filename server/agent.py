@@ -113,6 +113,9 @@ def _wrapper_hint(unknown: list[str], specs) -> str:
     return ""
 
 
+EXPORT_END_WAIT_S = 10.0  # how long a receive waits for an export that is ending
+
+
 def _fused_experts_hint(unknown: list[str], specs) -> str:
     """A hint for the commonest such refusal: a trainer whose model holds a layer's
     experts fused into one tensor (transformers 5 loads Qwen-MoE and Mixtral so:
@@ -623,10 +626,14 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         checked = await self.run_on_engine(self.validate_receive, request)
         if not (self.paused or self.fence.fenced):  # a fenced engine is paused: a catch-up receives into it
             raise FailedPrecondition("receive needs a paused engine: call Pause first")
+        # Its weights are being sent to a peer: they must not change. Only the end of an
+        # export the coordinator gave up on can meet a round (found: a round's receive
+        # 20 ms after a catch-up failed, refused, and the round's other engine then
+        # waited in the group for this one until the deadline).
+        if self.exporter.running and not await self.exporter.wait_ended(EXPORT_END_WAIT_S):
+            raise FailedPrecondition("this engine is exporting its weights to a peer; try again when it is done")
         if self._receive_task is not None and not self._receive_task.done():
             raise FailedPrecondition("a receive is already running on this engine")
-        if self.exporter.running:  # its weights are being sent to a peer: they must not change
-            raise FailedPrecondition("this engine is exporting its weights to a peer; try again when it is done")
         if "weights" in self._asleep_tags():
             await self._wake_tags(["weights"])
         self._receive_task = asyncio.get_running_loop().create_future()

@@ -19,10 +19,12 @@ engine is not serving (``mismatch``).
 An engine that cannot say (SGLang) is put back on doubt instead: a pause or resume
 whose outcome is unknown (unreachable, timed out: it may land later, or never did)
 and an engine that answers again after it could not be reached (it may have been
-restarted, or taken a queued call meanwhile) leave the keeper in doubt, and the
-next check with the engine healthy sends it the agent's state again: a pause while
-the agent holds it paused, a resume (through ``release_engine``, which wakes what the
-ledger says sleeps) while it lets it run. Found with an SGLang that came up after
+restarted, or taken a queued call meanwhile) leave the keeper in doubt. From the
+next check with the engine healthy, for ``SETTLE_S``, every check sends it the
+agent's state again: a pause while the agent holds it paused, a resume (through
+``release_engine``, which wakes what the ledger says sleeps) while it lets it run.
+A window, not one call: a stalled server that goes on handles the requests it had
+queued in any order, and a late pause landed after the first resume sent again. Found with an SGLang that came up after
 its agent, with the fleet at version 1: the agent's fence had tried to pause it
 while it could not be reached, then reported it paused and fenced while SGLang, never
 asked again, served its boot weights to whoever called it.
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("weightsync.agent")
 
 REPAUSE_TIMEOUT_S = 10.0
+SETTLE_S = 5.0  # how long the state is sent again after doubt, from the engine's first healthy check
 
 
 class PauseKeeper:
@@ -51,25 +54,39 @@ class PauseKeeper:
     def __init__(self, core: AgentCore) -> None:
         self.core = core
         self._commanded_at = 0.0  # when the agent last finished pausing or resuming the engine
-        self.in_doubt = False     # the engine's pause state is unknown (an engine that cannot say)
+        # An engine that cannot say: since when its state is in doubt (0: it is not), and
+        # until when the agent's state is sent again.
+        self._doubt_at = 0.0
+        self._send_until = 0.0
         self._was_faulted = False
 
     def commanded(self, *, landed: bool = True) -> None:
         """The agent itself just paused or resumed the engine: a poll begun before now
         may show the state before, and says nothing against the agent's. ``landed``:
-        False when the call failed, so whether it reached the engine is unknown."""
+        False when the call failed, so whether it reached the engine is unknown (a
+        call that landed settles nothing: an earlier one may land after it)."""
         self._commanded_at = time.monotonic()
-        self.in_doubt = not landed
+        if not landed:
+            self._doubt_at = self._commanded_at
+
+    @property
+    def in_doubt(self) -> bool:
+        """Whether the engine's pause state is in doubt and not yet acted on."""
+        return self._doubt_at > 0
 
     def wanted_paused(self) -> bool:
         core = self.core
         return core.paused or core.fence.fenced
 
     def mismatch(self) -> str:
-        """Why the engine's own pause state differs from the agent's ("" when it does not,
-        or when the engine cannot say)."""
+        """Why the engine's own pause state differs from the agent's, or (an engine that
+        cannot say) may differ; "" when it does not."""
         engine = self.core.watch.current()
-        if engine.paused is None or engine.asked_at <= self._commanded_at or engine.paused == self.wanted_paused():
+        if engine.paused is None:  # it cannot say: what the agent does not know is in doubt
+            if self.in_doubt or time.monotonic() < self._send_until:
+                return "the engine's pause state is in doubt (a pause or resume of unknown outcome); sending it again"
+            return ""
+        if engine.asked_at <= self._commanded_at or engine.paused == self.wanted_paused():
             return ""
         return ("the engine is paused while the agent lets it run" if engine.paused
                 else "the engine runs while the agent holds it paused")
@@ -87,12 +104,23 @@ class PauseKeeper:
     async def check(self) -> None:
         core = self.core
         faulted = bool(core.fault())
+        now = time.monotonic()
         if self._was_faulted and not faulted:
-            self.in_doubt = True  # back after it could not be reached: whatever it holds now is unknown
+            self._doubt_at = now  # back after it could not be reached: whatever it holds now is unknown
         self._was_faulted = faulted
-        if core.watch.current().paused is None:
-            if self.in_doubt and not faulted and not core.receiving():
-                await self._send_again()
+        engine = core.watch.current()
+        if engine.paused is None:
+            if faulted or core.receiving():
+                return
+            if self.in_doubt:
+                # Only once a poll begun after the doubt found the engine answering: a
+                # stalled engine's last snapshot still looks healthy.
+                if engine.asked_at <= self._doubt_at:
+                    return
+                self._doubt_at, self._send_until = 0.0, now + SETTLE_S
+                await self._send_again(first=True)
+            elif now < self._send_until:
+                await self._send_again(first=False)
             return
         if not self.mismatch() or faulted:
             return
@@ -116,17 +144,18 @@ class PauseKeeper:
                 core.record("engine_resumed_again", why="found paused while the agent lets it run")
             await core.watch.refresh()
 
-    async def _send_again(self) -> None:
+    async def _send_again(self, *, first: bool) -> None:
         """The agent's pause state, sent again to an engine that cannot say its own."""
         core = self.core
         async with core.fence.lock:
-            if not self.in_doubt or core.fault() or core.receiving():
+            if core.fault() or core.receiving():
                 return
             if self.wanted_paused():
                 await core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)
             else:
                 await core.release_engine()
-            core.record("engine_pause_state_sent_again", paused=self.wanted_paused())
+            if first:
+                core.record("engine_pause_state_sent_again", paused=self.wanted_paused())
 
 
 __all__ = ["PauseKeeper"]

@@ -54,6 +54,18 @@ class WeightExporter:
         self._plan: tuple[tuple, BucketPlan] | None = None  # (names, dtypes, shapes, bucket bytes) -> plan
         self._abort = threading.Event()
         self.running = False
+        self._idle = asyncio.Event()  # set while no export runs
+        self._idle.set()
+
+    async def wait_ended(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for a running export to end; whether none runs now.
+        A round meets one only as it ends: a catch-up holds the coordinator's round lock,
+        and one the coordinator gave up on stops sending a moment after it let go."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        return not self.running
 
     def _check(self, request: agent_pb2.ExportRequest) -> None:
         core = self.core
@@ -78,6 +90,7 @@ class WeightExporter:
         """The Export stream: ``ready`` (plan and rendezvous), then ``result``."""
         self._check(request)
         self.running = True
+        self._idle.clear()
         try:
             named = await self.core.run_on_engine(self.core.adapter.export_weights)
             plan, sources = await run_in(self._executor, self._prepare, named,
@@ -109,6 +122,7 @@ class WeightExporter:
                 seconds=stats.seconds))
         finally:
             self.running = False
+            self._idle.set()
 
     def _prepare(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int):
         """Exporter thread: the plan (kept while names, dtypes and shapes stay) and the
