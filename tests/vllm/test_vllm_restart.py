@@ -43,6 +43,7 @@ from tests.vllm.harness import (
     get,
     greedy_all,
     hold_completions,
+    kill_vllm,
     make_model,
     round_weights,
     start_vllm_agent,
@@ -302,8 +303,7 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
             held.join(timeout=60)
             assert answers, "the held completion did not run after the round"
 
-            vllm.kill()
-            await asyncio.to_thread(vllm.wait, 30)
+            await asyncio.to_thread(kill_vllm, vllm)
             vllm = boot_vllm("vllm-again.log")
             await asyncio.to_thread(wait_healthy, url, vllm, 300)
             end = time.monotonic() + 30
