@@ -80,6 +80,7 @@ DEFAULT_TIMEOUT_S = 60.0
 # A receive with no contact with the coordinator for this long is abandoned: longer than
 # the coordinator's keepalive takes to fail its call to this agent (ping, then timeout).
 COORDINATOR_SILENCE_S = KEEPALIVE_S + KEEPALIVE_TIMEOUT_S + 1.0
+EXPORT_END_WAIT_S = 10.0  # how long a receive waits for an export that is ending
 
 
 # Segments torch's wrappers put in front of a module's parameter names: torch.compile
@@ -111,9 +112,6 @@ def _wrapper_hint(unknown: list[str], specs) -> str:
                     f"(torch.compile, DistributedDataParallel, FSDP): send the wrapped module's own tensors "
                     f"(model._orig_mod, model.module) or their names without it")
     return ""
-
-
-EXPORT_END_WAIT_S = 10.0  # how long a receive waits for an export that is ending
 
 
 def _fused_experts_hint(unknown: list[str], specs) -> str:

@@ -24,10 +24,11 @@ next check with the engine healthy, for ``SETTLE_S``, every check sends it the
 agent's state again: a pause while the agent holds it paused, a resume (through
 ``release_engine``, which wakes what the ledger says sleeps) while it lets it run.
 A window, not one call: a stalled server that goes on handles the requests it had
-queued in any order, and a late pause landed after the first resume sent again. Found with an SGLang that came up after
-its agent, with the fleet at version 1: the agent's fence had tried to pause it
-while it could not be reached, then reported it paused and fenced while SGLang, never
-asked again, served its boot weights to whoever called it.
+queued in any order, and a late pause landed after the first resume sent again.
+Found with an SGLang that came up after its agent, with the fleet at version 1: the
+agent's fence had tried to pause it while it could not be reached, then reported it
+paused and fenced while SGLang, never asked again, served its boot weights to
+whoever called it.
 """
 
 from __future__ import annotations

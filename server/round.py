@@ -244,7 +244,6 @@ class SyncRound:
         self.lock = asyncio.Lock()  # one step of one round at a time
         self.started_at = time.monotonic()
         self.rejoin_window_s = rejoin_window_s
-        self.unsaved_changes = 0  # saves after a change that the database could not take
         self._load()
 
     # ----- state ------------------------------------------------------------------------
@@ -289,7 +288,6 @@ class SyncRound:
         try:
             await self.save()
         except StateNotWritable as exc:
-            self.unsaved_changes += 1
             metrics.STATE_UNSAVED.inc()
             log.error("the round's state after %s is kept in memory only: %s", what, exc.message)
 

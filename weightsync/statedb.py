@@ -59,32 +59,21 @@ class StateDB:
         """Runs ``fn(connection)`` on the database thread, inside a transaction."""
         if self._executor is None or self._conn is None:
             raise RuntimeError("state database is closed")
-        conn = self._conn
-
-        def in_transaction() -> T:
-            with conn:  # commits, or rolls back on error
-                conn.execute("BEGIN IMMEDIATE")
-                return fn(conn)
-
-        return await run_in(self._executor, self._typed, in_transaction)
+        return await run_in(self._executor, self._transaction, self._conn, fn)
 
     def run_sync(self, fn: Callable[[sqlite3.Connection], T], timeout_s: float = 30.0) -> T:
         """Blocking variant for start-up and shutdown paths (never call from the loop)."""
         if self._executor is None or self._conn is None:
             raise RuntimeError("state database is closed")
-        conn = self._conn
+        return self._executor.submit(self._transaction, self._conn, fn).result(timeout=timeout_s)
 
-        def in_transaction() -> T:
-            with conn:
+    def _transaction(self, conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``fn(conn)`` in one transaction, on the database thread; SQLite's storage
+        failures come out as StateNotWritable."""
+        try:
+            with conn:  # commits, or rolls back on error
                 conn.execute("BEGIN IMMEDIATE")
                 return fn(conn)
-
-        return self._executor.submit(self._typed, in_transaction).result(timeout=timeout_s)
-
-    def _typed(self, transaction: Callable[[], T]) -> T:
-        """Runs ``transaction``; SQLite's storage failures come out as StateNotWritable."""
-        try:
-            return transaction()
         except sqlite3.OperationalError as exc:
             if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) not in STORAGE_FAILURES:
                 raise  # a statement's own error: a bug, not the storage
