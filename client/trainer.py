@@ -773,8 +773,10 @@ class TrainerClient(AsyncClient):
         asks that each engine be at that weight version, ``engines`` that that many be
         registered, ``engine_ids`` that only those be checked (say, the engines a round
         reported synced). An engine the coordinator could not read is asked again until
-        ``within_s`` has passed, then reported as unread, not as different
-        (``WeightsCheck.unread`` / ``.different`` / ``.ok`` / ``.describe()``)."""
+        ``within_s`` has passed, then reported as unread, not as different; an engine
+        that gives no digest at all (SGLang, a vLLM on its boot weights) says why and
+        is not asked again (``WeightsCheck.unread`` / ``.withheld`` / ``.different`` /
+        ``.ok`` / ``.describe()``)."""
         if (named_tensors is None) == (not digest):
             raise InvalidArgument("check_engines takes the tensors or their digest, one of the two")
         validate_request(engines=engines, engine_ids=engine_ids, within_s=within_s)

@@ -8,6 +8,11 @@ digest: a check that counts it as different reports torn weights that are not th
 and a check that skips it passes an engine nobody looked at. So ``check_engines``
 asks again while an engine is unread or fewer engines are registered than expected,
 up to a deadline, and then says of each engine which of the three it is.
+
+An engine that gives no digest at all (SGLang computes none; a vLLM on its boot
+weights has nothing weightsync could vouch for) says why (``digest_withheld``): that
+answer is final, so it is not asked again, and it is reported apart (``withheld``),
+neither as holding the trainer's bytes nor as unread.
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ class EngineHolding:
     """What one engine was seen to hold."""
 
     engine_id: str
-    digest: str  # "" where the coordinator could not read it
+    digest: str  # "" where the coordinator could not read it, or the engine gives none
     version: int
     available: bool
     fault: str
+    withheld: str = ""  # why the engine gives no digest at all (``digest`` is then "")
 
     def holds(self, digest: str, version: int | None) -> bool:
         return self.digest == digest and (version is None or self.version == version)
 
     def describe(self) -> str:
+        if self.withheld:
+            return f"{self.engine_id}: gives no digest at version {self.version} ({self.withheld})"
         if not self.digest:
             return f"{self.engine_id}: no digest (available={self.available}, fault={self.fault!r})"
         return f"{self.engine_id}: digest {self.digest[:12]} at version {self.version}"
@@ -64,7 +72,13 @@ class WeightsCheck:
     @property
     def unread(self) -> list[EngineHolding]:
         """Engines whose digest could not be read before the deadline."""
-        return [e for e in self.engines if not e.digest]
+        return [e for e in self.engines if not e.digest and not e.withheld]
+
+    @property
+    def withheld(self) -> list[EngineHolding]:
+        """Engines that give no digest at all (``EngineHolding.withheld`` says why):
+        whether they hold the trainer's bytes cannot be told this way."""
+        return [e for e in self.engines if e.withheld]
 
     @property
     def different(self) -> list[EngineHolding]:
@@ -134,8 +148,8 @@ async def check_engines(get_state: Callable[[], Awaitable[coordinator_pb2.GetSta
     end = time.monotonic() + within_s
     while True:
         state = await get_state()
-        seen = tuple(EngineHolding(e.engine_id, e.weights_digest, e.weight_version, e.available, e.fault)
-                     for e in state.engines)
+        seen = tuple(EngineHolding(e.engine_id, e.weights_digest, e.weight_version, e.available, e.fault,
+                                   e.digest_withheld) for e in state.engines)
         if engine_ids is not None:
             by_id = {e.engine_id: e for e in seen}
             seen = tuple(by_id.get(i) or EngineHolding(i, "", 0, False, "not registered") for i in wanted)

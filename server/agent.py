@@ -38,6 +38,7 @@ from weightsync.engine.adapter import Delivery, EngineAdapter, validate_tags
 from weightsync.errors import (
     AFTER_TRANSFER,
     MAX_MESSAGE_BYTES,
+    DigestWithheld,
     EngineFault,
     EngineOutputMismatch,
     EngineUnavailable,
@@ -294,16 +295,22 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         loop); only ``include_digest`` reads the engine (call that off the loop)."""
         engine = self.watch.current()
         fault = self.fault()
+        digest = withheld = ""
+        if include_digest:
+            try:
+                digest = self.adapter.weights_digest()
+            except DigestWithheld as exc:
+                withheld = exc.message
         return common_pb2.EngineState(
             engine_id=self.engine_id, address=self.address, available=not fault,
             paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
             receiving=self.receiving(), engine_restarts=self.engine_restarts,
             can_export=self.adapter.can_export_weights, host_id=host_id(), workers=self.workers,
-            group_layouts=self.adapter.group_layouts,
+            group_layouts=self.adapter.group_layouts, receives=self.adapter.receives,
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
             weight_version_unknown=not engine.version_known, torn=self.torn,
             torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
-            weights_digest=self.adapter.weights_digest() if include_digest else "",
+            weights_digest=digest, digest_withheld=withheld,
             running_requests=engine.running, queued_requests=engine.queued, buckets_done=self._progress[0],
             buckets_total=self._progress[1])
 
@@ -652,7 +659,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if job.error is None and restore_stale is not None:
             restore_stale()
         if job.error is None and request.weights_digest:
-            digest = await job.wait(asyncio.ensure_future(self.run_on_engine(self.adapter.weights_digest)))
+            digest = await job.wait(asyncio.ensure_future(self.run_on_engine(self.adapter.received_digest)))
             if job.error is None and len(digest) != len(request.weights_digest):
                 job.error = TransferError(
                     f"the trainer's weights digest is of another kind than this agent's ({len(request.weights_digest)}"

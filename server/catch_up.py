@@ -12,7 +12,9 @@ are on the same host and gloo otherwise, under keys derived from (engine, versio
 a nonce per attempt. The joiner's agent lifts its own fence once it holds the fleet's
 version. A failed attempt leaves the joiner fenced (torn if bytes landed) and the
 source is not tried again for that version; with no source left (all torn, or engines
-that cannot export, as vLLM on CPU), the next Broadcast includes the joiner.
+that cannot export, as vLLM on CPU), or a joiner that takes neither transport (SGLang:
+its update group only, ``EngineState.receives``), the next Broadcast includes the
+joiner.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ class CatchUp:
                     or joiner.engine_id in self.round.round_engines or (joiner.engine_id, fleet) in self._done):
                 continue
             tried = self._tried.get((joiner.engine_id, fleet), set())
-            source = next((s for s in sources if s.engine_id not in tried and s is not joiner), None)
+            source = next((s for s in sources if s.engine_id not in tried and s is not joiner
+                           and self._takes(joiner, self._transport(joiner, s))), None)
             if source is not None:
                 pairs.append((joiner, source))
         return pairs
@@ -113,11 +116,21 @@ class CatchUp:
             else:
                 self._tried.setdefault((joiner.engine_id, fleet), set()).add(source.engine_id)
 
+    def _transport(self, joiner: EngineRecord, source: EngineRecord) -> int:
+        """shm where the two share a host (or shm is asked for), else gloo."""
+        use_shm = self.transport == "shm" or (self.transport == "auto" and same_host(joiner, source))
+        return common_pb2.TRANSPORT_KIND_SHM if use_shm else common_pb2.TRANSPORT_KIND_GLOO
+
+    @staticmethod
+    def _takes(joiner: EngineRecord, kind: int) -> bool:
+        """Whether the joiner receives over ``kind`` (an agent that does not say: yes).
+        One that does not (SGLang: its update group only) waits for the next Broadcast."""
+        return not joiner.state.receives or kind in joiner.state.receives
+
     async def _catch_up(self, joiner: EngineRecord, source: EngineRecord, fleet: int) -> bool:
         """One attempt; True if the joiner now holds the fleet's version."""
         key = derive_key(f"catchup-{joiner.engine_id}-v{fleet}", uuid.uuid4().hex[:12])
-        use_shm = self.transport == "shm" or (self.transport == "auto" and same_host(joiner, source))
-        kind = common_pb2.TRANSPORT_KIND_SHM if use_shm else common_pb2.TRANSPORT_KIND_GLOO
+        kind = self._transport(joiner, source)
         token = OPERATION_KEY.set(key)  # the attempt's events carry its key
         try:
             return await self._attempt(joiner, source, fleet, key, kind)

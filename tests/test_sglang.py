@@ -31,7 +31,7 @@ from weightsync.errors import (
 )
 from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file
 from weightsync.packing import weights_digest
-from weightsync.v1 import agent_pb2
+from weightsync.v1 import agent_pb2, common_pb2
 
 STANDIN = str(Path(__file__).with_name("sglang_standin.py"))
 
@@ -192,8 +192,16 @@ async def test_one_broadcast_feeds_sglang_and_a_reference_engine_together(sglang
             result = await client.update_weights(weights, version=1, timeout_s=60)
             assert result.ok and {e.engine_id for e in result.engines} == {"sglang-0", "ref-0"}
             state = await client.get_state(include_digests=True)
+            # SGLang gives no digest, and says so: the check does not wait out its
+            # deadline for one, nor counts SGLang as holding or as unread.
+            asked = time.monotonic()
+            check = await client.check_engines(weights, version=1, within_s=60.0)
+            assert time.monotonic() - asked < 30, "an engine that gives no digest was asked until the deadline"
+            assert check.holding == ["ref-0"] and [e.engine_id for e in check.withheld] == ["sglang-0"]
+            assert not check.ok and not check.unread and not check.different
+            assert "sglang-0: gives no digest at version 1 (SGLang exposes no digest" in check.describe()
         digests = {e.engine_id: e.weights_digest for e in state.engines}
-        assert digests["ref-0"] == weights_digest(weights)
+        assert digests["ref-0"] == weights_digest(weights) and digests["sglang-0"] == ""
         assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))
     finally:
         stop_process(ref.proc, grace_s=10)
@@ -572,7 +580,8 @@ async def test_an_sglang_that_comes_up_after_its_agent_is_paused_when_it_answers
     SGLang. Before, it then reported SGLang paused and fenced while SGLang, once up,
     was never asked again and served its boot weights; now the pause is sent again
     when SGLang answers (SGLang cannot say whether it is paused), and the next round
-    brings it up and releases it."""
+    brings it up and releases it. No catch-up from the reference engine is tried in
+    between: SGLang takes neither shm nor gloo."""
     tmp = str(tmp_path)
     coordinator, address, _ = start_coordinator(tmp)
     procs = [coordinator]
@@ -597,6 +606,12 @@ async def test_an_sglang_that_comes_up_after_its_agent_is_paused_when_it_answers
             await asyncio.to_thread(wait_available, address, ["sglang-0"])
             state = next(e for e in (await client.get_state()).engines if e.engine_id == "sglang-0")
             assert state.fenced and not state.ready and state.weight_version == 0, state
+            # A ready reference engine could be a catch-up source, but SGLang takes only
+            # its update group: the coordinator does not try (an attempt over shm fails).
+            assert list(state.receives) == [common_pb2.TRANSPORT_KIND_GROUP], state
+            await asyncio.sleep(2)  # catch-up looks every 0.5 s
+            tried = [e.kind for e in await coordinator_events(address) if e.kind.startswith("catch_up")]
+            assert not tried, tried
             weights = tiny_weights(seed=2)
             result = await client.update_weights(weights, version=2, timeout_s=60)
             assert result.ok and [e.engine_id for e in result.engines] == ["ref-0", "sglang-0"], result

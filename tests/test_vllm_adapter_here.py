@@ -13,6 +13,8 @@ real behaviour behind each answer is checked against a real vLLM in the vLLM tie
 - a vLLM started again by whatever runs it reads as its boot version record again:
   the agent's watch counts that as a restart (an engine it did not launch), and the
   digest of what the adapter received into the old process is no longer vouched for;
+  an agent started beside a vLLM synced before it vouches for what every worker says
+  it loaded whole, and for nothing while a receive is recorded unfinished;
 - the worker's receive ends before vLLM stops waiting for it.
 """
 
@@ -25,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from weightsync.engine.vllm import VllmAdapter, worker_deadline_s
-from weightsync.errors import EngineFault, StepTimeoutError
+from weightsync.errors import DigestWithheld, EngineFault, StepTimeoutError
 from weightsync.server.engine_watch import EngineWatch
 
 
@@ -125,6 +127,19 @@ def test_a_vllm_started_again_behind_the_agent_is_told_by_its_boot_version_recor
         vllm.answers["GET /weight_info"] = (200, {"weight_version": "default"})
         watch.poll_once()
         assert watch.reboots == 0 and adapter.version_is_boot()  # booted, never synced: nothing to tell
+        with pytest.raises(DigestWithheld, match="boot weights"):
+            adapter.weights_digest()
+        # synced by an agent before this one: the workers say what they last loaded whole
+        vllm.answers["GET /weight_info"] = (200, {"weight_version": "2"})
+        vllm.answers["POST /collective_rpc"] = (200, {"results": [{"digest": "d0"}, {"digest": ""}]})
+        with pytest.raises(DigestWithheld, match="do not all vouch"):  # one worker's receive was cut
+            adapter.weights_digest()
+        vllm.answers["POST /collective_rpc"] = (200, {"results": [{"digest": "d0"}, {"digest": "d0"}]})
+        assert adapter.weights_digest() == "d0"
+        vllm.answers["GET /weight_info"] = (200, {"weight_version": adapter.receiving_marker(3, 2)})
+        with pytest.raises(DigestWithheld, match="moving to version 3"):  # never the bytes of before
+            adapter.weights_digest()
+        adapter.last_received_digest = ""
         adapter.last_received_digest = "d1"  # what a receive into this process loaded
         watch.committed(3)
         vllm.answers["GET /weight_info"] = (200, {"weight_version": adapter.receiving_marker(4, 3)})
@@ -140,7 +155,8 @@ def test_a_vllm_started_again_behind_the_agent_is_told_by_its_boot_version_recor
         watch.poll_once()
         watch.poll_once()
         assert watch.reboots == 1 and watch.snapshot.weight_version == 0  # counted once
-        assert adapter.weights_digest() == "", "the old process's digest reported for a vLLM on boot weights"
+        with pytest.raises(DigestWithheld, match="boot weights"):  # not the old process's digest
+            adapter.weights_digest()
     finally:
         watch.close()
 

@@ -118,6 +118,15 @@ class Unsupported(FailedPrecondition):
     nothing_ran = True
 
 
+class DigestWithheld(FailedPrecondition):
+    """The engine gives no digest of its weights, and will not until something changes:
+    it cannot compute one (SGLang), or holds weights weightsync did not send it (its
+    boot weights) and so cannot vouch for them. Not a momentary failure to read: asking
+    again gives the same answer. The message says why."""
+
+    reason = "NO_DIGEST"
+
+
 class PermissionDenied(WeightSyncError):
     """The caller's role may not make this call (see ``weightsync.roles``)."""
 
@@ -283,6 +292,6 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 
 __all__ = [
     "AFTER_TRANSFER", "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
-    "PermissionDenied", "PlanUnknown", "Unsupported", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
+    "DigestWithheld", "PermissionDenied", "PlanUnknown", "Unsupported", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
     "StateNotWritable", "StepTimeoutError", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
 ]

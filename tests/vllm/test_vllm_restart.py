@@ -245,15 +245,16 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
     weights; the agent that knew it is gone. The agent started in its place must not
     serve them: vLLM's own version says a receive began and never finished, so the new
     agent keeps vLLM fenced (paused, not ready, a completion does not run) until a
-    round lands whole, after which vLLM computes as the trainer's model.
+    round lands whole, after which vLLM computes as the trainer's model; an agent
+    started again then vouches for the trainer's bytes (vLLM's workers remember them).
 
     Then vLLM itself is killed and started again on its port by whatever runs it (here,
     the test), the agent left running. It comes back on its boot weights, having joined
     no group; before the agent told that from vLLM's boot version record, GetState went
     on reporting the digest of the weights the old process had received (a check of the
     engines said it held the trainer's), and the next gloo round waited in a group the
-    new process never joined until its deadline. Now: fenced, no digest vouched for, and
-    the next round lands, equal to the trainer's model."""
+    new process never joined until its deadline. Now: fenced, no digest vouched for (a
+    check says why at once), and the next round lands, equal to the trainer's model."""
     tmp = str(tmp_path)
     original = checkpoint(model_dir)
     port = free_port()
@@ -302,6 +303,14 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
             assert_serves(url, model_dir, weights, "after the round that healed the torn vLLM")
             held.join(timeout=60)
             assert answers, "the held completion did not run after the round"
+            # An agent started beside the vLLM it healed vouches for what vLLM's workers
+            # say they loaded whole: the trainer's bytes, told by the trainer's tensors.
+            agent.proc.kill()
+            await asyncio.to_thread(agent.proc.wait, 30)
+            agent = start_agent(tmp, address, "vllm-0", *agent_args)
+            await asyncio.to_thread(wait_available, address, ["vllm-0"], 60)
+            check = await client.check_engines(weights, version=3)
+            assert check.ok, check.describe()
 
             await asyncio.to_thread(kill_vllm, vllm)
             vllm = boot_vllm("vllm-again.log")
@@ -316,8 +325,11 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
             assert get(url, "/is_paused")["is_paused"] is True
             held, answers = hold_completions(url, model_dir)
             assert held.is_alive() and not answers, "vLLM ran a completion on its boot weights"
-            check = await client.check_engines(weights, within_s=1.0)
-            assert not check.ok and [e.engine_id for e in check.unread] == ["vllm-0"], check.describe()
+            asked = time.monotonic()
+            check = await client.check_engines(weights, within_s=60.0)
+            assert not check.ok and [e.engine_id for e in check.withheld] == ["vllm-0"], check.describe()
+            assert "boot weights" in check.describe() and not check.unread
+            assert time.monotonic() - asked < 30, "an engine that gives no digest was asked again until the deadline"
 
             weights = round_weights(original, 603)
             result = await client.update_weights(weights, version=4, transport="gloo", timeout_s=DEADLINE_S)

@@ -119,6 +119,7 @@ async def _train(address: str, agents: list[str], *, steps: int, transport: str,
                 all_equal &= check.ok
                 holding = set(check.holding)
                 cells = [f"{e.engine_id}: v{e.version} " + ("equal" if e.engine_id in holding
+                                                            else "NO DIGEST" if e.withheld
                                                             else "UNREAD" if not e.digest else "DIFFERENT")
                          for e in check.engines]
                 if len(check.engines) != len(engines):

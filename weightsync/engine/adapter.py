@@ -108,6 +108,10 @@ class EngineAdapter(abc.ABC):
 
     # Whether ``export_weights`` works: such an engine can be a catch-up source.
     can_export_weights = False
+    # The transports (``common_pb2.TransportKind``) this engine receives over; empty:
+    # every one weightsync has (reported in its state: a catch-up skips an engine that
+    # cannot take its transport, rather than failing an attempt on it).
+    receives: tuple[int, ...] = ()
 
     @property
     def group_layouts(self) -> tuple[str, ...]:
@@ -244,7 +248,19 @@ class EngineAdapter(abc.ABC):
         """Why the engine is dead, or None when healthy."""
 
     @abc.abstractmethod
-    def weights_digest(self) -> str: ...
+    def weights_digest(self) -> str:
+        """The digest of the weights the engine serves (``weightsync.packing``'s), or ""
+        when it cannot be read just now (blocking).
+
+        Raises:
+            DigestWithheld: the engine gives none, and asking again will not change
+                that (it cannot compute one, or holds weights weightsync did not send).
+        """
+
+    def received_digest(self) -> str:
+        """The digest of what the receive that just ended loaded, read before the
+        version is committed (the agent checks it against the trainer's)."""
+        return self.weights_digest()
 
     def submit(self, prompt: Sequence[int], max_tokens: int) -> str:
         raise Unsupported(f"{self.name} does not take generation requests through the agent; send them to the "

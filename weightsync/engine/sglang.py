@@ -34,6 +34,7 @@ from weightsync.engine.adapter import Delivery, validate_tags
 from weightsync.engine.checkpoint import checkpoint_specs
 from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.errors import (
+    DigestWithheld,
     EngineFault,
     EngineUnavailable,
     FailedPrecondition,
@@ -56,6 +57,7 @@ class SglangAdapter(HttpEngineAdapter):
 
     name = "sglang"
     engine_label = "SGLang"
+    receives = (common_pb2.TRANSPORT_KIND_GROUP,)  # its update group (check_receive)
 
     @property
     def group_layouts(self) -> tuple[str, ...]:
@@ -230,7 +232,8 @@ class SglangAdapter(HttpEngineAdapter):
         return self._version_from("/model_info")
 
     def weights_digest(self):
-        return ""  # SGLang exposes no digest of its weights (check_receive refuses verify_digest)
+        # check_receive refuses verify_digest for the same reason
+        raise DigestWithheld("SGLang exposes no digest of its weights")
 
     def close(self) -> None:
         self._leave_group()

@@ -39,6 +39,7 @@ from weightsync.dtypes import dtype_from_name
 from weightsync.engine.adapter import ATTESTATION_UNSUPPORTED, Delivery, validate_tags
 from weightsync.engine.http_engine import HttpEngineAdapter
 from weightsync.errors import (
+    DigestWithheld,
     EngineFault,
     EngineUnavailable,
     InvalidArgument,
@@ -210,6 +211,7 @@ class VllmAdapter(HttpEngineAdapter):
         # an agent started after this one died mid-receive reads that record and keeps
         # the engine torn and paused until a round lands whole (``torn_to``).
         before = self._read_version("/weight_info")[0] or 0
+        self.last_received_digest = ""  # until this receive has loaded every tensor
         self._call("POST", "/update_weight_version",
                    body={"new_version": self.receiving_marker(delivery.version, before)})
         # The worker remembers plans it took whole: later rounds name the plan by id (a
@@ -285,8 +287,39 @@ class VllmAdapter(HttpEngineAdapter):
         # the attestation -- only while vLLM still holds the version record weightsync
         # wrote: a vLLM restarted behind the agent's back holds its boot weights,
         # whatever this adapter received into the process before.
-        version, _, boot = self._read_version("/weight_info")
-        return "" if version is None or boot else self.last_received_digest
+        version, torn_to, boot = self._read_version("/weight_info")
+        if version is None:
+            return ""
+        if boot:
+            raise DigestWithheld("vLLM serves its boot weights (weightsync has not synced it since it started): "
+                                 "nothing to vouch for")
+        if torn_to is not None:
+            raise DigestWithheld(f"vLLM's weights are moving to version {torn_to}: a receive is under way, or "
+                                 "one was cut short (torn)")
+        if not self.last_received_digest:
+            # The agent started after the receive (it restarted, vLLM did not): the
+            # workers remember what they last loaded whole.
+            self.last_received_digest = self._workers_digest()
+        return self.last_received_digest
+
+    def received_digest(self):
+        # Before commit vLLM's record still says the receive is under way.
+        return self.last_received_digest
+
+    def _workers_digest(self) -> str:
+        """The digest every worker says its last whole receive loaded ("" while vLLM
+        cannot be asked). Called only while no receive runs (vLLM's version record is
+        a plain version): a call then would wait behind the receive in the workers."""
+        try:
+            results = self.collective_rpc("weightsync_loaded_digest", timeout_s=30)
+        except (EngineUnavailable, StepTimeoutError):
+            return ""
+        except EngineFault as exc:  # e.g. an extension from a weightsync release without the call
+            raise DigestWithheld(f"vLLM's workers cannot say what they loaded: {exc}") from None
+        digests = {r.get("digest", "") if isinstance(r, dict) else "" for r in results}
+        if len(digests) != 1 or "" in digests:
+            raise DigestWithheld(f"vLLM's workers do not all vouch for one set of weights: {sorted(digests)!r}")
+        return digests.pop()
 
     def submit(self, prompt: Sequence[int], max_tokens: int) -> str:
         raise Unsupported("send generation requests to vLLM's OpenAI API directly", reason="GENERATION_UNSUPPORTED")

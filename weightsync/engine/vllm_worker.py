@@ -17,6 +17,9 @@ with string arguments (JSON), never pickle:
   the peak bytes of received tensors alive at once; network transports listen on ``data_host`` (the agent's
   address). ``skip_post_load="1"`` is fault injection only (the agent sends it
   only when started with ``--enable-fault-injection`` and a matching rule).
+- ``weightsync_loaded_digest()``: the digest of the weights the worker's last receive
+  loaded whole, "" when none did (or one began since): what an agent started beside a
+  vLLM that outlived the agent before it vouches for.
 - ``weightsync_probe_limits()``: vocabulary size and context length, to refuse a
   probe that cannot fit before anything changes.
 - ``weightsync_score(sequences_json)``: the attestation probe through vLLM's own
@@ -49,6 +52,8 @@ class WeightsyncWorkerExtension:
 
     def weightsync_receive(self, rendezvous_json: str, rank: str, plan_json: str, timeout_s: str,
                            skip_post_load: str = "", data_host: str = "127.0.0.1") -> dict:
+        # Forgotten until this receive has loaded every tensor: a cut one leaves no digest.
+        self.__dict__["_weightsync_digest"] = ""
         try:
             rendezvous = json_format.Parse(rendezvous_json, common_pb2.Rendezvous())
             plan = BucketPlan.from_proto(json_format.Parse(plan_json, common_pb2.WeightPlan()))
@@ -71,9 +76,13 @@ class WeightsyncWorkerExtension:
                 deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event(),
                 load=lambda weights: reload_in_place(self.model_runner, weights, repair=skip_post_load != "1"),
                 max_ready_bytes=2 * plan.bucket_bytes)
+            self.__dict__["_weightsync_digest"] = digest
             return {"digest": digest, "bytes": plan.total_bytes, "peak_target_bytes": peak}
         except Exception as exc:  # reported to the agent as data; the agent marks the engine torn
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def weightsync_loaded_digest(self) -> dict:
+        return {"digest": self.__dict__.get("_weightsync_digest", "")}
 
     def weightsync_probe_limits(self) -> dict:
         config = self.model_config

@@ -442,6 +442,8 @@ class EngineState(_message.Message):
     HOST_ID_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     GROUP_LAYOUTS_FIELD_NUMBER: _builtins.int
+    DIGEST_WITHHELD_FIELD_NUMBER: _builtins.int
+    RECEIVES_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     available: _builtins.bool
@@ -494,6 +496,11 @@ class EngineState(_message.Message):
     """How many ranks of a data-plane group the engine takes: one per worker process
     that receives the weights (tensor/pipeline parallel workers). 0: not known yet (1).
     """
+    digest_withheld: _builtins.str
+    """Why weights_digest is empty where the engine gives no digest at all, as opposed
+    to one that could not be read just then: it cannot compute one (SGLang), or it
+    serves weights weightsync did not send it (boot weights). Asking again does not help.
+    """
     @_builtins.property
     def asleep_tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -501,6 +508,12 @@ class EngineState(_message.Message):
         """The group transport's layouts the engine takes ("tensors", "flattened"): a
         round whose trainer asks for "auto" uses "flattened" when every engine in it
         takes that, else "tensors". Empty (an older agent): "tensors" only.
+        """
+
+    @_builtins.property
+    def receives(self) -> _containers.RepeatedScalarFieldContainer[Global___TransportKind.ValueType]:
+        """The transports the engine can receive over. Empty (an older agent): every one.
+        SGLang takes only its update group, so a catch-up (shm or gloo) skips it.
         """
 
     def __init__(
@@ -533,10 +546,12 @@ class EngineState(_message.Message):
         host_id: _builtins.str = ...,
         workers: _builtins.int = ...,
         group_layouts: _abc.Iterable[_builtins.str] | None = ...,
+        digest_withheld: _builtins.str = ...,
+        receives: _abc.Iterable[Global___TransportKind.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "can_export", b"can_export", "engine_id", b"engine_id", "engine_restarts", b"engine_restarts", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "group_layouts", b"group_layouts", "heartbeat_age_s", b"heartbeat_age_s", "host_id", b"host_id", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "asleep_tags", b"asleep_tags", "available", b"available", "buckets_done", b"buckets_done", "buckets_total", b"buckets_total", "can_export", b"can_export", "digest_withheld", b"digest_withheld", "engine_id", b"engine_id", "engine_restarts", b"engine_restarts", "fault", b"fault", "faulted", b"faulted", "fenced", b"fenced", "group_layouts", b"group_layouts", "heartbeat_age_s", b"heartbeat_age_s", "host_id", b"host_id", "model", b"model", "paused", b"paused", "queued_requests", b"queued_requests", "ready", b"ready", "receives", b"receives", "receiving", b"receiving", "running_requests", b"running_requests", "torn", b"torn", "torn_version", b"torn_version", "versions_behind", b"versions_behind", "weight_version", b"weight_version", "weight_version_unknown", b"weight_version_unknown", "weights_digest", b"weights_digest", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
