@@ -13,10 +13,11 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from weightsync.client import EngineClient, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
-from weightsync.errors import StepTimeoutError, TornWeightsError, TransferError
+from weightsync.errors import FailedPrecondition, StepTimeoutError, TornWeightsError, TransferError
 from weightsync.packing import weights_digest
 from weightsync.v1 import agent_pb2, common_pb2
 
@@ -282,3 +283,41 @@ async def test_cancelled_while_pausing_still_resumes_the_engines(cluster_factory
     for agent in cluster.agents:
         events = await kinds(agent.address)
         assert events.index("resumed") > events.index("paused"), (agent.engine_id, events)
+
+
+async def test_two_trainers_at_once_get_whole_rounds_or_typed_refusals(cluster_factory):
+    """Two trainers drive one coordinator at the same time (a restarted trainer whose
+    old process is still running does this), their versions interleaved. The
+    coordinator runs one round step at a time: each of their rounds lands whole or is
+    refused with a typed FailedPrecondition (a version not newer than the fleet's, or a
+    Pause the other trainer's Resume ended), and afterwards every engine runs, holding
+    the bytes of the round that set the fleet's version -- told by that trainer's
+    own tensors as sent."""
+    cluster = cluster_factory(2)
+    sent: dict[int, str] = {}
+    outcomes: list[tuple[int, str]] = []
+
+    async def trainer(versions) -> None:
+        model = ReferenceLM(PRESETS["tiny"])
+        async with TrainerClient(cluster.address) as client:
+            for version in versions:
+                with torch.no_grad():
+                    next(model.parameters()).add_(float(version))
+                sent[version] = weights_digest(model.named_parameters())
+                try:
+                    result = await client.update_weights(model.named_parameters(), version=version, timeout_s=60)
+                except FailedPrecondition as exc:
+                    outcomes.append((version, exc.reason))
+                else:
+                    assert result.ok, result
+                    outcomes.append((version, "ok"))
+
+    await asyncio.gather(trainer(range(1, 30, 2)), trainer(range(2, 31, 2)))
+    assert {reason for _, reason in outcomes} <= {"ok", "VERSION_NOT_NEWER", "FAILED_PRECONDITION"}, outcomes
+    landed = max(version for version, reason in outcomes if reason == "ok")
+    async with TrainerClient(cluster.address) as client:
+        check = await client.check_engines(digest=sent[landed], version=landed, engines=2)
+        assert check.ok, check.describe()
+        state = await client.get_state()
+        assert state.weight_version == landed and state.round.phase == "idle", state
+        assert all(e.ready and not e.paused and not e.torn for e in state.engines), state
