@@ -14,10 +14,12 @@ import torch
 
 from tests.test_transports import KINDS, rendezvous
 from weightsync import transport as transports
-from weightsync.engine.streamed_load import receive_and_load
-from weightsync.errors import TransferError
+from weightsync.engine.streamed_load import receive_and_load, receive_and_load_from_senders
+from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.packing import weights_digest
 from weightsync.plan import BucketPlan
+from weightsync.sharding import Holding, assign, describe, sources_for
+from weightsync.transport.from_senders import SenderLane
 from weightsync.transport.store import host_store
 
 BUCKET = 64 * 1024
@@ -129,3 +131,100 @@ def test_the_receive_thread_takes_the_engines_gpu_before_receiving(monkeypatch):
         assert NotesItsThread.thread and NotesItsThread.thread != threading.current_thread().name
         assert [d for d, _ in calls] == expected
         assert all(thread == NotesItsThread.thread for _, thread in calls), calls
+
+
+def _sharded(world: int, sources) -> list[list[Holding]]:
+    """What FSDP2 gives each of ``world`` ranks: torch.chunk row ranges of every tensor."""
+    ranks: list[list[Holding]] = [[] for _ in range(world)]
+    for name, full in sources:
+        chunk = -(-full.shape[0] // world)
+        for r in range(world):
+            start = min(r * chunk, full.shape[0])
+            rows = max(0, min(chunk, full.shape[0] - start))
+            ranks[r].append(Holding(name, full.dtype, tuple(full.shape), start, rows,
+                                    full.narrow(0, start, rows).clone()))
+    return ranks
+
+
+def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int | None = None):
+    """``world`` senders, each streaming its own row ranges on its own lane, into one
+    streamed receive. ``fail_sender``: that sender's stream stops after its first
+    bucket (its abort flag set), as a trainer rank that dies mid-round."""
+    kind = KINDS[kind_name]
+    holdings = _sharded(world, sources)
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=BUCKET)
+    store = host_store("127.0.0.1", timeout_s=20)
+    senders = {r: transports.make_sender(kind, store) for r in owners.sender_ranks}
+    receivers = [transports.make_receiver(kind) for _ in owners.sender_ranks]
+    lanes = {r: rendezvous(store, kind, 2, group=f"lane-{r}") for r in owners.sender_ranks}
+    for r, lane in lanes.items():
+        lane.sender = r
+    engine_lanes = [SenderLane(lanes[r], owners.part_plan(r), receivers[i], r)
+                    for i, r in enumerate(owners.sender_ranks)]
+    outcome: dict = {}
+    deadline_at = time.monotonic() + 20
+
+    def send(r: int) -> None:
+        abort = threading.Event()
+        if r == fail_sender:
+            threading.Timer(0.05, abort.set).start()
+        try:
+            senders[r].send(lanes[r], owners.part_plan(r), sources_for(owners, r, {h.name: h for h in holdings[r]}),
+                            deadline_at=deadline_at, abort=abort)
+        except BaseException as exc:
+            outcome[f"send{r}"] = exc
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in owners.sender_ranks]
+    for t in threads:
+        t.start()
+    try:
+        outcome["result"] = receive_and_load_from_senders(
+            engine_lanes, 1, plan, owners, device=torch.device("cpu"), deadline_at=deadline_at,
+            abort=threading.Event(), load=load, max_ready_bytes=2 * BUCKET)
+    except BaseException as exc:
+        outcome["receive"] = exc
+    finally:
+        for t in threads:
+            t.join(30)
+        for sender in senders.values():
+            sender.close()
+        for receiver in receivers:
+            receiver.close()
+    return plan, outcome
+
+
+@pytest.mark.parametrize("kind_name", ["gloo", "shm"])
+def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kind_name):
+    """Two trainer ranks each send their own rows of every tensor (FSDP2's Shard(0));
+    the engine's loader gets each full tensor once, as soon as its last part is in,
+    equal to the trainer's full tensor, and the receive holds a few buckets' worth, not
+    a second copy of the model."""
+    sources = [(n, t.view(-1, 64)) for n, t in _model(5)]  # rows to shard: 128 and 1024 rows of 64
+    loaded: dict[str, torch.Tensor] = {}
+    seen: list[str] = []
+
+    def load(weights):
+        for name, tensor in weights:
+            time.sleep(0.002)
+            seen.append(name)
+            loaded[name] = tensor.clone()
+
+    plan, outcome = _run_sharded(kind_name, load, sources)
+    assert set(outcome) == {"result"}, outcome
+    digest, peak = outcome["result"]
+    assert digest == weights_digest(sources)  # what the trainer's full tensors hash to
+    assert sorted(seen) == sorted(n for n, _ in sources), "a tensor loaded twice, or never"
+    assert all(torch.equal(loaded[name], t) for name, t in sources)
+    largest = max(t.numel() * t.element_size() for _, t in sources)
+    assert peak <= 6 * BUCKET + 2 * largest < plan.total_bytes / 2, (peak, plan.total_bytes)
+
+
+@pytest.mark.parametrize("kind_name", ["gloo", "shm"])
+def test_a_sharded_lane_that_stops_fails_the_receive_and_stops_the_other_sender(kind_name):
+    sources = [(n, t.view(-1, 64)) for n, t in _model(6)]
+    started = time.monotonic()
+    _, outcome = _run_sharded(kind_name, lambda weights: [time.sleep(0.01) for _ in weights], sources,
+                              fail_sender=1)
+    assert isinstance(outcome.get("receive"), (TransferError, StepTimeoutError)), outcome
+    assert "result" not in outcome
+    assert time.monotonic() - started < 15, "the receive or the other sender waited out the deadline"

@@ -284,6 +284,11 @@ class PartViews(Sequence):
     def __len__(self) -> int:
         return len(self._tensors)
 
+    def forget(self, i: int) -> None:
+        """Lets part ``i``'s view go (its bytes are all in): a view kept would keep its
+        full tensor alive after the engine's loader let that go."""
+        self._made[i] = None
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]

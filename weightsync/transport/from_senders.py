@@ -35,18 +35,26 @@ class SenderLane:
 
 
 def receive_from_senders(lanes: Sequence[SenderLane], rank: int, targets_of: Callable[[SenderLane], list],
-                         *, deadline_at: float, abort: threading.Event,
-                         on_bucket: Callable[[int], None] | None = None) -> TransferStats:
+                         *, deadline_at: float, abort, on_bucket: Callable[[int], None] | None = None,
+                         on_lane_bucket: Callable[[SenderLane, int], None] | None = None,
+                         stop: threading.Event | None = None) -> TransferStats:
     """Receives every lane at ``rank`` into ``targets_of(lane)`` (views of the full
     tensors). Blocks until all lanes are in, or raises the first lane's error after
     stopping and joining the others (each bounded by ``deadline_at``).
 
-    The error carries ``wrote_nothing`` only when no lane wrote a byte."""
-    stop = threading.Event()
+    ``on_bucket(n)``: the n-th bucket of all lanes is in (progress);
+    ``on_lane_bucket(lane, b)``: bucket ``b`` of that lane is in (what it carried can
+    be used). Either may raise to stop the receive. ``abort``: anything with
+    ``is_set()``. ``stop``: set here once a lane failed or ``abort`` was seen (the
+    others stop); a caller that waits inside a callback watches it too. The error
+    carries ``wrote_nothing`` only when no lane wrote a byte."""
+    stop = stop if stop is not None else threading.Event()
     done_buckets, lock = [0], threading.Lock()
 
-    def count(_: int) -> None:  # progress over all lanes: buckets done of the sum of their buckets
-        with lock:
+    def count(lane: SenderLane, bucket: int) -> None:
+        if on_lane_bucket is not None:
+            on_lane_bucket(lane, bucket)
+        with lock:  # progress over all lanes: buckets done of the sum of their buckets
             done_buckets[0] += 1
             n = done_buckets[0]
         if on_bucket is not None:
@@ -54,7 +62,7 @@ def receive_from_senders(lanes: Sequence[SenderLane], rank: int, targets_of: Cal
 
     def one(lane: SenderLane) -> TransferStats:
         return lane.receiver.receive(lane.rendezvous, rank, lane.plan, targets_of(lane), deadline_at=deadline_at,
-                                     abort=stop, on_bucket=count)
+                                     abort=stop, on_bucket=lambda bucket: count(lane, bucket))
 
     with ThreadPoolExecutor(len(lanes), thread_name_prefix="weightsync-lane") as pool:
         futures: list[Future] = [pool.submit(one, lane) for lane in lanes]
