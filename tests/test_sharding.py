@@ -412,21 +412,21 @@ def test_every_rank_rebuilds_the_drivers_error_as_the_same_type():
             assert info.value.operation == "broadcast"
 
 
-def test_engines_that_take_one_sender_refuse_a_sharded_round_before_anything_changes():
-    """vLLM receives inside its own workers from one sender: a request with owners is
-    refused by the adapter's check (the Broadcast's validation phase), naming why. The
-    check reads the request alone: no vLLM is contacted (the address is closed)."""
-    from weightsync.engine.vllm import VllmAdapter
+def test_sglang_refuses_a_sharded_round_before_anything_changes():
+    """SGLang receives through its update group, which has one sender: a request with
+    owners is refused by the adapter's check (the Broadcast's validation phase), naming
+    why. The check reads the request alone: no SGLang is contacted (the address is
+    closed). vLLM takes such a round (tests/vllm/test_vllm_e2e.py)."""
+    from weightsync.engine.sglang import SglangAdapter
     from weightsync.errors import Unsupported
     from weightsync.v1 import agent_pb2
 
     plan, owners = assign([describe(h) for h in chunk_holdings(2)], bucket_bytes=64)
-    request = agent_pb2.ReceiveRequest(plan=plan.to_proto(), owners=owners.to_proto())
+    lane = common_pb2.Rendezvous(transport=common_pb2.TRANSPORT_KIND_GROUP, world_size=2)
+    request = agent_pb2.ReceiveRequest(plan=plan.to_proto(), owners=owners.to_proto(), rendezvous=lane)
     with pytest.raises(Unsupported) as info:
-        VllmAdapter("http://127.0.0.1:9").check_receive(request)
+        SglangAdapter("http://127.0.0.1:9").check_receive(request)
     assert info.value.reason == "SHARDED_UNSUPPORTED"
-    VllmAdapter("http://127.0.0.1:9").check_receive(agent_pb2.ReceiveRequest(plan=plan.to_proto()))  # one sender: fine
-
 
 
 def test_a_rank_whose_read_ack_loses_its_answer_to_rank_0_closing_still_has_the_round():

@@ -48,6 +48,7 @@ from tests.vllm.harness import (
     wait_ready_and,
 )
 from tests.vllm.make_tiny_model import MAX_POSITIONS
+from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.client import Probe, TrainerClient
 from weightsync.client.engine import EngineClient
 from weightsync.errors import StepTimeoutError
@@ -124,6 +125,43 @@ async def test_three_rounds_match_the_trainers_model(vllm_stack, tiny_model):
     # The group transport posts tensors ahead within its own window (IN_FLIGHT_BYTES, 256 MiB):
     # the whole of this tiny model, but never more than the window on a large one.
     assert 0 < int(by_transport["group"].fields["engine_peak_bytes"]) <= min(model_bytes, IN_FLIGHT_BYTES)
+
+
+async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stack, tiny_model, tmp_path):
+    """Two trainer ranks (processes, torch.distributed over gloo), each holding its rows
+    of every tensor as a DTensor placed Shard(0) -- FSDP2's layout -- sync into vLLM,
+    each rank sending its own rows on its own lane (gloo, then shm); vLLM's worker
+    takes every lane at once and loads each tensor once all its rows are in. Checked
+    against the trainer's own full model (transformers) and the digest of its full
+    tensors, never against another vLLM. Before, vLLM refused such a round
+    (SHARDED_UNSUPPORTED)."""
+    address, url, _, tmp = vllm_stack
+    original = checkpoint(tiny_model)
+    async with TrainerClient(address) as client:
+        first = (await client.get_state()).weight_version + 1
+    versions, seeds = [first, first + 1], [700, 701]
+    for version, seed, transport in zip(versions, seeds, ["gloo", "shm"], strict=True):
+        with TrainerRanks(str(tmp_path / f"ranks-{transport}"), address, 2,
+                          ["--model-dir", tiny_model, "--versions", str(version), "--seeds", str(seed),
+                           "--transport", transport], module="tests.vllm.sharded_rank") as ranks:
+            assert await asyncio.to_thread(ranks.wait, 240) == [0, 0], ranks.tail()
+            assert all(ranks.rounds(r)[version]["ok"] for r in (0, 1)), ranks.tail()
+        weights = round_weights(original, seed)
+        model = trainer_model(tiny_model, weights)
+        assert get(url, "/weight_info")["weight_version"] == str(version)
+        assert_same_outputs(greedy_all(url), [trainer_greedy(model, p) for p in PROMPTS], f"sharded ({transport})")
+        async with TrainerClient(address) as client:
+            check = await client.check_engines(weights, version=version)
+            assert check.ok, check.describe()
+    with open(os.path.join(tmp, "vllm-0.addr")) as f:
+        async with EngineClient(f.read().strip()) as engine:
+            done = [e for e in await engine.events() if e.kind == "transfer_done" and int(e.fields["version"]) >= first]
+    model_bytes = sum(t.numel() * t.element_size() for _, t in original)
+    largest = max(t.numel() * t.element_size() for _, t in original)
+    assert len(done) == 2, done
+    for event in done:  # never a second copy of the model in the worker, however the lanes interleave
+        peak = int(event.fields["engine_peak_bytes"])
+        assert 0 < peak <= 4 * 16 * 1024 + 2 * largest and peak < model_bytes / 2, (peak, model_bytes)
 
 
 async def test_bad_plan_is_refused_before_vllm_is_touched(vllm_stack, tiny_model):

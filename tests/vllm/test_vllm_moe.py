@@ -16,6 +16,7 @@ itself (fault injection) must be caught by attestation.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -39,6 +40,7 @@ from tests.vllm.harness import (
     trainer_greedy,
     trainer_logits_fn,
 )
+from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.client import Probe, TrainerClient
 from weightsync.errors import InvalidArgument
 
@@ -135,3 +137,26 @@ async def test_a_reload_as_vllm_does_it_is_caught_by_attestation(moe):
     weights = round_weights(checkpoint(base_dir), 400)
     model, attest = trainer_reference(base_dir, weights, os.path.join(tmp, "reference-broken"))
     await assert_broken_round_caught_then_healed(stack, weights, BROKEN_VERSION, model, attest)
+
+
+async def test_a_sharded_trainers_experts_land_in_vllm_from_every_rank(moe, tmp_path):
+    """Two trainer ranks, each holding its rows of every tensor (the 192 expert
+    matrices included) as a DTensor placed Shard(0), each send their own rows on their
+    own gloo lane; vLLM's worker loads each tensor once all its rows are in, in
+    whatever order the lanes complete them, and its experts are laid out anew. The
+    synced vLLM gives the trainer's model's greedy tokens and log-probs (transformers,
+    from a checkpoint of the round's full tensors)."""
+    stack, _, base_dir, tmp, _ = moe
+    async with TrainerClient(stack.address) as client:
+        version = (await client.get_state()).weight_version + 1
+    with TrainerRanks(str(tmp_path / "ranks"), stack.address, 2,
+                      ["--model-dir", base_dir, "--versions", str(version), "--seeds", "500", "--transport", "gloo"],
+                      module="tests.vllm.sharded_rank") as ranks:
+        assert await asyncio.to_thread(ranks.wait, 300) == [0, 0], ranks.tail()
+        assert all(ranks.rounds(r)[version]["ok"] for r in (0, 1)), ranks.tail()
+    weights = round_weights(checkpoint(base_dir), 500)
+    model, _ = trainer_reference(base_dir, weights, os.path.join(tmp, "reference-sharded"))
+    assert_same_outputs(greedy_all(stack.url), [trainer_greedy(model, p) for p in PROMPTS], "sharded round")
+    async with TrainerClient(stack.address) as client:
+        check = await client.check_engines(weights, version=version)
+        assert check.ok, check.describe()

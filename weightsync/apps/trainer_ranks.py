@@ -30,12 +30,14 @@ class TrainerRanks:
     Args:
         folder: where each rank's output goes (``rank-N.log``, JSON lines and warnings).
         args: the rank script's options after the coordinator (``--model``, ...).
+        module: the rank script (run with ``python -m``; it prints JSON lines).
     """
 
     def __init__(self, folder: str, coordinator: str, world: int, args: Sequence[str], *,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, module: str = "weightsync.apps.bench.sharded_trainer") -> None:
         self.folder, self.coordinator, self.world = folder, coordinator, world
         self.args = list(args)
+        self.module = module
         self.env = env or {}
         self.procs: list[subprocess.Popen] = []
 
@@ -47,7 +49,7 @@ class TrainerRanks:
                        MASTER_PORT=port, LOCAL_RANK=str(rank))
             with open(self.log(rank), "w") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "weightsync.apps.bench.sharded_trainer", self.coordinator, *self.args],
+                    [sys.executable, "-m", self.module, self.coordinator, *self.args],
                     env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0,  # not a session: see spawn()
                     preexec_fn=_interruptible))
         return self

@@ -132,6 +132,9 @@ class SglangAdapter(HttpEngineAdapter):
 
     def check_receive(self, request) -> None:
         """What SGLang cannot do, refused before anything changes."""
+        if request.HasField("owners"):
+            raise Unsupported("SGLang's update group takes one sender: a sharded trainer's round (several senders) "
+                              "reaches reference and vLLM engines", reason="SHARDED_UNSUPPORTED")
         if request.rendezvous.transport != common_pb2.TRANSPORT_KIND_GROUP:
             raise Unsupported("SGLang receives weights only through its update group: broadcast with "
                               "transport='group'", reason="TRANSPORT_UNSUPPORTED")

@@ -63,6 +63,19 @@ def worker_deadline_s(left_s: float) -> float:
     return left_s - min(WORKER_MARGIN_S + WORKER_MARGIN_SHARE * left_s, left_s / 2)
 
 
+def _owners_json(delivery: Delivery) -> str:
+    """A sharded trainer's round for the worker: each sender's parts with its lane
+    (JSON, as every worker argument); "" for a round from one sender."""
+    if delivery.owners is None:
+        return ""
+    senders = []
+    for lane in delivery.senders:
+        parts = delivery.owners.parts_of(lane.sender).to_proto()
+        parts.lane.CopyFrom(lane.rendezvous)
+        senders.append(parts)
+    return json_format.MessageToJson(common_pb2.Owners(senders=senders), indent=None)
+
+
 class VllmAdapter(HttpEngineAdapter):
     """See the module docstring."""
 
@@ -194,13 +207,6 @@ class VllmAdapter(HttpEngineAdapter):
     def load_targets(self, plan):
         return []  # bytes land inside vLLM's worker, not in this process
 
-    def check_receive(self, request) -> None:
-        """What this adapter cannot do yet, refused before anything changes."""
-        if request.HasField("owners"):
-            raise Unsupported("vLLM engines receive from one sender; a sharded trainer's round (several "
-                              "senders) reaches reference engines only in this release",
-                              reason="SHARDED_UNSUPPORTED")
-
     def receive(self, delivery: Delivery) -> None:
         """Runs the receive inside vLLM's worker (blocking; the agent's transfer thread).
         ``skip_post_load`` is fault injection: vLLM's reload as it is (tied layers keep
@@ -218,6 +224,7 @@ class VllmAdapter(HttpEngineAdapter):
         # 20k-tensor plan is megabytes of JSON). A worker that forgot it (vLLM restarted)
         # answers PlanUnknown before receiving anything, and gets the whole plan.
         whole = plan.plan_id not in self._worker_plans
+        owners = _owners_json(delivery)
         while True:
             left = deadline_at - time.monotonic()
             if left <= 0:
@@ -226,7 +233,7 @@ class VllmAdapter(HttpEngineAdapter):
             results = self.collective_rpc(
                 "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
                 json_format.MessageToJson(wire), str(worker_deadline_s(left)), "1" if skip_post_load else "",
-                delivery.data_host, timeout_s=left)
+                delivery.data_host, *([owners] if owners else []), timeout_s=left)
             if not whole and any(isinstance(r, dict) and str(r.get("error", "")).startswith("PlanUnknown")
                                  for r in results):
                 self._worker_plans.discard(plan.plan_id)

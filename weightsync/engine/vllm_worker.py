@@ -7,7 +7,7 @@ with string arguments (JSON), never pickle:
   tensor, read from the safetensors headers of the served model. This is what a
   plan is checked against: on CPU, vLLM repacks Linear weights, so its own
   parameters do not show checkpoint shapes.
-- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host])``: every
+- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host, owners])``: every
   worker joins at its own rank (``rank`` plus the worker's rank in vLLM's parallel world), joins
   the weightsync transport (shm, gloo, group, nccl or cuda-ipc), and receives into checkpoint-shaped
   tensors (host memory; the worker's GPU for nccl and cuda-ipc, and when the group backend is nccl) that go to
@@ -15,7 +15,9 @@ with string arguments (JSON), never pickle:
   completes (``streamed_load.py``: the worker's extra memory is a few buckets and the
   tensors being filled, not a second model). Returns the digest of what it loaded and
   the peak bytes of received tensors alive at once; network transports listen on ``data_host`` (the agent's
-  address). ``skip_post_load="1"`` is fault injection only (the agent sends it
+  address). With ``owners`` (a sharded trainer's round: who sends which rows, each sender's lane), the
+  worker receives every sender's lane at once into row ranges of the same tensors, each loaded once
+  its last part is in. ``skip_post_load="1"`` is fault injection only (the agent sends it
   only when started with ``--enable-fault-injection`` and a matching rule).
 - ``weightsync_loaded_digest()``: the digest of the weights the worker's last receive
   loaded whole, "" when none did (or one began since): what an agent started beside a
@@ -38,9 +40,11 @@ from google.protobuf import json_format
 from weightsync import transport as transports
 from weightsync.engine import vllm_probe
 from weightsync.engine.checkpoint import checkpoint_specs
-from weightsync.engine.streamed_load import receive_and_load
+from weightsync.engine.streamed_load import receive_and_load, receive_and_load_from_senders
 from weightsync.engine.vllm_reload import reload_in_place
 from weightsync.plan import BucketPlan
+from weightsync.sharding import Owners
+from weightsync.transport.from_senders import SenderLane
 from weightsync.v1 import common_pb2
 
 
@@ -51,17 +55,12 @@ class WeightsyncWorkerExtension:
         return checkpoint_specs(self.model_config.model)
 
     def weightsync_receive(self, rendezvous_json: str, rank: str, plan_json: str, timeout_s: str,
-                           skip_post_load: str = "", data_host: str = "127.0.0.1") -> dict:
+                           skip_post_load: str = "", data_host: str = "127.0.0.1", owners_json: str = "") -> dict:
         # Forgotten until this receive has loaded every tensor: a cut one leaves no digest.
         self.__dict__["_weightsync_digest"] = ""
         try:
             rendezvous = json_format.Parse(rendezvous_json, common_pb2.Rendezvous())
             plan = BucketPlan.from_proto(json_format.Parse(plan_json, common_pb2.WeightPlan()))
-            receivers = self.__dict__.setdefault("_weightsync_receivers", {})
-            receiver = receivers.get(rendezvous.transport)
-            if receiver is None:
-                receiver = receivers[rendezvous.transport] = transports.make_receiver(rendezvous.transport,
-                                                                                      data_host=data_host)
             # nccl (the transport, or the group's backend) and cuda-ipc land the bytes in
             # the worker's GPU, bucket by bucket; gloo and shm in host memory.
             on_gpu = (rendezvous.group_backend == "nccl"
@@ -71,15 +70,37 @@ class WeightsyncWorkerExtension:
             # (vLLM's rank of this worker in its tensor x pipeline parallel world).
             # Each tensor goes to vLLM's loader as soon as its last byte is in, and is let
             # go after: never a second full copy of the model in the worker.
-            digest, peak = receive_and_load(
-                receiver, rendezvous, int(rank) + int(getattr(self, "rank", 0) or 0), plan, device=device,
-                deadline_at=time.monotonic() + float(timeout_s), abort=threading.Event(),
-                load=lambda weights: reload_in_place(self.model_runner, weights, repair=skip_post_load != "1"),
-                max_ready_bytes=2 * plan.bucket_bytes)
+            my_rank = int(rank) + int(getattr(self, "rank", 0) or 0)
+            deadline_at = time.monotonic() + float(timeout_s)
+            load = lambda weights: reload_in_place(self.model_runner, weights,  # noqa: E731
+                                                   repair=skip_post_load != "1")
+            if owners_json:  # a sharded trainer: every sender's lane at once
+                owners_msg = json_format.Parse(owners_json, common_pb2.Owners())
+                owners = Owners.from_proto(owners_msg, plan)
+                lanes = [SenderLane(parts.lane, owners.part_plan(parts.sender),
+                                    self._weightsync_receiver(parts.lane.transport, i, data_host), parts.sender)
+                         for i, parts in enumerate(owners_msg.senders)]
+                digest, peak = receive_and_load_from_senders(
+                    lanes, my_rank, plan, owners, device=device, deadline_at=deadline_at, abort=threading.Event(),
+                    load=load, max_ready_bytes=2 * plan.bucket_bytes)
+            else:
+                digest, peak = receive_and_load(
+                    self._weightsync_receiver(rendezvous.transport, 0, data_host), rendezvous, my_rank, plan,
+                    device=device, deadline_at=deadline_at, abort=threading.Event(), load=load,
+                    max_ready_bytes=2 * plan.bucket_bytes)
             self.__dict__["_weightsync_digest"] = digest
             return {"digest": digest, "bytes": plan.total_bytes, "peak_target_bytes": peak}
         except Exception as exc:  # reported to the agent as data; the agent marks the engine torn
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _weightsync_receiver(self, kind: int, lane: int, data_host: str):
+        """This worker's receiver of ``kind`` for its ``lane``-th concurrent lane (each its
+        own group and buffers, kept while the lane's group id stays)."""
+        receivers = self.__dict__.setdefault("_weightsync_receivers", {})
+        receiver = receivers.get((kind, lane))
+        if receiver is None:
+            receiver = receivers[(kind, lane)] = transports.make_receiver(kind, data_host=data_host)
+        return receiver
 
     def weightsync_loaded_digest(self) -> dict:
         return {"digest": self.__dict__.get("_weightsync_digest", "")}

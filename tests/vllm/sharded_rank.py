@@ -1,0 +1,61 @@
+"""One rank of a sharded trainer syncing into vLLM (the vLLM tier's sharded test).
+
+Started like torchrun starts a rank (``TrainerRanks``). Every rank builds the same full
+tensors of the round (the tiny checkpoint moved by seeded noise, ``round_weights``),
+holds its rows of each as a DTensor placed ``Shard(0)`` on a 1-D mesh over the world
+(FSDP2's layout), and calls ``DistributedTrainerClient.update_weights`` with them:
+every rank sends its own rows. One JSON line per round: {"rank", "round", "ok", "error"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tests.vllm.harness import checkpoint, round_weights
+from weightsync.client.distributed import DistributedTrainerClient
+from weightsync.errors import WeightSyncError
+
+
+async def run(args: argparse.Namespace) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    mesh = init_device_mesh("cpu", (world,))
+    base = checkpoint(args.model_dir)
+    async with DistributedTrainerClient(args.coordinator, transport=args.transport,
+                                        bucket_bytes=args.bucket_bytes, default_timeout_s=120) as client:
+        for version, seed in zip(args.versions, args.seeds, strict=True):
+            named = [(name, distribute_tensor(full, mesh, [Shard(0)])) for name, full in round_weights(base, seed)]
+            line = {"rank": rank, "round": version, "ok": False, "error": ""}
+            try:
+                line["ok"] = (await client.update_weights(named, version=version, timeout_s=120)).ok
+            except WeightSyncError as exc:
+                line["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            print(json.dumps(line), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="sharded_rank")
+    parser.add_argument("coordinator")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--versions", type=int, nargs="+", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", required=True)
+    parser.add_argument("--transport", default="auto")
+    parser.add_argument("--bucket-bytes", type=int, default=16 * 1024)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    try:
+        asyncio.run(run(args))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
