@@ -40,27 +40,30 @@ FULL = {"emb": torch.randn(10, 4), "w": torch.randn(7, 3), "b": torch.randn(7), 
         "steps": torch.arange(5, dtype=torch.int64)}
 
 
-def chunk_holdings(world: int) -> list[list[Holding]]:
+def chunk_holdings(world: int, *, columns: bool = False) -> list[list[Holding]]:
     """What FSDP2 gives each of ``world`` ranks: torch.chunk row ranges of every
-    tensor with rows, and a whole copy of the 0-dimensional one."""
+    tensor with rows, and a whole copy of the 0-dimensional one. ``columns``: what
+    tensor parallel's row-wise layers give instead, column ranges (Shard(1)) of every
+    tensor with two dimensions or more."""
     ranks: list[list[Holding]] = [[] for _ in range(world)]
     for name, full in FULL.items():
         if full.dim() == 0:
             for r in range(world):
                 ranks[r].append(Holding(name, full.dtype, (), 0, 1, full))
             continue
-        chunk = -(-full.shape[0] // world)
+        dim = 1 if columns and full.dim() >= 2 else 0
+        chunk = -(-full.shape[dim] // world)
         for r in range(world):
-            start = min(r * chunk, full.shape[0])
-            rows = max(0, min(chunk, full.shape[0] - start))
+            start = min(r * chunk, full.shape[dim])
+            rows = max(0, min(chunk, full.shape[dim] - start))
             ranks[r].append(Holding(name, full.dtype, tuple(full.shape), start, rows,
-                                    full.narrow(0, start, rows).clone()))
+                                    full.narrow(dim, start, rows).contiguous(), dim))
     return ranks
 
 
-def parts(sender, tensors, starts, rows):
+def parts(sender, tensors, starts, rows, dims=None):
     return SenderParts(sender, np.array(tensors, dtype=np.int32), np.array(starts, dtype=np.int64),
-                       np.array(rows, dtype=np.int64))
+                       np.array(rows, dtype=np.int64), None if dims is None else np.array(dims, dtype=np.int8))
 
 
 def test_assign_sends_shards_from_their_ranks_and_spreads_whole_tensors():
@@ -113,11 +116,35 @@ def test_assign_refuses_disagreeing_ranks_and_uncovered_tensors():
     ([parts(0, [0, 0], [0, 5], [5, 5])], "lists a tensor twice"),
     ([parts(0, [0], [0], [0])], "no rows"),
     ([parts(0, [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [10, 7, 7, 1, 5]), parts(0, [0], [0], [1])], "sender twice"),
+    # slices along other dimensions (tensor parallel): one dimension per tensor, within it
+    ([parts(0, [0, 1, 2, 3, 4], [0] * 5, [2, 7, 7, 1, 5], [1, 0, 0, 0, 0]), parts(1, [0], [2], [8], [0])],
+     "slice different dimensions"),
+    ([parts(0, [0, 1, 2, 3, 4], [0] * 5, [10, 7, 7, 1, 5], [0, 0, 1, 0, 0])], "dimension 1 of a 1-dimensional"),
+    ([parts(0, [0, 1, 2, 3, 4], [0] * 5, [10, 7, 7, 1, 5], [0, 0, 0, 1, 0])], "dimension 1 of a 0-dimensional"),
+    ([parts(0, [0, 1, 2, 3, 4], [0] * 5, [5, 7, 7, 1, 5], [1, 0, 0, 0, 0])], "outside the tensor"),
+    ([parts(0, [0, 1, 2, 3, 4], [0] * 5, [2, 7, 7, 1, 5], [1, 0, 0, 0, 0]), parts(1, [0], [3], [1], [1])],
+     "overlap or leave rows unsent"),
 ])
 def test_owners_that_do_not_cover_every_tensor_once_are_refused(bad, message):
     plan = BucketPlan.from_tensors(FULL.items(), bucket_bytes=64)
     with pytest.raises(InvalidArgument, match=message):
         Owners(plan, bad)
+
+
+def test_column_slices_make_part_plans_shaped_like_them_and_travel_in_the_owners():
+    plan = BucketPlan.from_tensors(FULL.items(), bucket_bytes=64)
+    owners = Owners(plan, [parts(0, [0, 1, 2, 3, 4], [0] * 5, [3, 7, 7, 1, 5], [1, 0, 0, 0, 0]),
+                           parts(1, [0], [3], [1], [1])])
+    assert owners.part_plan(0).shapes[0] == (10, 3) and owners.part_plan(1).shapes == ((10, 1),)
+    again = Owners.from_proto(owners.to_proto(), plan)
+    assert again.parts_of(1).dims.tolist() == [1] and again.part_plan(1).plan_id == owners.part_plan(1).plan_id
+    # rows only: no dims on the wire (what an older peer sends and reads)
+    rows_only = Owners(plan, [parts(0, [0, 1, 2, 3, 4], [0] * 5, [10, 7, 7, 1, 5])])
+    assert rows_only.to_proto().senders[0].dims == b""
+    msg = owners.to_proto()
+    msg.senders[1].dims = b"\x01\x01"
+    with pytest.raises(InvalidArgument, match="differ in length"):
+        Owners.from_proto(msg, plan)
 
 
 def test_owners_round_trip_and_malformed_columns():
@@ -142,14 +169,17 @@ def _lanes(kind, store, owners, receivers_per_sender, group):
                                   session_id=f"{session}-{s}", sender=s) for s in owners.sender_ranks]
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
 @pytest.mark.parametrize("addressed", [False, True], ids=["plain-targets", "addressed-targets"])
 @pytest.mark.parametrize("name", ["gloo", "shm"])
-def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addressed):
+def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addressed, columns):
     """``addressed``: the targets carry their addresses, as the reference engine's do,
     and stay the same from round to round (zeroed in place between rounds): the part
-    views and their addresses made in the first round must land the second's bytes."""
+    views and their addresses made in the first round must land the second's bytes.
+    ``columns``: the senders hold column ranges (tensor parallel's Shard(1)), which no
+    view of a full tensor lays out end to end: each is received whole and copied in."""
     kind = {"gloo": common_pb2.TRANSPORT_KIND_GLOO, "shm": common_pb2.TRANSPORT_KIND_SHM}[name]
-    holdings = chunk_holdings(3)
+    holdings = chunk_holdings(3, columns=columns)
     plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
     store = host_store("127.0.0.1", timeout_s=20)
     senders = {r: transports.make_sender(kind, store) for r in owners.sender_ranks}
@@ -351,12 +381,13 @@ def test_one_lane_failing_stops_every_lane_and_tells_their_senders():
 
 
 def test_an_unsupported_dtensor_placement_is_a_clear_error():
-    """Shard(1) (a tensor-parallel column split) is refused naming the tensor and what is
+    """Shard(1) (tensor parallel's row-wise split) is taken as a slice of dimension 1;
+    Partial() (a pending reduction) is refused naming the tensor and what is
     supported; a one-rank gloo world in a child process (torch.distributed is global)."""
     code = (
         "import os, torch, torch.distributed as dist\n"
         "from torch.distributed.device_mesh import init_device_mesh\n"
-        "from torch.distributed.tensor import distribute_tensor, Shard, Replicate\n"
+        "from torch.distributed.tensor import DTensor, distribute_tensor, Shard, Replicate, Partial\n"
         "from weightsync.sharding import holding_of\n"
         "from weightsync.errors import InvalidArgument\n"
         "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29000 + os.getpid() % 1000))\n"
@@ -367,8 +398,10 @@ def test_an_unsupported_dtensor_placement_is_a_clear_error():
         "assert h.whole and torch.equal(h.local, t)\n"
         "h = holding_of('s0', distribute_tensor(t, mesh, [Shard(0)]))\n"
         "assert (h.start, h.rows) == (0, 4)\n"
+        "h = holding_of('col', distribute_tensor(t, mesh, [Shard(1)]))\n"
+        "assert (h.dim, h.start, h.rows) == (1, 0, 6) and h.whole\n"
         "try:\n"
-        "    holding_of('col', distribute_tensor(t, mesh, [Shard(1)]))\n"
+        "    holding_of('partial', DTensor.from_local(t, mesh, [Partial()]))\n"
         "except InvalidArgument as exc:\n"
         "    print('refused:', exc)\n"
         "dist.destroy_process_group()\n"
@@ -378,7 +411,7 @@ def test_an_unsupported_dtensor_placement_is_a_clear_error():
         "import sys; sys.stdout.flush(); os._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "refused:" in out.stdout and "'col'" in out.stdout and "Shard(0) and Replicate()" in out.stdout
+    assert "refused:" in out.stdout and "'partial'" in out.stdout and "Shard(d) and Replicate()" in out.stdout
 
 
 def test_every_rank_rebuilds_the_drivers_error_as_the_same_type():

@@ -133,25 +133,26 @@ def test_the_receive_thread_takes_the_engines_gpu_before_receiving(monkeypatch):
         assert all(thread == NotesItsThread.thread for _, thread in calls), calls
 
 
-def _sharded(world: int, sources) -> list[list[Holding]]:
-    """What FSDP2 gives each of ``world`` ranks: torch.chunk row ranges of every tensor."""
+def _sharded(world: int, sources, dim: int = 0) -> list[list[Holding]]:
+    """What FSDP2 (``dim`` 0) or tensor parallel's row-wise layers (``dim`` 1) give
+    each of ``world`` ranks: torch.chunk slices of every tensor along ``dim``."""
     ranks: list[list[Holding]] = [[] for _ in range(world)]
     for name, full in sources:
-        chunk = -(-full.shape[0] // world)
+        chunk = -(-full.shape[dim] // world)
         for r in range(world):
-            start = min(r * chunk, full.shape[0])
-            rows = max(0, min(chunk, full.shape[0] - start))
+            start = min(r * chunk, full.shape[dim])
+            rows = max(0, min(chunk, full.shape[dim] - start))
             ranks[r].append(Holding(name, full.dtype, tuple(full.shape), start, rows,
-                                    full.narrow(0, start, rows).clone()))
+                                    full.narrow(dim, start, rows).contiguous(), dim))
     return ranks
 
 
-def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int | None = None):
-    """``world`` senders, each streaming its own row ranges on its own lane, into one
+def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int | None = None, dim: int = 0):
+    """``world`` senders, each streaming its own slices on its own lane, into one
     streamed receive. ``fail_sender``: that sender's stream stops after its first
     bucket (its abort flag set), as a trainer rank that dies mid-round."""
     kind = KINDS[kind_name]
-    holdings = _sharded(world, sources)
+    holdings = _sharded(world, sources, dim)
     plan, owners = assign([describe(h) for h in holdings], bucket_bytes=BUCKET)
     store = host_store("127.0.0.1", timeout_s=20)
     senders = {r: transports.make_sender(kind, store) for r in owners.sender_ranks}
@@ -193,12 +194,13 @@ def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int
     return plan, outcome
 
 
+@pytest.mark.parametrize("dim", [0, 1], ids=["rows", "columns"])
 @pytest.mark.parametrize("kind_name", ["gloo", "shm"])
-def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kind_name):
-    """Two trainer ranks each send their own rows of every tensor (FSDP2's Shard(0));
-    the engine's loader gets each full tensor once, as soon as its last part is in,
-    equal to the trainer's full tensor, and the receive holds a few buckets' worth, not
-    a second copy of the model."""
+def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kind_name, dim):
+    """Two trainer ranks each send their own rows of every tensor (FSDP2's Shard(0)),
+    or columns (tensor parallel's Shard(1)); the engine's loader gets each full tensor
+    once, as soon as its last part is in, equal to the trainer's full tensor, and the
+    receive holds a few buckets' worth, not a second copy of the model."""
     sources = [(n, t.view(-1, 64)) for n, t in _model(5)]  # rows to shard: 128 and 1024 rows of 64
     loaded: dict[str, torch.Tensor] = {}
     seen: list[str] = []
@@ -209,7 +211,7 @@ def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kin
             seen.append(name)
             loaded[name] = tensor.clone()
 
-    plan, outcome = _run_sharded(kind_name, load, sources)
+    plan, outcome = _run_sharded(kind_name, load, sources, dim=dim)
     assert set(outcome) == {"result"}, outcome
     digest, peak = outcome["result"]
     assert digest == weights_digest(sources)  # what the trainer's full tensors hash to

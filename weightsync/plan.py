@@ -371,6 +371,35 @@ class BucketPlan:
         starts = [0, *ends[:-1]]
         return tuple(tuple(dims[a:b]) for a, b in zip(starts, ends, strict=True))
 
+    def completed_by_bucket(self) -> list[list[int]]:
+        """For each bucket, the tensors whose last byte it carries (an empty tensor: the
+        bucket of its offset): what a receiver can use once that bucket is in."""
+        done: list[list[int]] = [[] for _ in range(self.num_buckets)]
+        if not done:
+            return done
+        last = np.minimum((self._offsets + np.maximum(self._nbytes, 1) - 1) // self.bucket_bytes, len(done) - 1)
+        for i, bucket in enumerate(last.tolist()):
+            done[bucket].append(i)
+        return done
+
+    @property
+    def ndims(self) -> np.ndarray:
+        """Each tensor's number of dimensions (uint8 column)."""
+        return self._columns.ranks
+
+    def extents(self, tensors: np.ndarray, dims: np.ndarray) -> np.ndarray:
+        """The size of tensor ``tensors[i]`` along its dimension ``dims[i]`` (int64; a
+        0-dimensional tensor: 1), from the columns with whole-array operations. Each
+        dim must be below its tensor's number of dimensions (or 0 for a 0-d tensor)."""
+        ranks = self._columns.ranks.astype(np.int64)
+        first = np.cumsum(ranks) - ranks  # each tensor's first entry in the dims column
+        t, d = np.asarray(tensors, dtype=np.int64), np.asarray(dims, dtype=np.int64)
+        scalar = ranks[t] == 0
+        flat = self._columns.dims.astype(np.int64)
+        if not len(flat):
+            return np.ones(len(t), dtype=np.int64)
+        return np.where(scalar, 1, flat[np.where(scalar, 0, first[t] + d)])
+
     @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Each tensor's first byte in the stream."""

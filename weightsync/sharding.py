@@ -1,24 +1,27 @@
 """Plans with owners: which trainer rank sends which part of each tensor.
 
-A sharded trainer (FSDP2, or any torch.distributed job whose ranks hold different
-pieces of the model) sends from every rank at once, each rank what it holds; nothing
-is gathered to one rank first. The round's ``BucketPlan`` still describes the full
-tensors the engines hold; ``Owners`` adds, per sending rank, its *parts*: rows
-``[start, start + rows)`` along dimension 0 of a tensor (a whole tensor is all its
-rows; a 0-dimensional tensor is one "row"). A sender's parts, in its order, are laid
-out as a plan of their own (``part_plan``): tensors shaped like the parts, with the
-round's bucket size. Each sender streams that plan on its own lane, and an engine
-receives every lane into views of its full tensors (``part_views``): a row range of
-a contiguous tensor is itself contiguous, so every transport's receiver works on it
-unchanged.
+A sharded trainer (FSDP2, tensor parallel, or any torch.distributed job whose ranks
+hold different pieces of the model) sends from every rank at once, each rank what it
+holds; nothing is gathered to one rank first. The round's ``BucketPlan`` still
+describes the full tensors the engines hold; ``Owners`` adds, per sending rank, its
+*parts*: slices ``[start, start + rows)`` along one dimension of a tensor (``dims``;
+dimension 0 -- rows -- unless said otherwise; a whole tensor is all its rows; a
+0-dimensional tensor is one "row"). A sender's parts, in its order, are laid out as a
+plan of their own (``part_plan``): tensors shaped like the parts, with the round's
+bucket size. Each sender streams that plan on its own lane, and an engine receives
+every lane into views of its full tensors (``part_views``): a row range of a
+contiguous tensor is itself contiguous, so every transport's receiver works on it
+unchanged. A slice along another dimension is not: it is received into a tensor of
+its own and copied into place once its last byte is in (``PartViews.done``).
 
 The parts of every tensor, over all senders, must cover it exactly once: checked
 with whole-array operations (a plan may list 20k tensors), by the coordinator and by
 every engine, before anything changes.
 
 What the trainer side can describe (``holding_of``): plain tensors (a full copy),
-DTensors on a 1-D mesh placed ``Shard(0)`` (FSDP2's default: rows split as
-``torch.chunk`` splits them) or ``Replicate()``. A tensor several ranks hold whole
+DTensors on a 1-D mesh placed ``Shard(d)`` (FSDP2's default is ``Shard(0)``; tensor
+parallel's column- and row-wise layers ``Shard(0)`` and ``Shard(1)``: slices as
+``torch.chunk`` makes them) or ``Replicate()``. A tensor several ranks hold whole
 is sent by one of them, chosen to balance the bytes each rank sends.
 """
 
@@ -69,13 +72,19 @@ class SenderParts:
 
     sender: int
     tensors: np.ndarray  # int32: index into the plan's tensors
-    starts: np.ndarray   # int64: first row
-    rows: np.ndarray     # int64: number of rows
+    starts: np.ndarray   # int64: first slice ("row") along the part's dimension
+    rows: np.ndarray     # int64: number of slices
+    dims: np.ndarray | None = None  # int8: the dimension each part slices; None: all 0
+
+    def __post_init__(self) -> None:
+        if self.dims is None:
+            object.__setattr__(self, "dims", np.zeros(len(self.tensors), dtype=np.int8))
 
     def to_proto(self) -> common_pb2.SenderParts:
         return common_pb2.SenderParts(sender=self.sender, tensors=self.tensors.astype("<i4").tobytes(),
                                       starts=self.starts.astype("<i8").tobytes(),
-                                      rows=self.rows.astype("<i8").tobytes())
+                                      rows=self.rows.astype("<i8").tobytes(),
+                                      dims=self.dims.astype(np.int8).tobytes() if self.dims.any() else b"")
 
 
 def _row_counts(plan: BucketPlan) -> np.ndarray:
@@ -110,10 +119,11 @@ class Owners:
         20k-part plans every round."""
         digest = hashlib.blake2b(plan.plan_id.encode(), digest_size=16)
         for s in msg.senders:
-            digest.update(b"%d|%d|%d|%d|" % (s.sender, len(s.tensors), len(s.starts), len(s.rows)))
+            digest.update(b"%d|%d|%d|%d|%d|" % (s.sender, len(s.tensors), len(s.starts), len(s.rows), len(s.dims)))
             digest.update(s.tensors)
             digest.update(s.starts)
             digest.update(s.rows)
+            digest.update(s.dims)
         key = digest.hexdigest()
         with _OWNERS_LOCK:
             known = _OWNERS_BY_KEY.get(key)
@@ -140,9 +150,10 @@ class Owners:
             tensors = np.frombuffer(s.tensors, dtype="<i4").astype(np.int32)
             starts = np.frombuffer(s.starts, dtype="<i8").astype(np.int64)
             rows = np.frombuffer(s.rows, dtype="<i8").astype(np.int64)
-            if not len(tensors) == len(starts) == len(rows):
+            dims = np.frombuffer(s.dims, dtype=np.int8).copy() if s.dims else None
+            if not len(tensors) == len(starts) == len(rows) or (dims is not None and len(dims) != len(tensors)):
                 raise InvalidArgument(f"sender {s.sender}: parts columns differ in length")
-            senders.append(SenderParts(s.sender, tensors, starts, rows))
+            senders.append(SenderParts(s.sender, tensors, starts, rows, dims))
         return cls(plan, senders)
 
     def to_proto(self) -> common_pb2.Owners:
@@ -165,8 +176,8 @@ class Owners:
             raise InvalidArgument("owners lists no sender")
         if len(set(ranks)) != len(ranks):
             raise InvalidArgument(f"owners lists a sender twice: {sorted(ranks)}")
-        total_rows = _row_counts(self.plan)
-        scalar = np.array([not shape for shape in self.plan.shapes], dtype=bool)
+        ndims = self.plan.ndims.astype(np.int64)
+        scalar = ndims == 0
         for s in self.senders:
             if len(s.tensors) == 0:
                 raise InvalidArgument(f"sender {s.sender} sends no part")
@@ -174,32 +185,47 @@ class Owners:
                 raise InvalidArgument(f"sender {s.sender}: a part names a tensor outside the plan's {n}")
             if len(np.unique(s.tensors)) != len(s.tensors):
                 raise InvalidArgument(f"sender {s.sender} lists a tensor twice")
+            bad = np.flatnonzero((s.dims < 0) | (s.dims >= np.maximum(ndims[s.tensors], 1)))
+            if len(bad):
+                i = int(s.tensors[bad[0]])
+                raise InvalidArgument(f"sender {s.sender}: its part of {self.plan.names[i]!r} slices dimension "
+                                      f"{int(s.dims[bad[0]])} of a {int(ndims[i])}-dimensional tensor",
+                                      metadata={"tensor": self.plan.names[i]})
             if (s.rows <= 0).any() or (s.starts < 0).any():
                 raise InvalidArgument(f"sender {s.sender}: a part has no rows or starts before row 0")
             ends = s.starts + s.rows
-            bad = np.flatnonzero((ends > total_rows[s.tensors]) | (scalar[s.tensors] & (s.rows != 1)))
+            extents = self.plan.extents(s.tensors, s.dims)
+            bad = np.flatnonzero((ends > extents) | (scalar[s.tensors] & (s.rows != 1)))
             if len(bad):
                 i = int(s.tensors[bad[0]])
-                raise InvalidArgument(f"sender {s.sender}: its part of {self.plan.names[i]!r} (rows "
-                                      f"{int(s.starts[bad[0]])}..{int(ends[bad[0]])}) lies outside the tensor's "
-                                      f"{int(total_rows[i])} rows", metadata={"tensor": self.plan.names[i]})
+                raise InvalidArgument(f"sender {s.sender}: its part of {self.plan.names[i]!r} (slices "
+                                      f"{int(s.starts[bad[0]])}..{int(ends[bad[0]])} of dimension "
+                                      f"{int(s.dims[bad[0]])}) lies outside the tensor's {int(extents[bad[0]])}",
+                                      metadata={"tensor": self.plan.names[i]})
         tensors = np.concatenate([s.tensors for s in self.senders]).astype(np.int64)
         starts = np.concatenate([s.starts for s in self.senders])
         ends = starts + np.concatenate([s.rows for s in self.senders])
+        dims = np.concatenate([s.dims for s in self.senders])
         order = np.lexsort((starts, tensors))
-        tensors, starts, ends = tensors[order], starts[order], ends[order]
+        tensors, starts, ends, dims = tensors[order], starts[order], ends[order], dims[order]
         first = np.ones(len(tensors), dtype=bool)
         first[1:] = tensors[1:] != tensors[:-1]
         last = np.ones(len(tensors), dtype=bool)
         last[:-1] = first[1:]
-        # Each tensor: its first part starts at row 0, each next one where the previous
-        # ended, its last one ends at its last row; and every tensor has parts.
+        # Each tensor: all its parts slice one dimension; its first part starts at 0,
+        # each next one where the previous ended, its last one ends at the tensor's
+        # extent along that dimension; and every tensor has parts.
+        mixed = np.flatnonzero(~first & (dims != np.concatenate(([0], dims[:-1]))))
+        if len(mixed):
+            name = self.plan.names[int(tensors[mixed[0]])]
+            raise InvalidArgument(f"the senders' parts of {name!r} slice different dimensions",
+                                  metadata={"tensor": name})
         gap = np.flatnonzero(first & (starts != 0))
         if not len(gap):
             follows = ~first
             gap = np.flatnonzero(follows & (starts != np.concatenate(([0], ends[:-1]))))
         if not len(gap):
-            gap = np.flatnonzero(last & (ends != total_rows[tensors]))
+            gap = np.flatnonzero(last & (ends != self.plan.extents(tensors, dims)))
         if len(gap):
             name = self.plan.names[int(tensors[gap[0]])]
             raise InvalidArgument(f"the senders' parts of {name!r} overlap or leave rows unsent",
@@ -217,8 +243,9 @@ class Owners:
             if plan is None:
                 parts = self.parts_of(sender)
                 names, dtypes, shapes = self.plan.names, self.plan.dtypes, self.plan.shapes
-                specs = ((names[t], dtypes[t], (r, *shapes[t][1:]) if shapes[t] else ())
-                         for t, r in zip(parts.tensors.tolist(), parts.rows.tolist(), strict=True))
+                specs = ((names[t], dtypes[t], (*shapes[t][:d], r, *shapes[t][d + 1:]) if shapes[t] else ())
+                         for t, r, d in zip(parts.tensors.tolist(), parts.rows.tolist(), parts.dims.tolist(),
+                                            strict=True))
                 plan = self._part_plans[sender] = BucketPlan.build(specs, bucket_bytes=self.plan.bucket_bytes)
             return plan
 
@@ -239,7 +266,7 @@ class Owners:
         them go (sleep frees them)."""
         layout = self._layout(sender)
         addresses = getattr(targets, "addresses", None)
-        if addresses is None or getattr(targets, "sizes", None) is not self.plan.sizes:
+        if addresses is None or getattr(targets, "sizes", None) is not self.plan.sizes or any(layout[4]):
             return PartViews(layout, targets)
         with self._lock:
             known = self._addresses.get(sender)
@@ -252,42 +279,52 @@ class Owners:
                 self._addresses[sender] = known
         return PartViews(layout, targets, addresses=known[1], sizes=self.part_plan(sender).sizes)
 
-    def _layout(self, sender: int) -> tuple[list[int], list[int], list[int], list[bool]]:
-        """``sender``'s parts as Python lists (tensor, start, rows, whole), made once."""
+    def _layout(self, sender: int) -> tuple[list[int], list[int], list[int], list[bool], list[int]]:
+        """``sender``'s parts as Python lists (tensor, start, rows, whole, dim), made once."""
         with self._lock:
             layout = self._layouts.get(sender)
             if layout is None:
                 parts = self.parts_of(sender)
-                total = _row_counts(self.plan)[parts.tensors]
+                total = self.plan.extents(parts.tensors, parts.dims)
                 whole = ((parts.starts == 0) & (parts.rows == total)).tolist()
                 layout = self._layouts[sender] = (parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(),
-                                                  whole)
+                                                  whole, parts.dims.tolist())
             return layout
 
 
 class PartViews(Sequence):
     """One sender's part views of a set of full tensors (see ``Owners.part_views``):
-    a sequence whose items are made on first access and kept for this receive.
+    a sequence whose items are made on first access and kept until ``done``.
+
+    A part that slices a dimension other than 0 is no contiguous view of its tensor:
+    its item is a tensor of its own (``staged``), copied into place by ``done``, which
+    the receive calls for each part once its last byte is in.
 
     ``addresses`` (uint64, one per part) and ``sizes`` (the part plan's byte sizes),
     where the targets carried their addresses: as ``cross_memory.AddressedTensors``
     has them, for ``cross_memory.addresses_for``."""
 
-    def __init__(self, layout: tuple[list[int], list[int], list[int], list[bool]],
+    def __init__(self, layout: tuple[list[int], list[int], list[int], list[bool], list[int]],
                  targets: Sequence[torch.Tensor], *, addresses: np.ndarray | None = None,
                  sizes: Sequence[int] | None = None) -> None:
-        self._tensors, self._starts, self._rows, self._whole = layout
+        self._tensors, self._starts, self._rows, self._whole, self._dims = layout
         self._targets = targets
         self._made: list[torch.Tensor | None] = [None] * len(self._tensors)
         self.addresses, self.sizes = addresses, sizes
+        self.staged = any(self._dims)  # some part lands in a tensor of its own first
 
     def __len__(self) -> int:
         return len(self._tensors)
 
-    def forget(self, i: int) -> None:
-        """Lets part ``i``'s view go (its bytes are all in): a view kept would keep its
-        full tensor alive after the engine's loader let that go."""
+    def done(self, i: int) -> None:
+        """Part ``i``'s bytes are all in: a staged part is copied into its tensor, and
+        the view is let go (kept, it would keep its full tensor alive after the
+        engine's loader let that go)."""
+        made = self._made[i]
         self._made[i] = None
+        if made is not None and self._dims[i] and not self._whole[i]:
+            target = self._targets[self._tensors[i]]
+            target.narrow(self._dims[i], self._starts[i], self._rows[i]).copy_(made)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -295,7 +332,15 @@ class PartViews(Sequence):
         view = self._made[i]
         if view is None:
             target = self._targets[self._tensors[i]]
-            view = target if self._whole[i] else target.narrow(0, self._starts[i], self._rows[i])
+            dim = self._dims[i]
+            if self._whole[i]:
+                view = target
+            elif dim == 0:
+                view = target.narrow(0, self._starts[i], self._rows[i])
+            else:
+                shape = list(target.shape)
+                shape[dim] = self._rows[i]
+                view = target.new_empty(shape)
             self._made[i] = view
         return view
 
@@ -305,8 +350,9 @@ class PartViews(Sequence):
 
 @dataclass(frozen=True)
 class Holding:
-    """What one rank holds of one tensor: rows ``[start, start + rows)`` of a tensor of
-    ``shape`` (the full tensor's), as ``local`` (contiguous, ``rows`` x ...)."""
+    """What one rank holds of one tensor: slices ``[start, start + rows)`` along
+    dimension ``dim`` of a tensor of ``shape`` (the full tensor's), as ``local``
+    (contiguous, shaped like the slice)."""
 
     name: str
     dtype: torch.dtype
@@ -314,10 +360,11 @@ class Holding:
     start: int
     rows: int
     local: torch.Tensor
+    dim: int = 0
 
     @property
     def whole(self) -> bool:
-        return self.start == 0 and self.rows == (self.shape[0] if self.shape else 1)
+        return self.start == 0 and self.rows == (self.shape[self.dim] if self.shape else 1)
 
 
 def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> Holding:
@@ -328,7 +375,7 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
     tensors share one mesh; asking cost 16 us a tensor).
 
     Raises:
-        InvalidArgument: a placement other than Shard(0) or Replicate() on a 1-D mesh,
+        InvalidArgument: a placement other than Shard(d) or Replicate() on a 1-D mesh,
             or a local shard whose size is not the one torch.chunk gives this rank.
     """
     shape = tuple(tensor.shape)
@@ -352,20 +399,24 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
         local = tensor.to_local()
     if ndim != 1 or len(placements) != 1:
         raise InvalidArgument(f"tensor {name!r}: a {ndim}-D device mesh; sharded sends support a 1-D mesh "
-                              "(FSDP2 over one group) with Shard(0) or Replicate()", metadata={"tensor": name})
+                              "(FSDP2 or tensor parallel over one group) with Shard(d) or Replicate()",
+                              metadata={"tensor": name})
     placement = placements[0]
     if isinstance(placement, replicate):
         return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, local.contiguous())
-    if not isinstance(placement, shard) or placement.dim != 0 or not shape:
-        raise InvalidArgument(f"tensor {name!r}: placement {placement}; sharded sends support Shard(0) and "
+    dim = getattr(placement, "dim", -1)
+    if not isinstance(placement, shard) or not shape or not 0 <= dim < len(shape):
+        raise InvalidArgument(f"tensor {name!r}: placement {placement}; sharded sends support Shard(d) and "
                               "Replicate() (gather other layouts first)", metadata={"tensor": name})
-    chunk = -(-shape[0] // size)  # torch.chunk: equal chunks, the last ones short or empty
-    start = min(coordinate * chunk, shape[0])
-    rows = max(0, min(chunk, shape[0] - start))
-    if local.shape[0] != rows or tuple(local.shape[1:]) != shape[1:]:
+    extent = shape[dim]
+    chunk = -(-extent // size)  # torch.chunk: equal chunks, the last ones short or empty
+    start = min(coordinate * chunk, extent)
+    rows = max(0, min(chunk, extent - start))
+    want = (*shape[:dim], rows, *shape[dim + 1:])
+    if tuple(local.shape) != want:
         raise InvalidArgument(f"tensor {name!r}: local shard {tuple(local.shape)} is not the torch.chunk shard "
-                              f"{(rows, *shape[1:])} of mesh coordinate {coordinate}", metadata={"tensor": name})
-    return Holding(name, tensor.dtype, shape, start, rows, local.contiguous())
+                              f"{want} of mesh coordinate {coordinate}", metadata={"tensor": name})
+    return Holding(name, tensor.dtype, shape, start, rows, local.contiguous(), dim)
 
 
 class HeldReplay:
@@ -459,9 +510,12 @@ def _same_as(pair, entry: tuple) -> bool:
 def describe(holdings: Sequence[Holding]) -> dict:
     """A rank's holdings as plain data (JSON): what it tells the rank that plans."""
     from weightsync.dtypes import dtype_name
-    return {"names": [h.name for h in holdings], "dtypes": [dtype_name(h.dtype) for h in holdings],
-            "shapes": [list(h.shape) for h in holdings], "starts": [h.start for h in holdings],
-            "rows": [h.rows for h in holdings]}
+    described = {"names": [h.name for h in holdings], "dtypes": [dtype_name(h.dtype) for h in holdings],
+                 "shapes": [list(h.shape) for h in holdings], "starts": [h.start for h in holdings],
+                 "rows": [h.rows for h in holdings]}
+    if any(h.dim for h in holdings):
+        described["dims"] = [h.dim for h in holdings]
+    return described
 
 
 def assign(described: Sequence[dict], *, bucket_bytes: int,
@@ -470,7 +524,7 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
 
     Tensors are planned in the order they first appear (rank 0's order, then tensors
     only later ranks hold). A tensor whose shards, over the ranks that hold a shard,
-    cover it is sent shard by shard; otherwise a rank holding it whole sends it,
+    slice one dimension and cover it is sent shard by shard; otherwise a rank holding it whole sends it,
     the one that sends the fewest bytes so far (so replicated tensors spread over
     the ranks).
 
@@ -480,50 +534,57 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
     """
     from weightsync.dtypes import ITEMSIZE, dtype_from_name, on_wire
     order: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    shards: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(start, rows, rank)]
+    shards: dict[str, list[tuple[int, int, int, int]]] = {}  # name -> [(start, rows, rank, dim)]
     whole: dict[str, list[int]] = {}
     for rank, d in enumerate(described):
-        for name, dt, shape, start, rows in zip(d["names"], d["dtypes"], d["shapes"], d["starts"], d["rows"],
-                                                strict=True):
+        dims = d.get("dims") or [0] * len(d["names"])
+        for name, dt, shape, start, rows, dim in zip(d["names"], d["dtypes"], d["shapes"], d["starts"], d["rows"],
+                                                     dims, strict=True):
             spec = (dtype_from_name(dt), tuple(shape))
             known = order.setdefault(name, spec)
             if known != spec:
                 raise InvalidArgument(f"tensor {name!r}: rank {rank} holds {dt} {list(shape)}, another rank "
                                       f"{known[0]} {list(known[1])}", metadata={"tensor": name})
-            full_rows = shape[0] if shape else 1
-            if start == 0 and rows == full_rows:
+            if not 0 <= dim < max(len(shape), 1):
+                raise InvalidArgument(f"tensor {name!r}: rank {rank} holds a slice of dimension {dim} of a "
+                                      f"{len(shape)}-dimensional tensor", metadata={"tensor": name})
+            extent = shape[dim] if shape else 1
+            if start == 0 and rows == extent:
                 whole.setdefault(name, []).append(rank)
             elif rows > 0:
-                shards.setdefault(name, []).append((start, rows, rank))
+                shards.setdefault(name, []).append((start, rows, rank, dim))
     names = list(order)
     dtypes = [on_wire(order[n][0], wire_dtype) for n in names]
     plan = BucketPlan.build(((n, d, order[n][1]) for n, d in zip(names, dtypes, strict=True)),
                             bucket_bytes=bucket_bytes)
     sent = [0] * len(described)
-    parts: list[list[tuple[int, int, int]]] = [[] for _ in described]  # per rank: (tensor, start, rows)
+    parts: list[list[tuple[int, int, int, int]]] = [[] for _ in described]  # per rank: (tensor, start, rows, dim)
     for index, name in enumerate(names):
         shape = order[name][1]
-        row_bytes = ITEMSIZE[dtypes[index]] * int(np.prod(shape[1:], dtype=np.int64)) if shape else \
-            ITEMSIZE[dtypes[index]]
         pieces = sorted(shards.get(name, ()))
-        covered, at = True, 0
-        for start, rows, _ in pieces:
+        dim = pieces[0][3] if pieces else 0
+        covered, at = all(p[3] == dim for p in pieces), 0
+        for start, rows, _, _ in pieces:
             covered &= start == at
             at = start + rows
-        if pieces and covered and at == shape[0]:
-            for start, rows, rank in pieces:
-                parts[rank].append((index, start, rows))
-                sent[rank] += rows * row_bytes
+        # bytes of one slice along ``dim``: the tensor's bytes over its extent there
+        slice_bytes = ITEMSIZE[dtypes[index]] * (int(np.prod(shape, dtype=np.int64)) // max(shape[dim], 1)
+                                                 if shape else 1)
+        if pieces and covered and at == shape[dim]:
+            for start, rows, rank, _ in pieces:
+                parts[rank].append((index, start, rows, dim))
+                sent[rank] += rows * slice_bytes
         elif name in whole:
             rank = min(whole[name], key=lambda r: (sent[r], r))
             rows = shape[0] if shape else 1
-            parts[rank].append((index, 0, rows))
-            sent[rank] += rows * row_bytes
+            parts[rank].append((index, 0, rows, 0))
+            sent[rank] += ITEMSIZE[dtypes[index]] * (int(np.prod(shape, dtype=np.int64)) if shape else 1)
         else:
             raise InvalidArgument(f"tensor {name!r}: no rank holds it whole and its shards do not cover it",
                                   metadata={"tensor": name})
     senders = [SenderParts(rank, np.array([p[0] for p in ps], dtype=np.int32),
-                           np.array([p[1] for p in ps], dtype=np.int64), np.array([p[2] for p in ps], dtype=np.int64))
+                           np.array([p[1] for p in ps], dtype=np.int64), np.array([p[2] for p in ps], dtype=np.int64),
+                           np.array([p[3] for p in ps], dtype=np.int8))
                for rank, ps in enumerate(parts) if ps]
     return plan, Owners(plan, senders)
 
@@ -535,13 +596,16 @@ def sources_for(owners: Owners, sender: int, holdings: dict[str, Holding]) -> li
     parts = owners.parts_of(sender)
     names = owners.plan.names
     sources = []
-    for t, start, rows in zip(parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(), strict=True):
+    for t, start, rows, dim in zip(parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(),
+                                   parts.dims.tolist(), strict=True):
         h = holdings[names[t]]
         local = h.local
-        if h.whole and not (start == 0 and rows == (h.shape[0] if h.shape else 1)):
-            local = local.narrow(0, start, rows)  # a whole copy asked for a row range (not planned today)
+        if h.whole and not (start == 0 and rows == (h.shape[dim] if h.shape else 1)):
+            # a whole copy asked for a slice (not planned today)
+            local = local.narrow(dim, start, rows).contiguous()
         sources.append(local)
     return sources
 
 
-__all__ = ["Owners", "PartViews", "SenderParts", "Holding", "HeldReplay", "holding_of", "describe", "assign", "sources_for", "MAX_SENDERS"]
+__all__ = ["Owners", "PartViews", "SenderParts", "Holding", "HeldReplay", "holding_of", "describe", "assign", "sources_for",
+           "MAX_SENDERS"]

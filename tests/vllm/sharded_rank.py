@@ -3,7 +3,8 @@
 Started like torchrun starts a rank (``TrainerRanks``). Every rank builds the same full
 tensors of the round (the tiny checkpoint moved by seeded noise, ``round_weights``),
 holds its rows of each as a DTensor placed ``Shard(0)`` on a 1-D mesh over the world
-(FSDP2's layout), and calls ``DistributedTrainerClient.update_weights`` with them:
+(FSDP2's layout) -- or, with ``--columns``, its columns of every matrix (``Shard(1)``,
+tensor parallel's row-wise layers) -- and calls ``DistributedTrainerClient.update_weights`` with them:
 every rank sends its own rows. One JSON line per round: {"rank", "round", "ok", "error"}.
 """
 
@@ -31,7 +32,8 @@ async def run(args: argparse.Namespace) -> None:
     async with DistributedTrainerClient(args.coordinator, transport=args.transport,
                                         bucket_bytes=args.bucket_bytes, default_timeout_s=120) as client:
         for version, seed in zip(args.versions, args.seeds, strict=True):
-            named = [(name, distribute_tensor(full, mesh, [Shard(0)])) for name, full in round_weights(base, seed)]
+            named = [(name, distribute_tensor(full, mesh, [Shard(1 if args.columns and full.dim() >= 2 else 0)]))
+                     for name, full in round_weights(base, seed)]
             line = {"rank": rank, "round": version, "ok": False, "error": ""}
             try:
                 line["ok"] = (await client.update_weights(named, version=version, timeout_s=120)).ok
@@ -47,6 +49,7 @@ def main() -> int:
     parser.add_argument("--versions", type=int, nargs="+", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--transport", default="auto")
+    parser.add_argument("--columns", action="store_true", help="matrices placed Shard(1), not Shard(0)")
     parser.add_argument("--bucket-bytes", type=int, default=16 * 1024)
     args = parser.parse_args()
     dist.init_process_group("gloo")

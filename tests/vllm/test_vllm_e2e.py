@@ -130,8 +130,10 @@ async def test_three_rounds_match_the_trainers_model(vllm_stack, tiny_model):
 async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stack, tiny_model, tmp_path):
     """Two trainer ranks (processes, torch.distributed over gloo), each holding its rows
     of every tensor as a DTensor placed Shard(0) -- FSDP2's layout -- sync into vLLM,
-    each rank sending its own rows on its own lane (gloo, then shm); vLLM's worker
-    takes every lane at once and loads each tensor once all its rows are in. Checked
+    each rank sending its own rows on its own lane (gloo); then each holding its
+    columns of every matrix (Shard(1), tensor parallel's row-wise layers), over shm.
+    vLLM's worker takes every lane at once and loads each tensor once all its slices
+    are in. Checked
     against the trainer's own full model (transformers) and the digest of its full
     tensors, never against another vLLM. Before, vLLM refused such a round
     (SHARDED_UNSUPPORTED)."""
@@ -140,10 +142,10 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     async with TrainerClient(address) as client:
         first = (await client.get_state()).weight_version + 1
     versions, seeds = [first, first + 1], [700, 701]
-    for version, seed, transport in zip(versions, seeds, ["gloo", "shm"], strict=True):
+    for version, seed, transport, layout in zip(versions, seeds, ["gloo", "shm"], [[], ["--columns"]], strict=True):
         with TrainerRanks(str(tmp_path / f"ranks-{transport}"), address, 2,
                           ["--model-dir", tiny_model, "--versions", str(version), "--seeds", str(seed),
-                           "--transport", transport], module="tests.vllm.sharded_rank") as ranks:
+                           "--transport", transport, *layout], module="tests.vllm.sharded_rank") as ranks:
             assert await asyncio.to_thread(ranks.wait, 240) == [0, 0], ranks.tail()
             assert all(ranks.rounds(r)[version]["ok"] for r in (0, 1)), ranks.tail()
         weights = round_weights(original, seed)

@@ -83,16 +83,6 @@ class StreamedTargets(Sequence[torch.Tensor]):
         return tensor
 
 
-def _completed_by_bucket(plan: BucketPlan) -> list[list[int]]:
-    """For each bucket, the tensors whose last byte it carries (an empty tensor: the
-    bucket of its offset)."""
-    done: list[list[int]] = [[] for _ in range(plan.num_buckets)]
-    last = plan.num_buckets - 1
-    for i, (offset, size) in enumerate(zip(plan.offsets, plan.sizes, strict=True)):
-        done[min(last, (offset + max(size, 1) - 1) // plan.bucket_bytes)].append(i)
-    return done
-
-
 class _Loading:
     """Complete tensors on their way from the receive (its threads) to the loader (the
     caller's thread), with the back-pressure and the digest described above."""
@@ -192,7 +182,7 @@ def receive_and_load(receiver: Receiver, rendezvous: common_pb2.Rendezvous, rank
     at once). Raises the receive's error, or the loader's; a loader that stops before
     the last tensor is a TransferError."""
     targets = StreamedTargets(plan, device)
-    completes = _completed_by_bucket(plan)
+    completes = plan.completed_by_bucket()
     loading = _Loading(plan, targets, max_ready_bytes=max_ready_bytes, deadline_at=deadline_at, abort=abort)
 
     def receive() -> None:
@@ -224,7 +214,7 @@ def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: 
         raise TransferError("the lanes given do not carry every part of the plan")
     lanes_moved = threading.Condition()
     views = {lane.sender: owners.part_views(lane.sender, targets) for lane in lanes}
-    finishing = {lane.sender: _completed_by_bucket(lane.plan) for lane in lanes}
+    finishing = {lane.sender: lane.plan.completed_by_bucket() for lane in lanes}
     of_tensor = {lane.sender: owners.parts_of(lane.sender).tensors.tolist() for lane in lanes}
     # Each lane's place: the plan index of the tensor its last finished part belongs
     # to (senders stream their parts in plan order); a lane with every part in is out.
@@ -235,8 +225,7 @@ def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: 
     def lane_bucket(lane: SenderLane, bucket: int) -> None:
         sender, whole = lane.sender, []
         with lanes_moved:
-            for part in finishing[sender][bucket]:
-                views[sender].forget(part)  # the full tensor goes when the loader takes it
+            for part in finishing[sender][bucket]:  # receive_from_senders called views.done on each
                 tensor = of_tensor[sender][part]
                 parts_left[tensor] -= 1
                 if parts_left[tensor] == 0:

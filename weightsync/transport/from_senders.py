@@ -44,14 +44,24 @@ def receive_from_senders(lanes: Sequence[SenderLane], rank: int, targets_of: Cal
 
     ``on_bucket(n)``: the n-th bucket of all lanes is in (progress);
     ``on_lane_bucket(lane, b)``: bucket ``b`` of that lane is in (what it carried can
-    be used). Either may raise to stop the receive. ``abort``: anything with
+    be used: its finished parts are in place, each ``done`` where the targets are
+    ``PartViews``). Either may raise to stop the receive. ``abort``: anything with
     ``is_set()``. ``stop``: set here once a lane failed or ``abort`` was seen (the
     others stop); a caller that waits inside a callback watches it too. The error
     carries ``wrote_nothing`` only when no lane wrote a byte."""
     stop = stop if stop is not None else threading.Event()
     done_buckets, lock = [0], threading.Lock()
+    views = {id(lane): targets_of(lane) for lane in lanes}
+    # Parts received into tensors of their own (slices along a dimension other than 0)
+    # are copied into place as their last bucket comes in (``PartViews.done``).
+    finishing = {id(lane): lane.plan.completed_by_bucket() for lane in lanes
+                 if getattr(views[id(lane)], "staged", False) or on_lane_bucket is not None}
 
     def count(lane: SenderLane, bucket: int) -> None:
+        done = getattr(views[id(lane)], "done", None)
+        if done is not None and id(lane) in finishing:
+            for part in finishing[id(lane)][bucket]:
+                done(part)
         if on_lane_bucket is not None:
             on_lane_bucket(lane, bucket)
         with lock:  # progress over all lanes: buckets done of the sum of their buckets
@@ -61,7 +71,7 @@ def receive_from_senders(lanes: Sequence[SenderLane], rank: int, targets_of: Cal
             on_bucket(n - 1)
 
     def one(lane: SenderLane) -> TransferStats:
-        return lane.receiver.receive(lane.rendezvous, rank, lane.plan, targets_of(lane), deadline_at=deadline_at,
+        return lane.receiver.receive(lane.rendezvous, rank, lane.plan, views[id(lane)], deadline_at=deadline_at,
                                      abort=stop, on_bucket=lambda bucket: count(lane, bucket))
 
     with ThreadPoolExecutor(len(lanes), thread_name_prefix="weightsync-lane") as pool:

@@ -221,10 +221,11 @@ Global___Rendezvous: _TypeAlias = Rendezvous  # noqa: Y015
 @_typing.final
 class SenderParts(_message.Message):
     """Which trainer rank sends which part of the plan's tensors (a sharded trainer: each
-    rank sends what it holds). A part is rows [start, start + rows) along dimension 0 of
-    one tensor (a whole tensor: start 0, all its rows; a 0-dimensional one: 0, 1). Every
-    tensor's parts, over all senders, cover it exactly once. A sender's parts, in order,
-    form its own stream, laid out as a plan of tensors shaped like the parts.
+    rank sends what it holds). A part is slices [start, start + rows) along one dimension
+    of one tensor (dimension 0 unless ``dims`` says otherwise; a whole tensor: start 0,
+    all its rows; a 0-dimensional one: 0, 1). All parts of a tensor slice the same
+    dimension. Every tensor's parts, over all senders, cover it exactly once. A sender's
+    parts, in order, form its own stream, laid out as a plan of tensors shaped like the parts.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -234,14 +235,17 @@ class SenderParts(_message.Message):
     STARTS_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
     LANE_FIELD_NUMBER: _builtins.int
+    DIMS_FIELD_NUMBER: _builtins.int
     sender: _builtins.int
     """the trainer rank (0 = the one that drives the round)"""
     tensors: _builtins.bytes
     """int32 little-endian per part: index into the plan's tensors"""
     starts: _builtins.bytes
-    """int64 little-endian per part: first row"""
+    """int64 little-endian per part: first slice"""
     rows: _builtins.bytes
-    """int64 little-endian per part: number of rows"""
+    """int64 little-endian per part: number of slices"""
+    dims: _builtins.bytes
+    """int8 per part: the dimension it slices (tensor parallel's"""
     @_builtins.property
     def lane(self) -> Global___Rendezvous:
         """in a ReceiveRequest: the lane this sender sends"""
@@ -254,10 +258,11 @@ class SenderParts(_message.Message):
         starts: _builtins.bytes = ...,
         rows: _builtins.bytes = ...,
         lane: Global___Rendezvous | None = ...,
+        dims: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lane", b"lane"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lane", b"lane", "rows", b"rows", "sender", b"sender", "starts", b"starts", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "lane", b"lane", "rows", b"rows", "sender", b"sender", "starts", b"starts", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,8 +2,9 @@
 its own shards, against all-gather to rank 0 then one sender, in one run.
 
 A coordinator and ``engines`` reference engines (agent processes); the trainer is N
-FSDP2 ranks over gloo (``weightsync.apps.bench.sharded_trainer``, started as torchrun
-starts ranks). For each mode, one warm-up round (groups and plans are set up once),
+FSDP2 ranks (``parallel="tp"``: tensor parallel, its row-wise layers' weights sliced
+along dimension 1) over gloo (``weightsync.apps.bench.sharded_trainer``, started as
+torchrun starts ranks). For each mode, one warm-up round (groups and plans are set up once),
 then ``rounds`` timed rounds; reported: the median round time on rank 0 (pause,
 broadcast, resume; for ``gather`` the all-gather too, also reported on its own) and
 gather / sharded. The last
@@ -27,7 +28,7 @@ MODES = ("sharded", "gather")
 
 def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, rounds: int, transport: str,
                       bucket_bytes: int, json_path: str = "", timeout_s: float = 600.0,
-                      baselines: bool = True) -> dict:
+                      baselines: bool = True, parallel: str = "fsdp") -> dict:
     """Runs it; returns (and optionally writes) the report. ValueError for bad options.
     ``baselines``: also the all-gather to rank 0 (``gather``), one collective per
     parameter, which at tens of thousands of tensors takes 20-30 s a round here."""
@@ -35,16 +36,18 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
         raise ValueError("--trainer-ranks takes 2 to 64 ranks, with at least 1 engine and 1 round")
     if transport not in ("auto", "gloo", "shm"):
         raise ValueError("--trainer-ranks measures auto, gloo or shm")
+    if parallel not in ("fsdp", "tp"):
+        raise ValueError("--trainer-parallel is fsdp or tp")
     model = config_for_size(parse_size(size), tensors).to_json()
     report: dict = {"trainer_ranks": ranks, "engines": engines, "size": size, "tensors": tensors, "rounds": rounds,
-                    "transport": transport, "results": []}
+                    "transport": transport, "parallel": parallel, "results": []}
     with tempfile.TemporaryDirectory(prefix="ws-bench-ranks-") as folder, \
             LocalCluster(folder, engines=engines, agent_args=("--model", model), agent_timeout_s=timeout_s) as cluster:
         version = 1
         for mode in MODES if baselines else MODES[:1]:
             args = ["--model", model, "--mode", mode, "--rounds", str(rounds + 1), "--first-version", str(version),
                     "--transport", transport, "--bucket-bytes", str(bucket_bytes), "--timeout", str(timeout_s),
-                    "--check-digests-last"]
+                    "--check-digests-last", "--parallel", parallel]
             with TrainerRanks(f"{folder}/{mode}", cluster.address, ranks, args) as job:
                 codes = job.wait(timeout_s * (rounds + 2))
                 if codes != [0] * ranks:
@@ -77,7 +80,7 @@ def sharded_table(report: dict) -> str:
                     f"{r['payload_bytes'] / r['median_s'] / 1e9:>7.2f}")
     if "gather_over_sharded" in report:
         rows.append(f"gather / sharded: {report['gather_over_sharded']:.2f}x ({report['trainer_ranks']} ranks, "
-                    f"{report['engines']} engines, {report['transport']})")
+                    f"{report['engines']} engines, {report['transport']}, {report.get('parallel', 'fsdp')})")
     return "\n".join(rows)
 
 

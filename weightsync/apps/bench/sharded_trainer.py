@@ -1,10 +1,13 @@
-"""One rank of a sharded trainer (FSDP2 over gloo, on CPU): the sharded-trainer tests
-and ``weightsync bench --trainer-ranks``.
+"""One rank of a sharded trainer (FSDP2, or tensor parallel, over gloo, on CPU): the
+sharded-trainer tests and ``weightsync bench --trainer-ranks``.
 
 Started like torchrun starts a rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` in the environment). Wraps the engines' reference model (``--model``)
-with ``fully_shard``, moves every rank's own shard by seeded noise each round (so
-rounds differ), and syncs it for ``--rounds`` rounds:
+with ``fully_shard`` (``--parallel fsdp``) or torch's tensor parallel
+(``--parallel tp``: each block's ``qkv`` and ``fc1`` column-wise, ``proj`` and ``fc2``
+row-wise; the rest plain tensors every rank holds whole), moves every rank's own shard
+by seeded noise each round (so rounds differ; replicated tensors alike on every rank),
+and syncs it for ``--rounds`` rounds:
 
 - ``--mode sharded``: every rank sends its own shards (``DistributedTrainerClient``);
 - ``--mode gather``: the baseline: all-gather every parameter to rank 0, which sends
@@ -52,25 +55,54 @@ def sharded_model(config: ModelConfig):
     return model
 
 
+def tensor_parallel_model(config: ModelConfig):
+    """The engines' model with torch's tensor parallel over the world (a 1-D mesh):
+    each block's ``qkv`` and ``fc1`` column-wise (weights and biases Shard(0)), ``proj``
+    and ``fc2`` row-wise (weights Shard(1), biases Replicate()); the embeddings, norms
+    and head stay plain tensors, whole on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    model = ReferenceLM(config)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        parallelize_module(block, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                                         "fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return model
+
+
+def _shards(p) -> bool:
+    """Whether this rank holds its own slice of ``p`` (a DTensor placed Shard(d)), not
+    a copy every rank holds alike (a plain tensor, or Replicate())."""
+    from torch.distributed.tensor import DTensor, Shard
+    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+
+
 def move(model, seed: int) -> None:
-    """Seeded noise on this rank's own shards (no collective)."""
-    gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    """Seeded noise on this rank's own shards, and the same noise on every rank's copy
+    of a replicated tensor (no collective)."""
+    rank = dist.get_rank()
     with torch.no_grad():
-        for _, p in model.named_parameters():
-            local = p.to_local()
+        for i, (_, p) in enumerate(model.named_parameters()):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + i * 1009 + (rank + 1 if _shards(p) else 0))
             local.add_(0.01 * torch.randn(local.shape, generator=gen))
 
 
 def full_state(model) -> list[tuple[str, torch.Tensor]]:
     """The full, unsharded tensors (a collective on every rank): the independent check,
     and the gather baseline's payload."""
-    return [(name, p.full_tensor()) for name, p in model.named_parameters()]
+    return [(name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone())
+            for name, p in model.named_parameters()]
 
 
 async def run(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     config = ModelConfig.from_json(args.model)
-    model = sharded_model(config)
+    model = sharded_model(config) if args.parallel == "fsdp" else tensor_parallel_model(config)
     common = dict(host=args.host, transport=args.transport, bucket_bytes=args.bucket_bytes,
                   default_timeout_s=args.timeout)
     if args.mode == "sharded":
@@ -132,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address engines reach this rank at")
     parser.add_argument("--model", required=True, help="the engines' --model JSON")
     parser.add_argument("--mode", choices=("sharded", "gather"), default="sharded")
+    parser.add_argument("--parallel", choices=("fsdp", "tp"), default="fsdp",
+                        help="how the model is sharded: FSDP2 (Shard(0)) or tensor parallel (Shard(0) and Shard(1))")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--first-version", type=int, default=1)
     parser.add_argument("--transport", default="auto")
