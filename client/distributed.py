@@ -23,10 +23,14 @@ reports it and rank 0 stops every lane; a rank that is killed stops heartbeating
 rank. Every wait is bounded by the sync's deadline. Engines whose transfer stopped
 are torn and stay paused; the next round heals them.
 
-Not supported here (typed errors): ``verify_digest`` and ``attest`` (they need the
-full tensors, or a forward pass, on one rank), the ``group`` transport (SGLang's
-update group has one sender), and vLLM engines (the round fails its check, nothing
-changes).
+Attestation (``attest=``): a ``Probe`` the trainer computed before the call, on every
+rank at once (its forward pass is a collective: ``Probe.from_model`` called on every
+rank); rank 0's goes with the round, and every engine scores it after loading, as for
+any trainer. Not supported here (typed errors): ``verify_digest`` (it needs the full
+tensors on one rank), a function in place of the probe (rank 0 alone would call it: a
+collective forward there waits forever for the other ranks), the ``group`` transport
+and SGLang engines (SGLang's update group has one sender; the round fails its check,
+nothing changes).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch.distributed as dist
 
 from weightsync import deadline as deadlines
 from weightsync import transport as transports
+from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.context import AsyncClient
 from weightsync.client.retry import RetryPolicy
@@ -186,8 +191,10 @@ class _ShardedDriver(TrainerClient):
         if with_digest:
             raise InvalidArgument("verify_digest needs the full tensors on one rank; a sharded trainer's round "
                                   "cannot offer it (engines still check every part's layout)")
-        if attest is not None:
-            raise InvalidArgument("attest needs the full model on one rank; not offered for a sharded trainer")
+        if attest is not None and not isinstance(attest, Probe):
+            raise InvalidArgument("a sharded trainer's attest takes a Probe computed before the call, on every rank "
+                                  "(a collective forward: Probe.from_model on each), not a function rank 0 would "
+                                  "call alone")
         replay = self.owner.hold(named_tensors)
         self.holdings, mine = replay.holdings, replay.described
         described = [mine]
@@ -223,7 +230,7 @@ class _ShardedDriver(TrainerClient):
             if self._sources is None or self._sources[0] is not owners or self._sources[1] is not self.holdings:
                 self._sources = (owners, self.holdings, sources_for(owners, 0, self.holdings))
             sources = self._sources[2]
-        return _Prepared(plan, sources, "", None, owners)
+        return _Prepared(plan, sources, "", attest, owners)
 
     def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
         """Hands rank ``rendezvous.sender`` its lane and part layout; the lane's future
@@ -376,7 +383,8 @@ class DistributedTrainerClient(AsyncClient):
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                              key: str | None = None, timeout_s: float | None = None, mode: str = "keep",
-                             offload_kv: bool = False, required_engines: Iterable[str] = ()) -> SyncResult:
+                             offload_kv: bool = False, required_engines: Iterable[str] = (),
+                             attest: Probe | None = None) -> SyncResult:
         """Collective: every rank calls it with what it holds (DTensors or plain tensors;
         the same names across ranks). Returns the round's SyncResult on every rank, or
         raises the same typed error on every rank (a rank that was cancelled raises
@@ -384,6 +392,10 @@ class DistributedTrainerClient(AsyncClient):
 
         ``key``: the idempotency key of this sync; give every rank the same one, or none
         (rank 0 makes one). A retried call with the same key never re-runs a transfer.
+        ``attest``: a ``Probe`` of the trainer's model, computed before the call on
+        every rank (collectively); rank 0's is used, the others may pass theirs or None.
+        Engines then prove they compute with the new weights, as in
+        ``TrainerClient.broadcast``.
         Do not modify the tensors until this returns.
         """
         if self._closed or (self._driver is None and self._store is None):
@@ -393,7 +405,7 @@ class DistributedTrainerClient(AsyncClient):
         budget = timeout_s if timeout_s is not None else self.default_timeout_s
         if self._driver is not None:
             return await self._drive(prefix, named_tensors, version=version, key=key, timeout_s=budget, mode=mode,
-                                     offload_kv=offload_kv, required_engines=required_engines)
+                                     offload_kv=offload_kv, required_engines=required_engines, attest=attest)
         cancel = threading.Event()
         work = run_in(self._thread, self._take_part, prefix, named_tensors, budget, cancel)
         # A cancel stops this rank's send; rank 0 then ends the round for everyone, and
@@ -403,7 +415,7 @@ class DistributedTrainerClient(AsyncClient):
         return work.result()
 
     async def _drive(self, prefix: str, named_tensors, *, version, key, timeout_s, mode, offload_kv,
-                     required_engines) -> SyncResult:
+                     required_engines, attest) -> SyncResult:
         """Rank 0: the round, then its end published for the other ranks."""
         driver = self._driver
         driver.prefix = prefix
@@ -411,7 +423,7 @@ class DistributedTrainerClient(AsyncClient):
         try:
             result = await driver.update_weights(named_tensors, version=version, key=key and validate_key(key),
                                                  timeout_s=timeout_s, mode=mode, offload_kv=offload_kv,
-                                                 required_engines=required_engines)
+                                                 required_engines=required_engines, attest=attest)
         except BaseException as exc:
             record = {"error": _error_record(exc)}
             result_of = getattr(exc, "result", None)

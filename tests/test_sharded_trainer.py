@@ -199,3 +199,25 @@ def test_a_rank_that_leaves_a_shard_out_gets_the_same_typed_error_everywhere_and
     states = asyncio.run(engine_states(cluster.address))
     assert all(s.weight_version == 0 and not s.paused and not s.torn for s in states.values()), states
     assert asyncio.run(transfer_counts(cluster)) == {"engine-0": 0, "engine-1": 0}
+
+
+def test_a_sharded_trainers_probe_attests_every_engine_and_a_stale_one_is_refused(cluster_factory, tmp_path):
+    """FSDP2 ranks score the probe sequences together (a collective forward) before the
+    round and pass the probe: every engine scores it after loading and the round is ok
+    within the tolerance. A probe scored before the weights moved (the trainer's model
+    is not what was sent) fails the round on every rank as EngineOutputMismatch, and
+    every engine stays torn and paused, whatever its bytes."""
+    cluster = cluster_factory(2, agent_args=("--model", MODEL))
+    with TrainerRanks(str(tmp_path / "fresh"), cluster.address, 2,
+                      rank_args("--rounds", "1", "--attest", "fresh", "--check-digests")) as ranks:
+        assert ranks.wait(240) == [0, 0], ranks.tail()
+        line = ranks.rounds(0)[1]
+        assert line["ok"] and line["digest_ok"] and 0.0 <= line["attest_max_diff"] <= 1e-3, ranks.tail()
+    with TrainerRanks(str(tmp_path / "stale"), cluster.address, 2,
+                      rank_args("--rounds", "1", "--first-version", "2", "--attest", "stale")) as ranks:
+        assert ranks.wait(240) == [0, 0], ranks.tail()
+        for rank in (0, 1):
+            line = ranks.rounds(rank)[2]
+            assert not line["ok"] and line["error_type"] == "EngineOutputMismatch", ranks.tail()
+    states = settled_states(cluster.address)
+    assert all(s.torn and s.paused and not s.ready for s in states.values()), states

@@ -13,8 +13,12 @@ and syncs it for ``--rounds`` rounds:
 - ``--mode gather``: the baseline: all-gather every parameter to rank 0, which sends
   the full tensors (``TrainerClient``); the others wait at a barrier.
 
+``--attest``: before each round every rank scores the probe sequences with the model
+(FSDP2's forward is a collective) and the round carries that probe; ``--attest
+stale`` scores them before moving the weights (the engines must then refuse the round).
 Each rank prints one JSON line per round:
     {"rank", "round", "ok", "error_type", "error", "seconds", "ended", "bytes", "digest_ok"}
+(``attest_max_diff`` too with ``--attest``: the engines' largest difference)
 (``gather`` adds ``gather_s``: the all-gather's share of ``seconds``)
 ``digest_ok`` (rank 0; after a good round, not timed): every engine's digest equals the
 digest of the full, unsharded state dict (gathered for the check only; ``digest_check``
@@ -36,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from weightsync.attest import Probe
 from weightsync.client import TrainerClient
 from weightsync.client.distributed import DistributedTrainerClient
 from weightsync.engine.model import ModelConfig, ReferenceLM
@@ -92,6 +97,16 @@ def move(model, seed: int) -> None:
             local.add_(0.01 * torch.randn(local.shape, generator=gen))
 
 
+PROBE_SEQUENCES = [[1, 2, 3, 4, 5, 6, 7, 8], [200, 17, 42, 9], [65, 66]]
+
+
+def score(model) -> Probe:
+    """The attestation probe of the model as it is now (a collective: every rank runs
+    the forward pass together)."""
+    with torch.no_grad():
+        return Probe.from_model(lambda tokens: model(tokens), PROBE_SEQUENCES)
+
+
 def full_state(model) -> list[tuple[str, torch.Tensor]]:
     """The full, unsharded tensors (a collective on every rank): the independent check,
     and the gather baseline's payload."""
@@ -113,7 +128,10 @@ async def run(args: argparse.Namespace) -> None:
         await client.start()
     try:
         for r in range(args.first_version, args.first_version + args.rounds):
+            probe = score(model) if args.attest == "stale" else None
             move(model, r)
+            if args.attest == "fresh":
+                probe = score(model)
             line: dict = {"rank": rank, "round": r, "ok": False, "error_type": "", "error": "", "digest_ok": None}
             print(json.dumps({"rank": rank, "starting": r}), flush=True)
             started = time.monotonic()
@@ -123,8 +141,10 @@ async def run(args: argparse.Namespace) -> None:
                     if rank == args.drop_on_rank:  # tests: this rank fails to offer one of its shards
                         named = named[1:]
                     result = await client.update_weights(named, version=r, timeout_s=args.timeout,
-                                                         key=f"{args.key}-{r}" if args.key else None)
+                                                         key=f"{args.key}-{r}" if args.key else None, attest=probe)
                     line["ok"] = result.ok
+                    if probe is not None:
+                        line["attest_max_diff"] = max(e.attest_max_diff or 0.0 for e in result.engines)
                 else:
                     full = full_state(model)  # the all-gather: part of the baseline's time
                     line["gather_s"] = round(time.monotonic() - started, 4)
@@ -175,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drop-on-rank", type=int, default=-1,
                         help="tests: this rank leaves its first tensor out (its shards then do not cover it)")
     parser.add_argument("--check-digests", action="store_true", help="after every good round")
+    parser.add_argument("--attest", choices=("fresh", "stale"), default=None,
+                        help="carry an attestation probe scored by every rank before the round (stale: before the "
+                             "weights moved)")
     parser.add_argument("--check-digests-last", action="store_true", help="after the last round, if good")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
