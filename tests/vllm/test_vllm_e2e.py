@@ -131,7 +131,8 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     """Two trainer ranks (processes, torch.distributed over gloo), each holding its rows
     of every tensor as a DTensor placed Shard(0) -- FSDP2's layout -- sync into vLLM,
     each rank sending its own rows on its own lane (gloo); then each holding its
-    columns of every matrix (Shard(1), tensor parallel's row-wise layers), over shm.
+    columns of every matrix (Shard(1), tensor parallel's row-wise layers), over shm,
+    with the trainer's attestation probe.
     vLLM's worker takes every lane at once and loads each tensor once all its slices
     are in. Checked
     against the trainer's own full model (transformers) and the digest of its full
@@ -142,12 +143,15 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     async with TrainerClient(address) as client:
         first = (await client.get_state()).weight_version + 1
     versions, seeds = [first, first + 1], [700, 701]
-    for version, seed, transport, layout in zip(versions, seeds, ["gloo", "shm"], [[], ["--columns"]], strict=True):
+    for version, seed, transport, layout in zip(versions, seeds, ["gloo", "shm"], [[], ["--columns", "--attest"]],
+                                                      strict=True):
         with TrainerRanks(str(tmp_path / f"ranks-{transport}"), address, 2,
                           ["--model-dir", tiny_model, "--versions", str(version), "--seeds", str(seed),
                            "--transport", transport, *layout], module="tests.vllm.sharded_rank") as ranks:
             assert await asyncio.to_thread(ranks.wait, 240) == [0, 0], ranks.tail()
             assert all(ranks.rounds(r)[version]["ok"] for r in (0, 1)), ranks.tail()
+            if layout:  # vLLM scored the trainer's probe with what it loaded
+                assert ranks.rounds(0)[version]["attest_max_diff"] <= 1e-3, ranks.tail()
         weights = round_weights(original, seed)
         model = trainer_model(tiny_model, weights)
         assert get(url, "/weight_info")["weight_version"] == str(version)
