@@ -3,10 +3,10 @@
 Started like torchrun starts a rank (``TrainerRanks``). Every rank builds the same full
 tensors of the round (the tiny checkpoint moved by seeded noise, ``round_weights``),
 holds its rows of each as a DTensor placed ``Shard(0)`` on a 1-D mesh over the world
-(FSDP2's layout) -- or, with ``--columns``, its columns of every matrix (``Shard(1)``,
-tensor parallel's row-wise layers) -- and calls ``DistributedTrainerClient.update_weights`` with them:
-every rank sends its own rows. ``--attest``: the round carries the attestation probe of
-the trainer's full model (transformers, built by every rank from the same full tensors).
+(FSDP2's layout) -- or, for a round said to be by ``columns``, its columns of every
+matrix (``Shard(1)``, tensor parallel's row-wise layers) -- and calls ``DistributedTrainerClient.update_weights`` with them:
+every rank sends its own rows. A round said to ``attest`` carries the attestation probe
+of the trainer's full model (transformers, built by every rank from the same full tensors).
 One JSON line per round: {"rank", "round", "ok", "error", "attest_max_diff"}.
 """
 
@@ -32,21 +32,26 @@ from tests.vllm.harness import (
 from weightsync.attest import Probe
 from weightsync.client.distributed import DistributedTrainerClient
 from weightsync.errors import WeightSyncError
+from weightsync.lifecycle import wait_for_file
 
 
 async def run(args: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     mesh = init_device_mesh("cpu", (world,))
     base = checkpoint(args.model_dir)
-    async with DistributedTrainerClient(args.coordinator, transport=args.transport,
-                                        bucket_bytes=args.bucket_bytes, default_timeout_s=120) as client:
-        for version, seed in zip(args.versions, args.seeds, strict=True):
-            weights = round_weights(base, seed)
-            named = [(name, distribute_tensor(full, mesh, [Shard(1 if args.columns and full.dim() >= 2 else 0)]))
-                     for name, full in weights]
-            probe = (Probe.from_model(trainer_logits_fn(trainer_model(args.model_dir, weights)), PROBE_SEQUENCES)
-                     if args.attest else None)
-            line = {"rank": rank, "round": version, "ok": False, "error": ""}
+    for i, spec in enumerate(args.round):
+        version, seed, transport, layout, *extra = spec.split(",")
+        if i and args.go:  # the test checks the last round's engine before this one moves it on
+            await asyncio.to_thread(wait_for_file, os.path.join(args.go, f"go-{version}"), timeout_s=300)
+        version, seed, columns = int(version), int(seed), layout == "columns"
+        weights = round_weights(base, seed)
+        named = [(name, distribute_tensor(full, mesh, [Shard(1 if columns and full.dim() >= 2 else 0)]))
+                 for name, full in weights]
+        probe = (Probe.from_model(trainer_logits_fn(trainer_model(args.model_dir, weights)), PROBE_SEQUENCES)
+                 if "attest" in extra else None)
+        line = {"rank": rank, "round": version, "ok": False, "error": ""}
+        async with DistributedTrainerClient(args.coordinator, transport=transport, bucket_bytes=args.bucket_bytes,
+                                            default_timeout_s=120) as client:
             try:
                 result = await client.update_weights(named, version=version, timeout_s=120, attest=probe)
                 line["ok"] = result.ok
@@ -54,19 +59,17 @@ async def run(args: argparse.Namespace) -> None:
                     line["attest_max_diff"] = max(e.attest_max_diff or 0.0 for e in result.engines)
             except WeightSyncError as exc:
                 line["error"] = f"{type(exc).__name__}: {exc}"[:400]
-            print(json.dumps(line), flush=True)
+        print(json.dumps(line), flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="sharded_rank")
     parser.add_argument("coordinator")
     parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--versions", type=int, nargs="+", required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", required=True)
-    parser.add_argument("--transport", default="auto")
-    parser.add_argument("--columns", action="store_true", help="matrices placed Shard(1), not Shard(0)")
-    parser.add_argument("--attest", action="store_true", help="carry the full model's attestation probe")
+    parser.add_argument("--round", action="append", required=True,
+                        help="VERSION,SEED,TRANSPORT,rows|columns[,attest]: one round (its own client), in order")
     parser.add_argument("--bucket-bytes", type=int, default=16 * 1024)
+    parser.add_argument("--go", default="", help="before each round after the first, wait for GO/go-VERSION")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     try:

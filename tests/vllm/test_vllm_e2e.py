@@ -142,23 +142,32 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     original = checkpoint(tiny_model)
     async with TrainerClient(address) as client:
         first = (await client.get_state()).weight_version + 1
-    versions, seeds = [first, first + 1], [700, 701]
-    for version, seed, transport, layout in zip(versions, seeds, ["gloo", "shm"], [[], ["--columns", "--attest"]],
-                                                      strict=True):
-        with TrainerRanks(str(tmp_path / f"ranks-{transport}"), address, 2,
-                          ["--model-dir", tiny_model, "--versions", str(version), "--seeds", str(seed),
-                           "--transport", transport, *layout], module="tests.vllm.sharded_rank") as ranks:
-            assert await asyncio.to_thread(ranks.wait, 240) == [0, 0], ranks.tail()
-            assert all(ranks.rounds(r)[version]["ok"] for r in (0, 1)), ranks.tail()
-            if layout:  # vLLM scored the trainer's probe with what it loaded
-                assert ranks.rounds(0)[version]["attest_max_diff"] <= 1e-3, ranks.tail()
-        weights = round_weights(original, seed)
-        model = trainer_model(tiny_model, weights)
-        assert get(url, "/weight_info")["weight_version"] == str(version)
-        assert_same_outputs(greedy_all(url), [trainer_greedy(model, p) for p in PROMPTS], f"sharded ({transport})")
-        async with TrainerClient(address) as client:
-            check = await client.check_engines(weights, version=version)
-            assert check.ok, check.describe()
+    rounds = [(first, 700, "gloo", "rows"), (first + 1, 701, "shm", "columns,attest")]
+    go = str(tmp_path / "go")
+    os.makedirs(go)
+    # One job (each rank one process) for both rounds, each round its own client; the
+    # ranks wait for go-VERSION before the second, so each round's vLLM is checked.
+    with TrainerRanks(str(tmp_path / "ranks"), address, 2,
+                      ["--model-dir", tiny_model, "--go", go,
+                       *(a for r in rounds for a in ("--round", ",".join(map(str, r))))],
+                      module="tests.vllm.sharded_rank") as ranks:
+        for version, seed, transport, layout in rounds:
+            line = await asyncio.to_thread(ranks.wait_for, 0, lambda x, v=version: x.get("round") == v, 240)
+            assert line["ok"], ranks.tail()
+            if "attest" in layout:  # vLLM scored the trainer's probe with what it loaded
+                assert line["attest_max_diff"] <= 1e-3, ranks.tail()
+            weights = round_weights(original, seed)
+            model = trainer_model(tiny_model, weights)
+            assert get(url, "/weight_info")["weight_version"] == str(version)
+            assert_same_outputs(greedy_all(url), [trainer_greedy(model, p) for p in PROMPTS],
+                                f"sharded by {layout} ({transport})")
+            async with TrainerClient(address) as client:
+                check = await client.check_engines(weights, version=version)
+                assert check.ok, check.describe()
+            with open(os.path.join(go, f"go-{version + 1}"), "w") as f:
+                f.write("go")
+        assert await asyncio.to_thread(ranks.wait, 120) == [0, 0], ranks.tail()
+        assert all(ranks.rounds(1)[v]["ok"] for v, *_ in rounds), ranks.tail()
     with open(os.path.join(tmp, "vllm-0.addr")) as f:
         async with EngineClient(f.read().strip()) as engine:
             done = [e for e in await engine.events() if e.kind == "transfer_done" and int(e.fields["version"]) >= first]
