@@ -82,6 +82,21 @@ def test_tensor_parallel_ranks_send_their_column_and_row_slices_and_engines_matc
         assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2)] == [True, True], ranks.tail()
 
 
+def test_hsdp_replicas_send_each_shard_once_and_engines_match_the_full_model(cluster_factory, tmp_path):
+    """FSDP2 over a 2-D mesh (HSDP): two replica groups of two ranks, so two ranks hold
+    each shard (placements Replicate(), Shard(0)). Each shard is sent once, by one of
+    its holders (the bytes spread over all four ranks), and every engine ends bitwise
+    equal to the full model the trainer gathers for the check only."""
+    cluster = cluster_factory(2, agent_args=("--model", MODEL))
+    with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 4,
+                      rank_args("--rounds", "2", "--check-digests", "--transport", "shm",
+                                "--parallel", "hsdp")) as ranks:
+        assert ranks.wait(240) == [0] * 4, ranks.tail()
+        for rank in range(4):
+            assert all(r["ok"] for r in ranks.rounds(rank).values()) and len(ranks.rounds(rank)) == 2, ranks.tail()
+        assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2)] == [True, True], ranks.tail()
+
+
 @pytest.mark.parametrize("world, transport", [(2, "auto"), (4, "gloo")])
 def test_fsdp2_ranks_each_send_their_shards_and_engines_match_the_full_model(cluster_factory, tmp_path, world,
                                                                              transport):

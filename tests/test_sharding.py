@@ -96,6 +96,21 @@ def test_replicated_tensors_are_balanced_over_the_ranks():
     assert sorted(len(owners.parts_of(r).tensors) for r in range(4)) == [2, 2, 2, 2]
 
 
+def test_a_shard_several_ranks_hold_is_sent_once_by_one_of_them():
+    """HSDP: replica groups {0, 1} and {2, 3} each shard every tensor over two ranks, so
+    ranks 0 and 2 hold the same first half, 1 and 3 the second. Each half is sent once;
+    across the tensors the replicas take turns, so all four ranks send."""
+    halves = chunk_holdings(2)
+    holdings = [halves[0], halves[1], halves[0], halves[1]]
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    counts = np.zeros(len(plan), dtype=int)
+    for s in owners.senders:
+        np.add.at(counts, s.tensors, 1)
+    scalar = plan.names.index("scale")
+    assert counts[scalar] == 1 and all(c == 2 for i, c in enumerate(counts) if i != scalar), counts
+    assert sorted(owners.sender_ranks) == [0, 1, 2, 3]
+
+
 def test_assign_refuses_disagreeing_ranks_and_uncovered_tensors():
     a = [Holding("w", torch.float32, (4, 2), 0, 2, torch.zeros(2, 2))]
     b = [Holding("w", torch.float32, (4, 3), 2, 2, torch.zeros(2, 3))]
@@ -411,7 +426,7 @@ def test_an_unsupported_dtensor_placement_is_a_clear_error():
         "import sys; sys.stdout.flush(); os._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "refused:" in out.stdout and "'partial'" in out.stdout and "Shard(d) and Replicate()" in out.stdout
+    assert "refused:" in out.stdout and "'partial'" in out.stdout and "one Shard(d) over one mesh dimension" in out.stdout
 
 
 def test_every_rank_rebuilds_the_drivers_error_as_the_same_type():

@@ -19,9 +19,10 @@ with whole-array operations (a plan may list 20k tensors), by the coordinator an
 every engine, before anything changes.
 
 What the trainer side can describe (``holding_of``): plain tensors (a full copy),
-DTensors on a 1-D mesh placed ``Shard(d)`` (FSDP2's default is ``Shard(0)``; tensor
-parallel's column- and row-wise layers ``Shard(0)`` and ``Shard(1)``: slices as
-``torch.chunk`` makes them) or ``Replicate()``. A tensor several ranks hold whole
+DTensors placed ``Shard(d)`` over one mesh dimension (FSDP2's default is ``Shard(0)``;
+tensor parallel's column- and row-wise layers ``Shard(0)`` and ``Shard(1)``: slices as
+``torch.chunk`` makes them) and ``Replicate()`` over any others (HSDP's replica
+groups: several ranks hold the same slice, and one of them sends it). A tensor several ranks hold whole
 is sent by one of them, chosen to balance the bytes each rank sends.
 """
 
@@ -375,8 +376,9 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
     tensors share one mesh; asking cost 16 us a tensor).
 
     Raises:
-        InvalidArgument: a placement other than Shard(d) or Replicate() on a 1-D mesh,
-            or a local shard whose size is not the one torch.chunk gives this rank.
+        InvalidArgument: placements other than one Shard(d) and any Replicate() (a
+            tensor sliced over two mesh dimensions, Partial()), or a local shard whose
+            size is not the one torch.chunk gives this rank.
     """
     shape = tuple(tensor.shape)
     types = _dtensor_types()
@@ -385,11 +387,12 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
     _, replicate, shard = types
     mesh, placements = tensor.device_mesh, tensor.placements
     known = meshes.get(id(mesh)) if meshes is not None else None
-    if known is None:
-        known = (mesh.ndim, mesh.size() if mesh.ndim == 1 else 0, mesh.get_local_rank() if mesh.ndim == 1 else 0)
+    if known is None:  # each mesh dimension's size, and this rank's coordinate along it
+        known = (tuple(mesh.size(d) for d in range(mesh.ndim)),
+                 tuple(mesh.get_local_rank(mesh_dim=d) for d in range(mesh.ndim)))
         if meshes is not None:
             meshes[id(mesh)] = known
-    ndim, size, coordinate = known
+    sizes, coordinates = known
     # The local shard itself: DTensor keeps it as ``_local_tensor``; ``to_local()``
     # returns a view of it through an autograd function (18 us a tensor). Its shape is
     # checked below either way.
@@ -397,17 +400,19 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
     import torch  # loaded already: a DTensor is at hand
     if not isinstance(local, torch.Tensor):
         local = tensor.to_local()
-    if ndim != 1 or len(placements) != 1:
-        raise InvalidArgument(f"tensor {name!r}: a {ndim}-D device mesh; sharded sends support a 1-D mesh "
-                              "(FSDP2 or tensor parallel over one group) with Shard(d) or Replicate()",
-                              metadata={"tensor": name})
-    placement = placements[0]
-    if isinstance(placement, replicate):
+    # At most one mesh dimension shards the tensor; along the others it is replicated
+    # (HSDP: Replicate() across the replica groups, Shard(0) within each). Several
+    # ranks then hold the same slice, and ``assign`` has one of them send it.
+    sharding = [(i, p) for i, p in enumerate(placements) if not isinstance(p, replicate)]
+    if not sharding:
         return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, local.contiguous())
+    mesh_dim, placement = sharding[0]
     dim = getattr(placement, "dim", -1)
-    if not isinstance(placement, shard) or not shape or not 0 <= dim < len(shape):
-        raise InvalidArgument(f"tensor {name!r}: placement {placement}; sharded sends support Shard(d) and "
-                              "Replicate() (gather other layouts first)", metadata={"tensor": name})
+    if (len(sharding) > 1 or not isinstance(placement, shard) or not shape or not 0 <= dim < len(shape)):
+        raise InvalidArgument(f"tensor {name!r}: placements {tuple(placements)}; sharded sends support one "
+                              "Shard(d) over one mesh dimension, Replicate() over the others (FSDP2, HSDP, tensor "
+                              "parallel; gather other layouts first)", metadata={"tensor": name})
+    size, coordinate = sizes[mesh_dim], coordinates[mesh_dim]
     extent = shape[dim]
     chunk = -(-extent // size)  # torch.chunk: equal chunks, the last ones short or empty
     start = min(coordinate * chunk, extent)
@@ -524,7 +529,8 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
 
     Tensors are planned in the order they first appear (rank 0's order, then tensors
     only later ranks hold). A tensor whose shards, over the ranks that hold a shard,
-    slice one dimension and cover it is sent shard by shard; otherwise a rank holding it whole sends it,
+    slice one dimension and cover it is sent shard by shard, each shard several ranks
+    hold (HSDP's replicas) from the one that sends the fewest bytes so far; otherwise a rank holding it whole sends it,
     the one that sends the fewest bytes so far (so replicated tensors spread over
     the ranks).
 
@@ -561,17 +567,23 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
     parts: list[list[tuple[int, int, int, int]]] = [[] for _ in described]  # per rank: (tensor, start, rows, dim)
     for index, name in enumerate(names):
         shape = order[name][1]
-        pieces = sorted(shards.get(name, ()))
-        dim = pieces[0][3] if pieces else 0
-        covered, at = all(p[3] == dim for p in pieces), 0
-        for start, rows, _, _ in pieces:
+        # The same slice held by several ranks (HSDP's replica groups): one entry,
+        # with every rank that holds it.
+        holders: dict[tuple[int, int, int], list[int]] = {}
+        for start, rows, rank, dim in shards.get(name, ()):
+            holders.setdefault((start, rows, dim), []).append(rank)
+        pieces = sorted(holders)
+        dim = pieces[0][2] if pieces else 0
+        covered, at = all(p[2] == dim for p in pieces), 0
+        for start, rows, _ in pieces:
             covered &= start == at
             at = start + rows
         # bytes of one slice along ``dim``: the tensor's bytes over its extent there
         slice_bytes = ITEMSIZE[dtypes[index]] * (int(np.prod(shape, dtype=np.int64)) // max(shape[dim], 1)
                                                  if shape else 1)
         if pieces and covered and at == shape[dim]:
-            for start, rows, rank, _ in pieces:
+            for start, rows, _ in pieces:
+                rank = min(holders[(start, rows, dim)], key=lambda r: (sent[r], r))
                 parts[rank].append((index, start, rows, dim))
                 sent[rank] += rows * slice_bytes
         elif name in whole:

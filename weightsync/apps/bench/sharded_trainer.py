@@ -3,7 +3,8 @@ sharded-trainer tests and ``weightsync bench --trainer-ranks``.
 
 Started like torchrun starts a rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` in the environment). Wraps the engines' reference model (``--model``)
-with ``fully_shard`` (``--parallel fsdp``) or torch's tensor parallel
+with ``fully_shard`` (``--parallel fsdp``; ``hsdp``: over a 2-D mesh, two replica
+groups each sharding over half the ranks) or torch's tensor parallel
 (``--parallel tp``: each block's ``qkv`` and ``fc1`` column-wise, ``proj`` and ``fc2``
 row-wise; the rest plain tensors every rank holds whole), moves every rank's own shard
 by seeded noise each round (so rounds differ; replicated tensors alike on every rank),
@@ -79,21 +80,45 @@ def tensor_parallel_model(config: ModelConfig):
     return model
 
 
-def _shards(p) -> bool:
-    """Whether this rank holds its own slice of ``p`` (a DTensor placed Shard(d)), not
-    a copy every rank holds alike (a plain tensor, or Replicate())."""
+def hsdp_model(config: ModelConfig):
+    """The engines' model with FSDP2 over a 2-D mesh (HSDP): two replica groups, each
+    sharding every parameter over its half of the ranks (placements Replicate(),
+    Shard(0)): two ranks hold each shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    world = dist.get_world_size()
+    if world % 2:
+        raise SystemExit("--parallel hsdp takes an even number of ranks")
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = ReferenceLM(config)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _shard_coordinate(p) -> int | None:
+    """Which slice of ``p`` this rank holds (its coordinate along the mesh dimension
+    that shards it), or None for a tensor every rank holds alike (a plain tensor, or
+    Replicate() everywhere). Replicas of a slice (HSDP) share the coordinate."""
     from torch.distributed.tensor import DTensor, Shard
-    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+    if not isinstance(p, DTensor):
+        return None
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            return p.device_mesh.get_local_rank(mesh_dim=mesh_dim)
+    return None
 
 
 def move(model, seed: int) -> None:
-    """Seeded noise on this rank's own shards, and the same noise on every rank's copy
-    of a replicated tensor (no collective)."""
-    rank = dist.get_rank()
+    """Seeded noise on this rank's own shards -- the same on every replica of a shard
+    -- and the same noise on every rank's copy of a replicated tensor (no collective)."""
     with torch.no_grad():
         for i, (_, p) in enumerate(model.named_parameters()):
             local = p.to_local() if hasattr(p, "to_local") else p
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + i * 1009 + (rank + 1 if _shards(p) else 0))
+            coordinate = _shard_coordinate(p)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + i * 1009 + (0 if coordinate is None
+                                                                                else coordinate + 1))
             local.add_(0.01 * torch.randn(local.shape, generator=gen))
 
 
@@ -117,7 +142,7 @@ def full_state(model) -> list[tuple[str, torch.Tensor]]:
 async def run(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     config = ModelConfig.from_json(args.model)
-    model = sharded_model(config) if args.parallel == "fsdp" else tensor_parallel_model(config)
+    model = {"fsdp": sharded_model, "hsdp": hsdp_model, "tp": tensor_parallel_model}[args.parallel](config)
     common = dict(host=args.host, transport=args.transport, bucket_bytes=args.bucket_bytes,
                   default_timeout_s=args.timeout)
     if args.mode == "sharded":
@@ -184,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address engines reach this rank at")
     parser.add_argument("--model", required=True, help="the engines' --model JSON")
     parser.add_argument("--mode", choices=("sharded", "gather"), default="sharded")
-    parser.add_argument("--parallel", choices=("fsdp", "tp"), default="fsdp",
-                        help="how the model is sharded: FSDP2 (Shard(0)) or tensor parallel (Shard(0) and Shard(1))")
+    parser.add_argument("--parallel", choices=("fsdp", "hsdp", "tp"), default="fsdp",
+                        help="how the model is sharded: FSDP2 (Shard(0)), HSDP (two replica groups of FSDP2) or "
+                             "tensor parallel (Shard(0) and Shard(1))")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--first-version", type=int, default=1)
     parser.add_argument("--transport", default="auto")
