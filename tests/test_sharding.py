@@ -40,18 +40,16 @@ FULL = {"emb": torch.randn(10, 4), "w": torch.randn(7, 3), "b": torch.randn(7), 
         "steps": torch.arange(5, dtype=torch.int64)}
 
 
-def chunk_holdings(world: int, *, columns: bool = False) -> list[list[Holding]]:
-    """What FSDP2 gives each of ``world`` ranks: torch.chunk row ranges of every
-    tensor with rows, and a whole copy of the 0-dimensional one. ``columns``: what
-    tensor parallel's row-wise layers give instead, column ranges (Shard(1)) of every
-    tensor with two dimensions or more."""
+def chunk_slices(world: int, named, dim_of=lambda tensor: 0) -> list[list[Holding]]:
+    """What ``world`` ranks hold when every tensor of ``named`` is sliced as torch.chunk
+    slices it, along ``dim_of(tensor)``, and a 0-dimensional one is held whole by all."""
     ranks: list[list[Holding]] = [[] for _ in range(world)]
-    for name, full in FULL.items():
+    for name, full in named:
         if full.dim() == 0:
             for r in range(world):
                 ranks[r].append(Holding(name, full.dtype, (), 0, 1, full))
             continue
-        dim = 1 if columns and full.dim() >= 2 else 0
+        dim = dim_of(full)
         chunk = -(-full.shape[dim] // world)
         for r in range(world):
             start = min(r * chunk, full.shape[dim])
@@ -59,6 +57,14 @@ def chunk_holdings(world: int, *, columns: bool = False) -> list[list[Holding]]:
             ranks[r].append(Holding(name, full.dtype, tuple(full.shape), start, rows,
                                     full.narrow(dim, start, rows).contiguous(), dim))
     return ranks
+
+
+def chunk_holdings(world: int, *, columns: bool = False) -> list[list[Holding]]:
+    """What FSDP2 gives each of ``world`` ranks of ``FULL``: torch.chunk row ranges of
+    every tensor with rows, and a whole copy of the 0-dimensional one. ``columns``:
+    what tensor parallel's row-wise layers give instead, column ranges (Shard(1)) of
+    every tensor with two dimensions or more."""
+    return chunk_slices(world, FULL.items(), lambda t: 1 if columns and t.dim() >= 2 else 0)
 
 
 def parts(sender, tensors, starts, rows, dims=None):

@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
+from tests.test_sharding import chunk_slices
 from tests.test_transports import KINDS, rendezvous
 from weightsync import transport as transports
 from weightsync.engine.streamed_load import receive_and_load, receive_and_load_from_senders
 from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.packing import weights_digest
 from weightsync.plan import BucketPlan
-from weightsync.sharding import Holding, assign, describe, sources_for
+from weightsync.sharding import assign, describe, sources_for
 from weightsync.transport.from_senders import SenderLane
 from weightsync.transport.store import host_store
 
@@ -133,26 +134,12 @@ def test_the_receive_thread_takes_the_engines_gpu_before_receiving(monkeypatch):
         assert all(thread == NotesItsThread.thread for _, thread in calls), calls
 
 
-def _sharded(world: int, sources, dim: int = 0) -> list[list[Holding]]:
-    """What FSDP2 (``dim`` 0) or tensor parallel's row-wise layers (``dim`` 1) give
-    each of ``world`` ranks: torch.chunk slices of every tensor along ``dim``."""
-    ranks: list[list[Holding]] = [[] for _ in range(world)]
-    for name, full in sources:
-        chunk = -(-full.shape[dim] // world)
-        for r in range(world):
-            start = min(r * chunk, full.shape[dim])
-            rows = max(0, min(chunk, full.shape[dim] - start))
-            ranks[r].append(Holding(name, full.dtype, tuple(full.shape), start, rows,
-                                    full.narrow(dim, start, rows).contiguous(), dim))
-    return ranks
-
-
 def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int | None = None, dim: int = 0):
     """``world`` senders, each streaming its own slices on its own lane, into one
     streamed receive. ``fail_sender``: that sender's stream stops after its first
     bucket (its abort flag set), as a trainer rank that dies mid-round."""
     kind = KINDS[kind_name]
-    holdings = _sharded(world, sources, dim)
+    holdings = chunk_slices(world, sources, lambda tensor: dim)
     plan, owners = assign([describe(h) for h in holdings], bucket_bytes=BUCKET)
     store = host_store("127.0.0.1", timeout_s=20)
     senders = {r: transports.make_sender(kind, store) for r in owners.sender_ranks}
