@@ -318,7 +318,8 @@ async def test_a_vllm_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(v
     agent keeps it paused (a completion sent to it does not run) and not ready until
     the next Broadcast brings it to the fleet's version; then its greedy completions
     equal the first vLLM's and the trainer's own model. It runs two tensor-parallel
-    workers: the round gives each its own rank, each receives and loads its shards."""
+    workers: the round gives each its own rank, each receives and loads its shards.
+    Then a sharded trainer's round (two ranks, columns) lands in both vLLMs alike."""
     address, url, _, _ = vllm_stack
     original = checkpoint(tiny_model)
     async with TrainerClient(address) as client:
@@ -346,6 +347,21 @@ async def test_a_vllm_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(v
             assert_same_outputs(joined, greedy_all(url), "the joiner against the first vLLM")
             assert_same_outputs(joined, [trainer_greedy(model, p) for p in PROMPTS], "the joiner against the trainer")
             assert answers[0] == completions(url, tiny_model)  # the held request ran with the new weights
+
+            # A sharded trainer's round into both (one worker, and two): each of the
+            # joiner's workers takes every rank's lane at its own rank; columns, so
+            # each slice is received apart and copied into place, in every worker.
+            with TrainerRanks(str(tmp_path / "ranks"), address, 2,
+                              ["--model-dir", tiny_model, "--round", f"{version + 2},302,shm,columns"],
+                              module="tests.vllm.sharded_rank") as ranks:
+                assert await asyncio.to_thread(ranks.wait, 240) == [0, 0], ranks.tail()
+                assert all(ranks.rounds(r)[version + 2]["ok"] for r in (0, 1)), ranks.tail()
+            weights = round_weights(original, 302)
+            want = [trainer_greedy(trainer_model(tiny_model, weights), p) for p in PROMPTS]
+            for name, at in (("the first vLLM", url), ("the joiner", joiner_url)):
+                assert_same_outputs(greedy_all(at), want, f"{name} after a sharded round")
+            check = await client.check_engines(weights, version=version + 2, engines=2)
+            assert check.ok, check.describe()
         finally:
             await asyncio.to_thread(stop_vllm_agent, joiner)
 

@@ -150,7 +150,7 @@ async def test_a_sharded_trainers_experts_land_in_vllm_from_every_rank(moe, tmp_
     async with TrainerClient(stack.address) as client:
         version = (await client.get_state()).weight_version + 1
     with TrainerRanks(str(tmp_path / "ranks"), stack.address, 2,
-                      ["--model-dir", base_dir, "--versions", str(version), "--seeds", "500", "--transport", "gloo"],
+                      ["--model-dir", base_dir, "--round", f"{version},500,gloo,rows"],
                       module="tests.vllm.sharded_rank") as ranks:
         assert await asyncio.to_thread(ranks.wait, 300) == [0, 0], ranks.tail()
         assert all(ranks.rounds(r)[version]["ok"] for r in (0, 1)), ranks.tail()
