@@ -3,7 +3,7 @@ its own shards, against all-gather to rank 0 then one sender, in one run.
 
 A coordinator and ``engines`` reference engines (agent processes); the trainer is N
 FSDP2 ranks (``parallel="tp"``: tensor parallel, its row-wise layers' weights sliced
-along dimension 1) over gloo (``weightsync.apps.bench.sharded_trainer``, started as
+along dimension 1; ``"hsdp"``: FSDP2 over two replica groups) over gloo (``weightsync.apps.bench.sharded_trainer``, started as
 torchrun starts ranks). For each mode, one warm-up round (groups and plans are set up once),
 then ``rounds`` timed rounds; reported: the median round time on rank 0 (pause,
 broadcast, resume; for ``gather`` the all-gather too, also reported on its own) and
@@ -36,8 +36,10 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
         raise ValueError("--trainer-ranks takes 2 to 64 ranks, with at least 1 engine and 1 round")
     if transport not in ("auto", "gloo", "shm"):
         raise ValueError("--trainer-ranks measures auto, gloo or shm")
-    if parallel not in ("fsdp", "tp"):
-        raise ValueError("--trainer-parallel is fsdp or tp")
+    if parallel not in ("fsdp", "hsdp", "tp"):
+        raise ValueError("--trainer-parallel is fsdp, hsdp or tp")
+    if parallel == "hsdp" and ranks % 2:
+        raise ValueError("--trainer-parallel hsdp takes an even number of ranks (two replica groups)")
     model = config_for_size(parse_size(size), tensors).to_json()
     report: dict = {"trainer_ranks": ranks, "engines": engines, "size": size, "tensors": tensors, "rounds": rounds,
                     "transport": transport, "parallel": parallel, "results": []}
