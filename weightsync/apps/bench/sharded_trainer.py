@@ -15,8 +15,9 @@ and syncs it for ``--rounds`` rounds:
   the full tensors (``TrainerClient``); the others wait at a barrier.
 
 ``--attest``: before each round every rank scores the probe sequences with the model
-(FSDP2's forward is a collective) and the round carries that probe; ``--attest
-stale`` scores them before moving the weights (the engines must then refuse the round).
+(FSDP2's forward is a collective) and the round carries that probe; from version
+``--stale-from`` on, the ranks score them before moving the weights (the engines must
+then refuse the round).
 Each rank prints one JSON line per round:
     {"rank", "round", "ok", "error_type", "error", "seconds", "ended", "bytes", "digest_ok"}
 (``attest_max_diff`` too with ``--attest``: the engines' largest difference)
@@ -153,9 +154,10 @@ async def run(args: argparse.Namespace) -> None:
         await client.start()
     try:
         for r in range(args.first_version, args.first_version + args.rounds):
-            probe = score(model) if args.attest == "stale" else None
+            stale = args.attest and args.stale_from and r >= args.stale_from
+            probe = score(model) if stale else None
             move(model, r)
-            if args.attest == "fresh":
+            if args.attest and not stale:
                 probe = score(model)
             line: dict = {"rank": rank, "round": r, "ok": False, "error_type": "", "error": "", "digest_ok": None}
             print(json.dumps({"rank": rank, "starting": r}), flush=True)
@@ -221,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drop-on-rank", type=int, default=-1,
                         help="tests: this rank leaves its first tensor out (its shards then do not cover it)")
     parser.add_argument("--check-digests", action="store_true", help="after every good round")
-    parser.add_argument("--attest", choices=("fresh", "stale"), default=None,
-                        help="carry an attestation probe scored by every rank before the round (stale: before the "
-                             "weights moved)")
+    parser.add_argument("--attest", action="store_true",
+                        help="carry an attestation probe scored by every rank before the round")
+    parser.add_argument("--stale-from", type=int, default=0,
+                        help="with --attest: from this version on, score the probe before the weights move")
     parser.add_argument("--check-digests-last", action="store_true", help="after the last round, if good")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
