@@ -7,7 +7,8 @@ holds its rows of each as a DTensor placed ``Shard(0)`` on a 1-D mesh over the w
 matrix (``Shard(1)``, tensor parallel's row-wise layers) -- and calls ``DistributedTrainerClient.update_weights`` with them:
 every rank sends its own rows. A round said to ``attest`` carries the attestation probe
 of the trainer's full model (transformers, built by every rank from the same full tensors).
-One JSON line per round: {"rank", "round", "ok", "error", "attest_max_diff"}.
+Before each round a rank prints {"rank", "starting": VERSION}; after it, one JSON line:
+{"rank", "round", "ok", "error", "attest_max_diff"}.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ async def run(args: argparse.Namespace) -> None:
         line = {"rank": rank, "round": version, "ok": False, "error": ""}
         async with DistributedTrainerClient(args.coordinator, transport=transport, bucket_bytes=args.bucket_bytes,
                                             default_timeout_s=120) as client:
+            print(json.dumps({"rank": rank, "starting": version}), flush=True)
             try:
                 result = await client.update_weights(named, version=version, timeout_s=120, attest=probe)
                 line["ok"] = result.ok

@@ -179,6 +179,46 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
         assert 0 < peak <= 4 * 16 * 1024 + 2 * largest and peak < model_bytes / 2, (peak, model_bytes)
 
 
+async def test_a_sharded_trainer_rank_that_stops_mid_round_leaves_vllm_fenced_and_the_next_job_heals_it(
+        vllm_stack, tiny_model, tmp_path):
+    """Rank 1 of a sharded trainer is frozen (SIGSTOP) as its round starts: rank 0 hears
+    no heartbeat from it, ends the round, and the round fails on rank 0, typed. vLLM's
+    worker, receiving both lanes at once, stops and finishes the cut reload: vLLM stays
+    paused and is never left serving half a round (torn, or still at the old version if
+    no byte of the new one landed). The next job's round heals it: vLLM then computes
+    as the trainer's model."""
+    address, url, _, _ = vllm_stack
+    original = checkpoint(tiny_model)
+    async with TrainerClient(address) as client:
+        version = (await client.get_state()).weight_version + 1
+    with TrainerRanks(str(tmp_path / "job1"), address, 2,
+                      ["--model-dir", tiny_model, "--round", f"{version},710,gloo,rows"],
+                      module="tests.vllm.sharded_rank") as ranks:
+        await asyncio.to_thread(ranks.wait_for, 1, lambda x: x.get("starting") == version, 240)
+        ranks.signal(1, signal.SIGSTOP)
+        try:
+            line = await asyncio.to_thread(ranks.wait_for, 0, lambda x: x.get("round") == version, 120)
+        finally:
+            ranks.signal(1, signal.SIGCONT)
+        assert not line["ok"] and line["error"], ranks.tail()
+        await asyncio.to_thread(ranks.wait, 120)
+    async with TrainerClient(address) as client:
+        end = time.monotonic() + 60
+        while (state := (await client.get_state()).engines[0]).receiving:
+            assert time.monotonic() < end, state
+            await asyncio.sleep(0.2)
+        assert state.paused and not state.ready and (state.torn or state.weight_version < version), state
+    assert get(url, "/is_paused")["is_paused"] is True
+    with TrainerRanks(str(tmp_path / "job2"), address, 2,
+                      ["--model-dir", tiny_model, "--round", f"{version + 1},711,gloo,rows"],
+                      module="tests.vllm.sharded_rank") as ranks:
+        assert await asyncio.to_thread(ranks.wait, 240) == [0, 0], ranks.tail()
+        assert all(ranks.rounds(r)[version + 1]["ok"] for r in (0, 1)), ranks.tail()
+    weights = round_weights(original, 711)
+    assert_same_outputs(greedy_all(url), [trainer_greedy(trainer_model(tiny_model, weights), p) for p in PROMPTS],
+                        "after the job that followed the cut round")
+
+
 async def test_bad_plan_is_refused_before_vllm_is_touched(vllm_stack, tiny_model):
     """A tensor vLLM's model does not have, or a wrong shape: a clear error, and vLLM
     keeps serving the previous weights (never left with parameters half loaded)."""
