@@ -214,7 +214,6 @@ def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: 
         raise TransferError("the lanes given do not carry every part of the plan")
     lanes_moved = threading.Condition()
     views = {lane.sender: owners.part_views(lane.sender, targets) for lane in lanes}
-    finishing = {lane.sender: lane.plan.completed_by_bucket() for lane in lanes}
     of_tensor = {lane.sender: owners.parts_of(lane.sender).tensors.tolist() for lane in lanes}
     # Each lane's place: the plan index of the tensor its last finished part belongs
     # to (senders stream their parts in plan order); a lane with every part in is out.
@@ -222,10 +221,10 @@ def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: 
     last_bucket = {lane.sender: lane.plan.num_buckets - 1 for lane in lanes}
     lanes_stop = threading.Event()  # set by receive_from_senders once any lane failed
 
-    def lane_bucket(lane: SenderLane, bucket: int) -> None:
+    def lane_bucket(lane: SenderLane, bucket: int, finished: list[int]) -> None:
         sender, whole = lane.sender, []
         with lanes_moved:
-            for part in finishing[sender][bucket]:  # receive_from_senders called views.done on each
+            for part in finished:  # receive_from_senders called views.done on each
                 tensor = of_tensor[sender][part]
                 parts_left[tensor] -= 1
                 if parts_left[tensor] == 0:

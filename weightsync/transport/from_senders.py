@@ -36,16 +36,16 @@ class SenderLane:
 
 def receive_from_senders(lanes: Sequence[SenderLane], rank: int, targets_of: Callable[[SenderLane], list],
                          *, deadline_at: float, abort, on_bucket: Callable[[int], None] | None = None,
-                         on_lane_bucket: Callable[[SenderLane, int], None] | None = None,
+                         on_lane_bucket: Callable[[SenderLane, int, list[int]], None] | None = None,
                          stop: threading.Event | None = None) -> TransferStats:
     """Receives every lane at ``rank`` into ``targets_of(lane)`` (views of the full
     tensors). Blocks until all lanes are in, or raises the first lane's error after
     stopping and joining the others (each bounded by ``deadline_at``).
 
     ``on_bucket(n)``: the n-th bucket of all lanes is in (progress);
-    ``on_lane_bucket(lane, b)``: bucket ``b`` of that lane is in (what it carried can
-    be used: its finished parts are in place, each ``done`` where the targets are
-    ``PartViews``). Either may raise to stop the receive. ``abort``: anything with
+    ``on_lane_bucket(lane, b, parts)``: bucket ``b`` of that lane is in, and with it the
+    last bytes of ``parts`` (indices into the lane's plan), now in place (each
+    ``done`` where the targets are ``PartViews``). Either may raise to stop the receive. ``abort``: anything with
     ``is_set()``. ``stop``: set here once a lane failed or ``abort`` was seen (the
     others stop); a caller that waits inside a callback watches it too. The error
     carries ``wrote_nothing`` only when no lane wrote a byte."""
@@ -58,12 +58,13 @@ def receive_from_senders(lanes: Sequence[SenderLane], rank: int, targets_of: Cal
                  if getattr(views[id(lane)], "staged", False) or on_lane_bucket is not None}
 
     def count(lane: SenderLane, bucket: int) -> None:
+        finished = finishing[id(lane)][bucket] if id(lane) in finishing else []
         done = getattr(views[id(lane)], "done", None)
-        if done is not None and id(lane) in finishing:
-            for part in finishing[id(lane)][bucket]:
+        if done is not None:
+            for part in finished:
                 done(part)
         if on_lane_bucket is not None:
-            on_lane_bucket(lane, bucket)
+            on_lane_bucket(lane, bucket, finished)
         with lock:  # progress over all lanes: buckets done of the sum of their buckets
             done_buckets[0] += 1
             n = done_buckets[0]
