@@ -88,11 +88,6 @@ class SenderParts:
                                       dims=self.dims.astype(np.int8).tobytes() if self.dims.any() else b"")
 
 
-def _row_counts(plan: BucketPlan) -> np.ndarray:
-    """Rows of every tensor of ``plan`` (a 0-dimensional tensor has one)."""
-    return np.array([shape[0] if shape else 1 for shape in plan.shapes], dtype=np.int64)
-
-
 class Owners:
     """Which sender sends which parts of ``plan``'s tensors; validated on construction.
 
@@ -273,7 +268,8 @@ class Owners:
             known = self._addresses.get(sender)
         if known is None or known[0]() is not targets:
             parts = self.parts_of(sender)
-            row_bytes = self.plan._nbytes // np.maximum(_row_counts(self.plan), 1)
+            rows = self.plan.extents(np.arange(len(self.plan)), np.zeros(len(self.plan), dtype=np.int64))
+            row_bytes = self.plan._nbytes // np.maximum(rows, 1)
             at = addresses[parts.tensors].astype(np.int64) + parts.starts * row_bytes[parts.tensors]
             known = (weakref.ref(targets), at.astype(np.uint64))
             with self._lock:

@@ -39,8 +39,10 @@ from tests.vllm.harness import (
     post,
     ready_for_a_test,
     round_weights,
+    sharded_ranks,
     start_vllm_agent,
     stop_vllm_agent,
+    sync_sharded,
     trainer_greedy,
     trainer_logits_fn,
     trainer_model,
@@ -48,7 +50,6 @@ from tests.vllm.harness import (
     wait_ready_and,
 )
 from tests.vllm.make_tiny_model import MAX_POSITIONS
-from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.client import Probe, TrainerClient
 from weightsync.client.engine import EngineClient
 from weightsync.errors import StepTimeoutError
@@ -147,10 +148,8 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     os.makedirs(go)
     # One job (each rank one process) for both rounds, each round its own client; the
     # ranks wait for go-VERSION before the second, so each round's vLLM is checked.
-    with TrainerRanks(str(tmp_path / "ranks"), address, 2,
-                      ["--model-dir", tiny_model, "--go", go,
-                       *(a for r in rounds for a in ("--round", ",".join(map(str, r))))],
-                      module="tests.vllm.sharded_rank") as ranks:
+    with sharded_ranks(str(tmp_path / "ranks"), address, tiny_model, *(",".join(map(str, r)) for r in rounds),
+                       go=go) as ranks:
         for version, seed, transport, layout in rounds:
             line = await asyncio.to_thread(ranks.wait_for, 0, lambda x, v=version: x.get("round") == v, 240)
             assert line["ok"], ranks.tail()
@@ -191,9 +190,7 @@ async def test_a_sharded_trainer_rank_that_stops_mid_round_leaves_vllm_fenced_an
     original = checkpoint(tiny_model)
     async with TrainerClient(address) as client:
         version = (await client.get_state()).weight_version + 1
-    with TrainerRanks(str(tmp_path / "job1"), address, 2,
-                      ["--model-dir", tiny_model, "--round", f"{version},710,gloo,rows"],
-                      module="tests.vllm.sharded_rank") as ranks:
+    with sharded_ranks(str(tmp_path / "job1"), address, tiny_model, f"{version},710,gloo,rows") as ranks:
         await asyncio.to_thread(ranks.wait_for, 1, lambda x: x.get("starting") == version, 240)
         ranks.signal(1, signal.SIGSTOP)
         try:
@@ -209,11 +206,7 @@ async def test_a_sharded_trainer_rank_that_stops_mid_round_leaves_vllm_fenced_an
             await asyncio.sleep(0.2)
         assert state.paused and not state.ready and (state.torn or state.weight_version < version), state
     assert get(url, "/is_paused")["is_paused"] is True
-    with TrainerRanks(str(tmp_path / "job2"), address, 2,
-                      ["--model-dir", tiny_model, "--round", f"{version + 1},711,gloo,rows"],
-                      module="tests.vllm.sharded_rank") as ranks:
-        assert await asyncio.to_thread(ranks.wait, 240) == [0, 0], ranks.tail()
-        assert all(ranks.rounds(r)[version + 1]["ok"] for r in (0, 1)), ranks.tail()
+    await sync_sharded(str(tmp_path / "job2"), address, tiny_model, version + 1, 711, "gloo")
     weights = round_weights(original, 711)
     assert_same_outputs(greedy_all(url), [trainer_greedy(trainer_model(tiny_model, weights), p) for p in PROMPTS],
                         "after the job that followed the cut round")
@@ -391,11 +384,7 @@ async def test_a_vllm_that_joins_late_is_fenced_until_a_broadcast_brings_it_up(v
             # A sharded trainer's round into both (one worker, and two): each of the
             # joiner's workers takes every rank's lane at its own rank; columns, so
             # each slice is received apart and copied into place, in every worker.
-            with TrainerRanks(str(tmp_path / "ranks"), address, 2,
-                              ["--model-dir", tiny_model, "--round", f"{version + 2},302,shm,columns"],
-                              module="tests.vllm.sharded_rank") as ranks:
-                assert await asyncio.to_thread(ranks.wait, 240) == [0, 0], ranks.tail()
-                assert all(ranks.rounds(r)[version + 2]["ok"] for r in (0, 1)), ranks.tail()
+            await sync_sharded(str(tmp_path / "ranks"), address, tiny_model, version + 2, 302, "shm", "columns")
             weights = round_weights(original, 302)
             want = [trainer_greedy(trainer_model(tiny_model, weights), p) for p in PROMPTS]
             for name, at in (("the first vLLM", url), ("the joiner", joiner_url)):

@@ -16,7 +16,6 @@ itself (fault injection) must be caught by attestation.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import os
@@ -37,10 +36,10 @@ from tests.vllm.harness import (
     ready_for_a_test,
     round_weights,
     save_checkpoint,
+    sync_sharded,
     trainer_greedy,
     trainer_logits_fn,
 )
-from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.client import Probe, TrainerClient
 from weightsync.errors import InvalidArgument
 
@@ -149,11 +148,7 @@ async def test_a_sharded_trainers_experts_land_in_vllm_from_every_rank(moe, tmp_
     stack, _, base_dir, tmp, _ = moe
     async with TrainerClient(stack.address) as client:
         version = (await client.get_state()).weight_version + 1
-    with TrainerRanks(str(tmp_path / "ranks"), stack.address, 2,
-                      ["--model-dir", base_dir, "--round", f"{version},500,gloo,rows"],
-                      module="tests.vllm.sharded_rank") as ranks:
-        assert await asyncio.to_thread(ranks.wait, 300) == [0, 0], ranks.tail()
-        assert all(ranks.rounds(r)[version]["ok"] for r in (0, 1)), ranks.tail()
+    await sync_sharded(str(tmp_path / "ranks"), stack.address, base_dir, version, 500, "gloo")
     weights = round_weights(checkpoint(base_dir), 500)
     model, _ = trainer_reference(base_dir, weights, os.path.join(tmp, "reference-sharded"))
     assert_same_outputs(greedy_all(stack.url), [trainer_greedy(model, p) for p in PROMPTS], "sharded round")
