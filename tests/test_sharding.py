@@ -59,6 +59,40 @@ def chunk_slices(world: int, named, dim_of=lambda tensor: 0) -> list[list[Holdin
     return ranks
 
 
+def _chunk(extent: int, ways: int, coordinate: int) -> tuple[int, int]:
+    """The (start, rows) torch.chunk gives ``coordinate`` of ``ways`` chunks of ``extent``."""
+    chunk = -(-extent // ways)
+    start = min(coordinate * chunk, extent)
+    return start, max(0, min(chunk, extent - start))
+
+
+def grid_slices(row_ways: int, column_ways: int, named) -> list[list[Holding]]:
+    """What a ``row_ways`` x ``column_ways`` mesh gives its ranks (rank = a *
+    column_ways + b) when, as FSDP2 over tensor parallel does for row-wise layers,
+    every tensor with two dimensions or more is cut into blocks: rows chunked by ``a``,
+    columns by ``b``; a 1-dimensional one has rows chunked by ``a`` (the ranks that
+    share ``a`` hold the same slice); a 0-dimensional one is held whole by all."""
+    ranks: list[list[Holding]] = [[] for _ in range(row_ways * column_ways)]
+    for name, full in named:
+        for r in range(len(ranks)):
+            a, b = divmod(r, column_ways)
+            cuts = [(0, *_chunk(full.shape[0], row_ways, a))] if full.dim() else []
+            if full.dim() >= 2:
+                cuts.append((1, *_chunk(full.shape[1], column_ways, b)))
+            cuts = [c for c in cuts if (c[1], c[2]) != (0, full.shape[c[0]])]
+            local = full
+            for dim, start, rows in cuts:
+                local = local.narrow(dim, start, rows)
+            if not cuts:
+                ranks[r].append(Holding(name, full.dtype, tuple(full.shape), 0, full.shape[0] if full.dim() else 1,
+                                        full))
+            else:
+                (dim, start, rows), *extra = cuts
+                ranks[r].append(Holding(name, full.dtype, tuple(full.shape), start, rows, local.contiguous(), dim,
+                                        tuple(extra)))
+    return ranks
+
+
 def chunk_holdings(world: int, *, columns: bool = False) -> list[list[Holding]]:
     """What FSDP2 gives each of ``world`` ranks of ``FULL``: torch.chunk row ranges of
     every tensor with rows, and a whole copy of the 0-dimensional one. ``columns``:
@@ -168,6 +202,89 @@ def test_column_slices_make_part_plans_shaped_like_them_and_travel_in_the_owners
         Owners.from_proto(msg, plan)
 
 
+def blocks(sender, tensors, starts, rows, dims, extra):
+    """``parts`` with further slices: ``extra`` lists (part, dim, start, rows)."""
+    columns = [np.array([e[i] for e in extra], dtype=t) for i, t in enumerate((np.int32, np.int8, np.int64, np.int64))]
+    return SenderParts(sender, np.array(tensors, dtype=np.int32), np.array(starts, dtype=np.int64),
+                       np.array(rows, dtype=np.int64), np.array(dims, dtype=np.int8), *columns)
+
+
+# FULL's "w" (7x3) as four blocks: rows 0..4 and 4..7, columns 0..2 and 2..3; sender 0
+# sends every other tensor whole.
+REST = ([0, 2, 3, 4], [0] * 4, [10, 7, 1, 5], [0] * 4)
+
+
+def w_blocks(row_cuts=((0, 4), (4, 3)), column_cuts=((0, 2), (2, 1))):
+    senders = [blocks(0, [*REST[0], 1], [*REST[1], row_cuts[0][0]], [*REST[2], row_cuts[0][1]], [*REST[3], 0],
+                      [(4, 1, *column_cuts[0])])]
+    pairs = [(r, c) for r in row_cuts for c in column_cuts][1:]
+    senders += [blocks(i + 1, [1], [r[0]], [r[1]], [0], [(0, 1, *c)]) for i, (r, c) in enumerate(pairs)]
+    return senders
+
+
+@pytest.mark.parametrize("bad, message", [
+    # a block sent twice: two senders, the same cell
+    (w_blocks()[:3] + [blocks(3, [1], [0], [4], [0], [(0, 1, 0, 2)])], "overlap, leave part of it unsent"),
+    # a cell no one sends
+    (w_blocks()[:3], "overlap, leave part of it unsent"),
+    # not a grid: the row bands cut the columns differently
+    ([blocks(0, [*REST[0], 1], [*REST[1], 0], [*REST[2], 4], [*REST[3], 0], [(4, 1, 0, 2)]),
+      blocks(1, [1], [0], [4], [0], [(0, 1, 2, 1)]), blocks(2, [1], [4], [3], [0], [(0, 1, 0, 1)]),
+      blocks(3, [1], [4], [3], [0], [(0, 1, 1, 2)])], "do not form a grid"),
+    # a further slice along the part's own dimension, or before it
+    ([blocks(0, [*REST[0], 1], [*REST[1], 0], [*REST[2], 7], [*REST[3], 0], [(4, 0, 0, 7)])], "out of order"),
+    # beyond the tensor's dimensions, or outside its extent
+    ([blocks(0, [*REST[0], 1], [*REST[1], 0], [*REST[2], 7], [*REST[3], 0], [(4, 2, 0, 1)])], "beyond the tensor"),
+    ([blocks(0, [*REST[0], 1], [*REST[1], 0], [*REST[2], 7], [*REST[3], 0], [(4, 1, 2, 2)])], "outside the tensor"),
+    ([blocks(0, [*REST[0], 1], [*REST[1], 0], [*REST[2], 7], [*REST[3], 0], [(4, 1, 0, 0)])], "is empty"),
+    ([blocks(0, [*REST[0], 1], [*REST[1], 0], [*REST[2], 7], [*REST[3], 0], [(5, 1, 0, 3)])], "part outside its 5"),
+])
+def test_blocks_that_do_not_tile_their_tensor_as_a_grid_are_refused(bad, message):
+    plan = BucketPlan.from_tensors(FULL.items(), bucket_bytes=64)
+    with pytest.raises(InvalidArgument, match=message):
+        Owners(plan, bad)
+
+
+def test_blocks_make_part_plans_shaped_like_them_and_travel_in_the_owners():
+    plan = BucketPlan.from_tensors(FULL.items(), bucket_bytes=64)
+    owners = Owners(plan, w_blocks())
+    assert owners.part_plan(0).shapes[-1] == (4, 2) and owners.part_plan(3).shapes == ((3, 1),)
+    again = Owners.from_proto(owners.to_proto(), plan)
+    assert again.parts_of(2).extras() == {0: ((1, 0, 2),)}
+    assert again.part_plan(3).plan_id == owners.part_plan(3).plan_id
+    msg = owners.to_proto()
+    msg.senders[1].extra_rows = b""
+    with pytest.raises(InvalidArgument, match="block columns differ in length"):
+        Owners.from_proto(msg, plan)
+    msg = owners.to_proto()
+    msg.senders[1].extra_parts = b"\x00\x00"
+    with pytest.raises(InvalidArgument, match="whole int32/int64"):
+        Owners.from_proto(msg, plan)
+
+
+def test_assign_sends_each_block_once_and_each_replicated_slice_from_one_rank():
+    """A 2x2 mesh's blocks: every block from the rank that holds it; the row ranges of
+    1-dimensional tensors, which two ranks hold each, from one of them; the bytes
+    spread so no rank sends much more than another."""
+    holdings = grid_slices(2, 2, FULL.items())
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    w = plan.names.index("w")
+    for r in range(4):
+        held = {h.name: h for h in holdings[r]}
+        mine = owners.parts_of(r)
+        extras = mine.extras()
+        i = mine.tensors.tolist().index(w)
+        assert (int(mine.starts[i]), int(mine.rows[i]), extras[i]) == (held["w"].start, held["w"].rows,
+                                                                        held["w"].extra)
+        # each source is the rank's own local block, not a copy cut from something else
+        assert sources_for(owners, r, held)[i] is held["w"].local
+    b = plan.names.index("b")
+    assert sorted(int(owners.parts_of(r).starts[owners.parts_of(r).tensors.tolist().index(b)])
+                  for r in range(4) if b in owners.parts_of(r).tensors.tolist()) == [0, 4]
+    sent = [owners.part_plan(r).total_bytes for r in range(4)]
+    assert max(sent) - min(sent) <= 8 * 10, sent
+
+
 def test_owners_round_trip_and_malformed_columns():
     plan, owners = assign([describe(h) for h in chunk_holdings(2)], bucket_bytes=64)
     again = Owners.from_proto(owners.to_proto(), plan)
@@ -190,18 +307,22 @@ def _lanes(kind, store, owners, receivers_per_sender, group):
                                   session_id=f"{session}-{s}", sender=s) for s in owners.sender_ranks]
 
 
-@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("layout", ["rows", "columns", "blocks"])
 @pytest.mark.parametrize("addressed", [False, True], ids=["plain-targets", "addressed-targets"])
 @pytest.mark.parametrize("name", ["gloo", "shm"])
-def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addressed, columns):
+def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addressed, layout):
     """``addressed``: the targets carry their addresses, as the reference engine's do,
     and stay the same from round to round (zeroed in place between rounds): the part
     views and their addresses made in the first round must land the second's bytes.
     ``columns``: the senders hold column ranges (tensor parallel's Shard(1)), which no
-    view of a full tensor lays out end to end: each is received whole and copied in."""
+    view of a full tensor lays out end to end: each is received whole and copied in.
+    ``blocks``: four senders of a 2x2 mesh hold blocks of rows and columns (FSDP2 over
+    tensor parallel), and replicas of the 1-dimensional tensors' row ranges."""
     kind = {"gloo": common_pb2.TRANSPORT_KIND_GLOO, "shm": common_pb2.TRANSPORT_KIND_SHM}[name]
-    holdings = chunk_holdings(3, columns=columns)
+    holdings = (grid_slices(2, 2, FULL.items()) if layout == "blocks"
+                else chunk_holdings(3, columns=layout == "columns"))
     plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    assert (layout == "blocks") == any(len(owners.parts_of(r).extra_parts) for r in owners.sender_ranks)
     store = host_store("127.0.0.1", timeout_s=20)
     senders = {r: transports.make_sender(kind, store) for r in owners.sender_ranks}
     receivers = [transports.make_receiver(kind) for _ in owners.sender_ranks]
@@ -401,6 +522,77 @@ def test_one_lane_failing_stops_every_lane_and_tells_their_senders():
             r.close()
 
 
+def _mesh_placements():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    return [
+        ((2, 2), [Shard(0), Shard(1)]),               # FSDP2 over tensor parallel, a row-wise weight
+        ((2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),  # ... a column-wise weight
+        ((2, 3), [_StridedShard(0, split_factor=3), Shard(0)]),
+        ((3, 2), [Shard(0), Replicate()]),            # a row-wise layer's bias
+        ((2, 2), [Shard(0), Shard(0)]),               # two mesh dimensions chunk one tensor dimension
+        ((2, 2, 2), [Replicate(), Shard(1), Shard(0)]),  # HSDP over tensor parallel
+        ((4,), [Shard(1)]),
+    ]
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (10, 6), (5, 3)])
+@pytest.mark.parametrize("mesh, placements", _mesh_placements(), ids=lambda v: str(v))
+def test_every_mesh_coordinates_slices_are_where_torch_puts_them(mesh, placements, shape):
+    """What ``holding_of`` works out each rank holds, for every coordinate of a mesh
+    (even and uneven sizes), against two things independent of it: torch's own local
+    shape and global offset for that coordinate, and the block cut out of an arange
+    tensor by nested torch.chunk (FSDP2 over tensor parallel chunks the tensor-parallel
+    chunk: ``_StridedShard``); and the blocks of all coordinates tile the tensor."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from weightsync.sharding import _block, _slices_of, _tiles
+    full = torch.arange(int(np.prod(shape))).reshape(shape)
+    seen = set()
+    for coordinate in np.ndindex(*mesh):
+        slices = _slices_of("t", shape, placements, mesh, coordinate, Shard)
+        local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh, coordinate.__getitem__,
+                                                                     placements, False)
+        block = [(0, n) for n in shape]
+        for dim, start, rows in slices:
+            block[dim] = (start, rows)
+        assert tuple(r for _, r in block) == tuple(local_shape), (coordinate, slices)
+        assert all(s == o for (s, r), o in zip(block, offset, strict=True) if r), (coordinate, slices, offset)
+        # the data: nested torch.chunk, the strided mesh dimension last
+        expected = full
+        order = list(range(len(mesh)))
+        if type(placements[0]).__name__ == "_StridedShard":
+            order = [*order[1:], 0]
+        for m in order:
+            p = placements[m]
+            if hasattr(p, "dim"):
+                chunks = expected.chunk(mesh[m], p.dim)
+                expected = (chunks[coordinate[m]] if coordinate[m] < len(chunks)
+                            else expected.narrow(p.dim, 0, 0))
+        got = full
+        for dim, start, rows in slices:
+            got = got.narrow(dim, start, rows)
+        assert torch.equal(got, expected), (coordinate, slices)
+        if all(r for _, r in block):
+            seen.add(_block(shape, slices[0][0], slices[0][1], slices[0][2], tuple(slices[1:])) if slices
+                     else _block(shape, 0, 0, shape[0]))
+    assert _tiles(shape, sorted(seen)), seen
+
+
+def test_a_strided_shard_placed_otherwise_than_fsdp2_over_tensor_parallel_is_refused():
+    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from weightsync.sharding import _slices_of
+    for placements in ([_StridedShard(0, split_factor=2)], [Shard(0), _StridedShard(0, split_factor=2)],
+                       [_StridedShard(0, split_factor=3), Shard(0)]):
+        with pytest.raises(InvalidArgument, match="_StridedShard is supported as FSDP2 over tensor parallel"):
+            _slices_of("w", (8, 4), placements, (2, 2)[:len(placements)], (0,) * len(placements), Shard)
+    with pytest.raises(InvalidArgument, match="'w': placements .*Partial"):
+        _slices_of("w", (8, 4), [Shard(0), Partial()], (2, 2), (0, 0), Shard)
+
+
 def test_an_unsupported_dtensor_placement_is_a_clear_error():
     """Shard(1) (tensor parallel's row-wise split) is taken as a slice of dimension 1;
     Partial() (a pending reduction) is refused naming the tensor and what is
@@ -420,7 +612,7 @@ def test_an_unsupported_dtensor_placement_is_a_clear_error():
         "h = holding_of('s0', distribute_tensor(t, mesh, [Shard(0)]))\n"
         "assert (h.start, h.rows) == (0, 4)\n"
         "h = holding_of('col', distribute_tensor(t, mesh, [Shard(1)]))\n"
-        "assert (h.dim, h.start, h.rows) == (1, 0, 6) and h.whole\n"
+        "assert h.whole and torch.equal(h.local, t)\n"
         "try:\n"
         "    holding_of('partial', DTensor.from_local(t, mesh, [Partial()]))\n"
         "except InvalidArgument as exc:\n"
@@ -432,7 +624,7 @@ def test_an_unsupported_dtensor_placement_is_a_clear_error():
         "import sys; sys.stdout.flush(); os._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "refused:" in out.stdout and "'partial'" in out.stdout and "one Shard(d) over one mesh dimension" in out.stdout
+    assert "refused:" in out.stdout and "'partial'" in out.stdout and "Shard(d) and Replicate()" in out.stdout
 
 
 def test_every_rank_rebuilds_the_drivers_error_as_the_same_type():

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.test_sharding import chunk_slices
+from tests.test_sharding import chunk_slices, grid_slices
 from tests.test_transports import KINDS, rendezvous
 from weightsync import transport as transports
 from weightsync.engine.streamed_load import receive_and_load, receive_and_load_from_senders
@@ -134,12 +134,14 @@ def test_the_receive_thread_takes_the_engines_gpu_before_receiving(monkeypatch):
         assert all(thread == NotesItsThread.thread for _, thread in calls), calls
 
 
-def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int | None = None, dim: int = 0):
+def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int | None = None, dim: int = 0,
+                 grid: bool = False):
     """``world`` senders, each streaming its own slices on its own lane, into one
     streamed receive. ``fail_sender``: that sender's stream stops after its first
-    bucket (its abort flag set), as a trainer rank that dies mid-round."""
+    bucket (its abort flag set), as a trainer rank that dies mid-round. ``grid``: four
+    senders of a 2x2 mesh, each holding blocks of rows and columns."""
     kind = KINDS[kind_name]
-    holdings = chunk_slices(world, sources, lambda tensor: dim)
+    holdings = grid_slices(2, 2, sources) if grid else chunk_slices(world, sources, lambda tensor: dim)
     plan, owners = assign([describe(h) for h in holdings], bucket_bytes=BUCKET)
     store = host_store("127.0.0.1", timeout_s=20)
     senders = {r: transports.make_sender(kind, store) for r in owners.sender_ranks}
@@ -181,13 +183,14 @@ def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int
     return plan, outcome
 
 
-@pytest.mark.parametrize("dim", [0, 1], ids=["rows", "columns"])
+@pytest.mark.parametrize("layout", ["rows", "columns", "blocks"])
 @pytest.mark.parametrize("kind_name", ["gloo", "shm"])
-def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kind_name, dim):
+def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kind_name, layout):
     """Two trainer ranks each send their own rows of every tensor (FSDP2's Shard(0)),
-    or columns (tensor parallel's Shard(1)); the engine's loader gets each full tensor
-    once, as soon as its last part is in, equal to the trainer's full tensor, and the
-    receive holds a few buckets' worth, not a second copy of the model."""
+    or columns (tensor parallel's Shard(1)), or four send blocks of both (FSDP2 over
+    tensor parallel); the engine's loader gets each full tensor once, as soon as its
+    last part is in, equal to the trainer's full tensor, and the receive holds a few
+    buckets' worth, not a second copy of the model."""
     sources = [(n, t.view(-1, 64)) for n, t in _model(5)]  # rows to shard: 128 and 1024 rows of 64
     loaded: dict[str, torch.Tensor] = {}
     seen: list[str] = []
@@ -198,7 +201,7 @@ def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kin
             seen.append(name)
             loaded[name] = tensor.clone()
 
-    plan, outcome = _run_sharded(kind_name, load, sources, dim=dim)
+    plan, outcome = _run_sharded(kind_name, load, sources, dim=int(layout == "columns"), grid=layout == "blocks")
     assert set(outcome) == {"result"}, outcome
     digest, peak = outcome["result"]
     assert digest == weights_digest(sources)  # what the trainer's full tensors hash to

@@ -6,24 +6,30 @@ holds; nothing is gathered to one rank first. The round's ``BucketPlan`` still
 describes the full tensors the engines hold; ``Owners`` adds, per sending rank, its
 *parts*: slices ``[start, start + rows)`` along one dimension of a tensor (``dims``;
 dimension 0 -- rows -- unless said otherwise; a whole tensor is all its rows; a
-0-dimensional tensor is one "row"). A sender's parts, in its order, are laid out as a
+0-dimensional tensor is one "row"), and *blocks*: a part sliced along further, later
+dimensions too (``extra_*``: FSDP2 over tensor parallel holds a row-wise layer's weight
+as a block of rows and columns). A sender's parts, in its order, are laid out as a
 plan of their own (``part_plan``): tensors shaped like the parts, with the round's
 bucket size. Each sender streams that plan on its own lane, and an engine receives
 every lane into views of its full tensors (``part_views``): a row range of a
 contiguous tensor is itself contiguous, so every transport's receiver works on it
-unchanged. A slice along another dimension is not: it is received into a tensor of
-its own and copied into place once its last byte is in (``PartViews.done``).
+unchanged. A slice along another dimension, or a block, is not: it is received into
+a tensor of its own and copied into place once its last byte is in (``PartViews.done``).
 
 The parts of every tensor, over all senders, must cover it exactly once: checked
 with whole-array operations (a plan may list 20k tensors), by the coordinator and by
-every engine, before anything changes.
+every engine, before anything changes. The blocks of a tensor must form a grid (each
+dimension cut the same way across the others, as a device mesh cuts a DTensor).
 
-What the trainer side can describe (``holding_of``): plain tensors (a full copy),
-DTensors placed ``Shard(d)`` over one mesh dimension (FSDP2's default is ``Shard(0)``;
+What the trainer side can describe (``holding_of``): plain tensors (a full copy) and
+DTensors placed ``Shard(d)`` over any mesh dimensions (FSDP2's default is ``Shard(0)``;
 tensor parallel's column- and row-wise layers ``Shard(0)`` and ``Shard(1)``: slices as
-``torch.chunk`` makes them) and ``Replicate()`` over any others (HSDP's replica
-groups: several ranks hold the same slice, and one of them sends it). A tensor several ranks hold whole
-is sent by one of them, chosen to balance the bytes each rank sends.
+``torch.chunk`` makes them, and chunks of chunks where two mesh dimensions shard one
+tensor dimension), FSDP2 over tensor parallel's ``_StridedShard`` (the tensor-parallel
+chunk first, then FSDP's chunk of it) and ``Replicate()`` over the others (HSDP's
+replica groups: several ranks hold the same slice, and one of them sends it). A tensor
+several ranks hold whole is sent by one of them, chosen to balance the bytes each rank
+sends.
 """
 
 from __future__ import annotations
@@ -69,23 +75,78 @@ _OWNERS_KEPT = 8
 
 @dataclass(frozen=True)
 class SenderParts:
-    """One sender's parts, in the order it streams them."""
+    """One sender's parts, in the order it streams them.
+
+    A part that is a block is sliced along further dimensions too: one entry per
+    further slice in the ``extra_*`` columns (the part it belongs to, its dimension --
+    after the part's own, increasing -- and its range). Most parts have none."""
 
     sender: int
     tensors: np.ndarray  # int32: index into the plan's tensors
     starts: np.ndarray   # int64: first slice ("row") along the part's dimension
     rows: np.ndarray     # int64: number of slices
     dims: np.ndarray | None = None  # int8: the dimension each part slices; None: all 0
+    extra_parts: np.ndarray | None = None   # int32: the part a further slice belongs to
+    extra_dims: np.ndarray | None = None    # int8: its dimension
+    extra_starts: np.ndarray | None = None  # int64: its first slice
+    extra_rows: np.ndarray | None = None    # int64: its number of slices
 
     def __post_init__(self) -> None:
         if self.dims is None:
             object.__setattr__(self, "dims", np.zeros(len(self.tensors), dtype=np.int8))
+        for field, dtype in (("extra_parts", np.int32), ("extra_dims", np.int8), ("extra_starts", np.int64),
+                             ("extra_rows", np.int64)):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, np.zeros(0, dtype=dtype))
+
+    def extras(self) -> dict[int, tuple[tuple[int, int, int], ...]]:
+        """Each block's further slices, (dim, start, rows), by part index; {} for none."""
+        if not len(self.extra_parts):
+            return {}
+        found: dict[int, list[tuple[int, int, int]]] = {}
+        for part, dim, start, rows in zip(self.extra_parts.tolist(), self.extra_dims.tolist(),
+                                          self.extra_starts.tolist(), self.extra_rows.tolist(), strict=True):
+            found.setdefault(part, []).append((dim, start, rows))
+        return {part: tuple(cuts) for part, cuts in found.items()}
 
     def to_proto(self) -> common_pb2.SenderParts:
         return common_pb2.SenderParts(sender=self.sender, tensors=self.tensors.astype("<i4").tobytes(),
                                       starts=self.starts.astype("<i8").tobytes(),
                                       rows=self.rows.astype("<i8").tobytes(),
-                                      dims=self.dims.astype(np.int8).tobytes() if self.dims.any() else b"")
+                                      dims=self.dims.astype(np.int8).tobytes() if self.dims.any() else b"",
+                                      extra_parts=self.extra_parts.astype("<i4").tobytes(),
+                                      extra_dims=self.extra_dims.astype(np.int8).tobytes(),
+                                      extra_starts=self.extra_starts.astype("<i8").tobytes(),
+                                      extra_rows=self.extra_rows.astype("<i8").tobytes())
+
+
+def _tiles(shape: Sequence[int], blocks: Sequence[tuple[tuple[int, int], ...]]) -> bool:
+    """Whether ``blocks`` (each a (start, rows) per dimension of ``shape``) cover a
+    tensor of ``shape`` exactly once as a grid: along each dimension their distinct
+    ranges cut it into consecutive pieces, and there is one block per cell."""
+    if len(set(blocks)) != len(blocks):
+        return False
+    cells = 1
+    for d, extent in enumerate(shape):
+        at = 0
+        ranges = sorted({block[d] for block in blocks})
+        for start, rows in ranges:
+            if start != at:
+                return False
+            at = start + rows
+        if at != extent:
+            return False
+        cells *= len(ranges)
+    return cells == len(blocks)
+
+
+def _block(shape: Sequence[int], dim: int, start: int, rows: int,
+           extra: Sequence[tuple[int, int, int]] = ()) -> tuple[tuple[int, int], ...]:
+    """A part as a (start, rows) per dimension of ``shape``."""
+    block = [(0, extent) for extent in shape]
+    for d, s, r in ((dim, start, rows), *extra):
+        block[d] = (s, r)
+    return tuple(block)
 
 
 class Owners:
@@ -115,11 +176,10 @@ class Owners:
         20k-part plans every round."""
         digest = hashlib.blake2b(plan.plan_id.encode(), digest_size=16)
         for s in msg.senders:
-            digest.update(b"%d|%d|%d|%d|%d|" % (s.sender, len(s.tensors), len(s.starts), len(s.rows), len(s.dims)))
-            digest.update(s.tensors)
-            digest.update(s.starts)
-            digest.update(s.rows)
-            digest.update(s.dims)
+            columns = (s.tensors, s.starts, s.rows, s.dims, s.extra_parts, s.extra_dims, s.extra_starts, s.extra_rows)
+            digest.update(b"%d|" % s.sender + b"|".join(b"%d" % len(c) for c in columns) + b"|")
+            for column in columns:
+                digest.update(column)
         key = digest.hexdigest()
         with _OWNERS_LOCK:
             known = _OWNERS_BY_KEY.get(key)
@@ -149,7 +209,15 @@ class Owners:
             dims = np.frombuffer(s.dims, dtype=np.int8).copy() if s.dims else None
             if not len(tensors) == len(starts) == len(rows) or (dims is not None and len(dims) != len(tensors)):
                 raise InvalidArgument(f"sender {s.sender}: parts columns differ in length")
-            senders.append(SenderParts(s.sender, tensors, starts, rows, dims))
+            if len(s.extra_parts) % 4 or len(s.extra_starts) % 8 or len(s.extra_rows) % 8:
+                raise InvalidArgument(f"sender {s.sender}: block columns are not whole int32/int64 values")
+            extra = (np.frombuffer(s.extra_parts, dtype="<i4").astype(np.int32),
+                     np.frombuffer(s.extra_dims, dtype=np.int8).copy(),
+                     np.frombuffer(s.extra_starts, dtype="<i8").astype(np.int64),
+                     np.frombuffer(s.extra_rows, dtype="<i8").astype(np.int64))
+            if len({len(column) for column in extra}) != 1:
+                raise InvalidArgument(f"sender {s.sender}: block columns differ in length")
+            senders.append(SenderParts(s.sender, tensors, starts, rows, dims, *extra))
         return cls(plan, senders)
 
     def to_proto(self) -> common_pb2.Owners:
@@ -198,10 +266,20 @@ class Owners:
                                       f"{int(s.starts[bad[0]])}..{int(ends[bad[0]])} of dimension "
                                       f"{int(s.dims[bad[0]])}) lies outside the tensor's {int(extents[bad[0]])}",
                                       metadata={"tensor": self.plan.names[i]})
+            self._check_extra(s, ndims)
+        blocky = np.zeros(n, dtype=bool)  # tensors some sender sends as blocks: checked as a grid below
+        for s in self.senders:
+            blocky[s.tensors[s.extra_parts]] = True
         tensors = np.concatenate([s.tensors for s in self.senders]).astype(np.int64)
         starts = np.concatenate([s.starts for s in self.senders])
         ends = starts + np.concatenate([s.rows for s in self.senders])
         dims = np.concatenate([s.dims for s in self.senders])
+        covered = np.zeros(n, dtype=bool)
+        covered[tensors] = True
+        if blocky.any():
+            self._check_grids(blocky)
+            sliced = ~blocky[tensors]
+            tensors, starts, ends, dims = tensors[sliced], starts[sliced], ends[sliced], dims[sliced]
         order = np.lexsort((starts, tensors))
         tensors, starts, ends, dims = tensors[order], starts[order], ends[order], dims[order]
         first = np.ones(len(tensors), dtype=bool)
@@ -226,11 +304,53 @@ class Owners:
             name = self.plan.names[int(tensors[gap[0]])]
             raise InvalidArgument(f"the senders' parts of {name!r} overlap or leave rows unsent",
                                   metadata={"tensor": name})
-        if first.sum() != n:
-            covered = np.zeros(n, dtype=bool)
-            covered[tensors] = True
+        if not covered.all():
             name = self.plan.names[int(np.flatnonzero(~covered)[0])]
             raise InvalidArgument(f"no sender sends {name!r}", metadata={"tensor": name})
+
+    def _check_extra(self, s: SenderParts, ndims: np.ndarray) -> None:
+        """A sender's block columns: each further slice of a real part, along a later
+        dimension than the part's own (increasing within a part), inside the tensor."""
+        parts = s.extra_parts.astype(np.int64)
+        if not len(parts):
+            return
+        if parts.min() < 0 or parts.max() >= len(s.tensors):
+            raise InvalidArgument(f"sender {s.sender}: a block's slice names a part outside its {len(s.tensors)}")
+        tensors, dims = s.tensors[parts].astype(np.int64), s.extra_dims.astype(np.int64)
+        follows = np.zeros(len(parts), dtype=bool)
+        follows[1:] = parts[1:] == parts[:-1]
+        after = np.where(follows, np.concatenate(([0], dims[:-1])), s.dims[parts].astype(np.int64))
+        bad = np.flatnonzero((dims <= after) | (dims >= ndims[tensors].astype(np.int64))
+                             | (np.concatenate(([False], parts[1:] < parts[:-1]))))
+        if len(bad):
+            name = self.plan.names[int(tensors[bad[0]])]
+            raise InvalidArgument(f"sender {s.sender}: its block of {name!r} slices dimension {int(dims[bad[0]])} "
+                                  "out of order (each block's dimensions increase, after the part's own) or beyond "
+                                  "the tensor's", metadata={"tensor": name})
+        ends = s.extra_starts + s.extra_rows
+        bad = np.flatnonzero((s.extra_rows <= 0) | (s.extra_starts < 0) | (ends > self.plan.extents(tensors, dims)))
+        if len(bad):
+            name = self.plan.names[int(tensors[bad[0]])]
+            raise InvalidArgument(f"sender {s.sender}: its block of {name!r} (slices {int(s.extra_starts[bad[0]])}.."
+                                  f"{int(ends[bad[0]])} of dimension {int(dims[bad[0]])}) is empty or lies outside "
+                                  "the tensor", metadata={"tensor": name})
+
+    def _check_grids(self, blocky: np.ndarray) -> None:
+        """Every tensor some sender sends as blocks: all its parts, over every sender,
+        tile it as a grid (``_tiles``)."""
+        shapes = self.plan.shapes
+        blocks: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+        for s in self.senders:
+            extras = s.extras()
+            for i in np.flatnonzero(blocky[s.tensors]).tolist():
+                t = int(s.tensors[i])
+                blocks.setdefault(t, []).append(_block(shapes[t], int(s.dims[i]), int(s.starts[i]), int(s.rows[i]),
+                                                       extras.get(i, ())))
+        for t, found in blocks.items():
+            if not _tiles(shapes[t], found):
+                name = self.plan.names[t]
+                raise InvalidArgument(f"the senders' blocks of {name!r} overlap, leave part of it unsent or do not "
+                                      "form a grid", metadata={"tensor": name})
 
     def part_plan(self, sender: int) -> BucketPlan:
         """The layout of ``sender``'s stream: its parts as tensors, the round's bucket size."""
@@ -239,9 +359,18 @@ class Owners:
             if plan is None:
                 parts = self.parts_of(sender)
                 names, dtypes, shapes = self.plan.names, self.plan.dtypes, self.plan.shapes
-                specs = ((names[t], dtypes[t], (*shapes[t][:d], r, *shapes[t][d + 1:]) if shapes[t] else ())
-                         for t, r, d in zip(parts.tensors.tolist(), parts.rows.tolist(), parts.dims.tolist(),
-                                            strict=True))
+                extras = parts.extras()
+
+                def part_shape(i: int, t: int, rows: int, dim: int) -> tuple[int, ...]:
+                    shape = list(shapes[t])
+                    for d, _, r in ((dim, 0, rows), *extras.get(i, ())):
+                        if shape:
+                            shape[d] = r
+                    return tuple(shape)
+
+                specs = ((names[t], dtypes[t], part_shape(i, t, r, d))
+                         for i, (t, r, d) in enumerate(zip(parts.tensors.tolist(), parts.rows.tolist(),
+                                                           parts.dims.tolist(), strict=True)))
                 plan = self._part_plans[sender] = BucketPlan.build(specs, bucket_bytes=self.plan.bucket_bytes)
             return plan
 
@@ -262,7 +391,7 @@ class Owners:
         them go (sleep frees them)."""
         layout = self._layout(sender)
         addresses = getattr(targets, "addresses", None)
-        if addresses is None or getattr(targets, "sizes", None) is not self.plan.sizes or any(layout[4]):
+        if addresses is None or getattr(targets, "sizes", None) is not self.plan.sizes or _staged(layout):
             return PartViews(layout, targets)
         with self._lock:
             known = self._addresses.get(sender)
@@ -276,39 +405,61 @@ class Owners:
                 self._addresses[sender] = known
         return PartViews(layout, targets, addresses=known[1], sizes=self.part_plan(sender).sizes)
 
-    def _layout(self, sender: int) -> tuple[list[int], list[int], list[int], list[bool], list[int]]:
-        """``sender``'s parts as Python lists (tensor, start, rows, whole, dim), made once."""
+    def _layout(self, sender: int) -> Layout:
+        """``sender``'s parts as Python lists (tensor, start, rows, whole, dim, a block's
+        further slices or None), made once."""
         with self._lock:
             layout = self._layouts.get(sender)
             if layout is None:
                 parts = self.parts_of(sender)
                 total = self.plan.extents(parts.tensors, parts.dims)
-                whole = ((parts.starts == 0) & (parts.rows == total)).tolist()
+                whole = (parts.starts == 0) & (parts.rows == total)
+                whole[parts.extra_parts] = False
+                extras = parts.extras()
                 layout = self._layouts[sender] = (parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(),
-                                                  whole, parts.dims.tolist())
+                                                  whole.tolist(), parts.dims.tolist(),
+                                                  [extras.get(i) for i in range(len(parts.tensors))] if extras else [])
             return layout
+
+
+# One sender's parts as lists: tensor, start, rows, whole, dim, and each part's further
+# slices (a block) or None -- an empty list where no part is a block.
+Layout = tuple[list[int], list[int], list[int], list[bool], list[int], list]
+
+
+def _staged(layout: Layout) -> bool:
+    """Whether some part is no contiguous view of its tensor: a slice along a dimension
+    other than 0, or a block."""
+    return any(layout[4]) or bool(layout[5])
 
 
 class PartViews(Sequence):
     """One sender's part views of a set of full tensors (see ``Owners.part_views``):
     a sequence whose items are made on first access and kept until ``done``.
 
-    A part that slices a dimension other than 0 is no contiguous view of its tensor:
-    its item is a tensor of its own (``staged``), copied into place by ``done``, which
-    the receive calls for each part once its last byte is in.
+    A part that slices a dimension other than 0, or a block, is no contiguous view of
+    its tensor: its item is a tensor of its own (``staged``), copied into place by
+    ``done``, which the receive calls for each part once its last byte is in.
 
     ``addresses`` (uint64, one per part) and ``sizes`` (the part plan's byte sizes),
     where the targets carried their addresses: as ``cross_memory.AddressedTensors``
     has them, for ``cross_memory.addresses_for``."""
 
-    def __init__(self, layout: tuple[list[int], list[int], list[int], list[bool], list[int]],
-                 targets: Sequence[torch.Tensor], *, addresses: np.ndarray | None = None,
+    def __init__(self, layout: Layout, targets: Sequence[torch.Tensor], *, addresses: np.ndarray | None = None,
                  sizes: Sequence[int] | None = None) -> None:
-        self._tensors, self._starts, self._rows, self._whole, self._dims = layout
+        self._tensors, self._starts, self._rows, self._whole, self._dims, extras = layout
+        self._extras = extras or [None] * len(self._tensors)
         self._targets = targets
         self._made: list[torch.Tensor | None] = [None] * len(self._tensors)
         self.addresses, self.sizes = addresses, sizes
-        self.staged = any(self._dims)  # some part lands in a tensor of its own first
+        self.staged = _staged(layout)  # some part lands in a tensor of its own first
+
+    def _place(self, i: int) -> torch.Tensor:
+        """Part ``i``'s place in its full tensor: a view, contiguous only for a row range."""
+        view = self._targets[self._tensors[i]].narrow(self._dims[i], self._starts[i], self._rows[i])
+        for dim, start, rows in self._extras[i] or ():
+            view = view.narrow(dim, start, rows)
+        return view
 
     def __len__(self) -> int:
         return len(self._tensors)
@@ -319,9 +470,8 @@ class PartViews(Sequence):
         engine's loader let that go)."""
         made = self._made[i]
         self._made[i] = None
-        if made is not None and self._dims[i] and not self._whole[i]:
-            target = self._targets[self._tensors[i]]
-            target.narrow(self._dims[i], self._starts[i], self._rows[i]).copy_(made)
+        if made is not None and (self._dims[i] or self._extras[i]) and not self._whole[i]:
+            self._place(i).copy_(made)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -332,12 +482,10 @@ class PartViews(Sequence):
             dim = self._dims[i]
             if self._whole[i]:
                 view = target
-            elif dim == 0:
+            elif dim == 0 and not self._extras[i]:
                 view = target.narrow(0, self._starts[i], self._rows[i])
             else:
-                shape = list(target.shape)
-                shape[dim] = self._rows[i]
-                view = target.new_empty(shape)
+                view = target.new_empty(self._place(i).shape)
             self._made[i] = view
         return view
 
@@ -348,7 +496,8 @@ class PartViews(Sequence):
 @dataclass(frozen=True)
 class Holding:
     """What one rank holds of one tensor: slices ``[start, start + rows)`` along
-    dimension ``dim`` of a tensor of ``shape`` (the full tensor's), as ``local``
+    dimension ``dim`` of a tensor of ``shape`` (the full tensor's) -- a block where
+    ``extra`` slices later dimensions too, (dim, start, rows) each -- as ``local``
     (contiguous, shaped like the slice)."""
 
     name: str
@@ -358,10 +507,56 @@ class Holding:
     rows: int
     local: torch.Tensor
     dim: int = 0
+    extra: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def whole(self) -> bool:
-        return self.start == 0 and self.rows == (self.shape[self.dim] if self.shape else 1)
+        return self.start == 0 and self.rows == (self.shape[self.dim] if self.shape else 1) and not self.extra
+
+
+def _slices_of(name: str, shape: tuple[int, ...], placements, sizes, coordinates, shard) -> list[tuple[int, int, int]]:
+    """The (dim, start, rows) this rank holds along each tensor dimension a mesh
+    dimension shards (dimensions it holds whole left out), as torch places them:
+    ``Shard(d)`` over several mesh dimensions chunks the chunk, in mesh order; FSDP2
+    over tensor parallel's ``_StridedShard(d, split_factor)`` (followed by the plain
+    ``Shard(d)`` of mesh dimensions that together make ``split_factor``) is chunked by
+    those later mesh dimensions first, then by its own.
+
+    Raises:
+        InvalidArgument: a placement other than Shard, _StridedShard and Replicate
+            (Partial()), or a _StridedShard in any other arrangement."""
+    cuts: dict[int, list[tuple[int, object]]] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement).__name__ == "Replicate":
+            continue
+        dim = getattr(placement, "dim", -1)
+        strided = type(placement).__name__ == "_StridedShard"
+        if not (isinstance(placement, shard) or strided) or not shape or not 0 <= dim < len(shape):
+            raise InvalidArgument(f"tensor {name!r}: placements {tuple(placements)}; sharded sends support Shard(d) "
+                                  "and Replicate() over any mesh dimensions (FSDP2, HSDP, tensor parallel, FSDP2 "
+                                  "over tensor parallel; gather other layouts first)", metadata={"tensor": name})
+        cuts.setdefault(dim, []).append((mesh_dim, placement))
+    slices = []
+    for dim in sorted(cuts):
+        order = [mesh_dim for mesh_dim, _ in cuts[dim]]
+        strided = [i for i, (_, p) in enumerate(cuts[dim]) if type(p).__name__ == "_StridedShard"]
+        if strided:
+            later = order[1:]
+            factor = int(np.prod([sizes[m] for m in later], dtype=np.int64))
+            if strided != [0] or not later or factor != getattr(cuts[dim][0][1], "split_factor", None):
+                raise InvalidArgument(f"tensor {name!r}: placements {tuple(placements)}; a _StridedShard is supported "
+                                      "as FSDP2 over tensor parallel places it (first, with split_factor the size "
+                                      "of the mesh dimensions that shard the same tensor dimension after it)",
+                                      metadata={"tensor": name})
+            order = [*later, order[0]]
+        start, rows = 0, shape[dim]
+        for mesh_dim in order:  # torch.chunk: equal chunks, the last ones short or empty
+            chunk = -(-rows // sizes[mesh_dim])
+            offset = min(coordinates[mesh_dim] * chunk, rows)
+            start, rows = start + offset, max(0, min(chunk, rows - offset))
+        if (start, rows) != (0, shape[dim]):
+            slices.append((dim, start, rows))
+    return slices
 
 
 def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> Holding:
@@ -372,15 +567,15 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
     tensors share one mesh; asking cost 16 us a tensor).
 
     Raises:
-        InvalidArgument: placements other than one Shard(d) and any Replicate() (a
-            tensor sliced over two mesh dimensions, Partial()), or a local shard whose
-            size is not the one torch.chunk gives this rank.
+        InvalidArgument: placements other than Shard(d), FSDP2-over-tensor-parallel's
+            _StridedShard and Replicate() (Partial()), or a local shard whose size is
+            not the one torch.chunk gives this rank.
     """
     shape = tuple(tensor.shape)
     types = _dtensor_types()
     if types is None or not isinstance(tensor, types[0]):
         return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, tensor.contiguous())
-    _, replicate, shard = types
+    shard = types[2]
     mesh, placements = tensor.device_mesh, tensor.placements
     known = meshes.get(id(mesh)) if meshes is not None else None
     if known is None:  # each mesh dimension's size, and this rank's coordinate along it
@@ -396,28 +591,20 @@ def holding_of(name: str, tensor: torch.Tensor, meshes: dict | None = None) -> H
     import torch  # loaded already: a DTensor is at hand
     if not isinstance(local, torch.Tensor):
         local = tensor.to_local()
-    # At most one mesh dimension shards the tensor; along the others it is replicated
-    # (HSDP: Replicate() across the replica groups, Shard(0) within each). Several
-    # ranks then hold the same slice, and ``assign`` has one of them send it.
-    sharding = [(i, p) for i, p in enumerate(placements) if not isinstance(p, replicate)]
-    if not sharding:
-        return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, local.contiguous())
-    mesh_dim, placement = sharding[0]
-    dim = getattr(placement, "dim", -1)
-    if (len(sharding) > 1 or not isinstance(placement, shard) or not shape or not 0 <= dim < len(shape)):
-        raise InvalidArgument(f"tensor {name!r}: placements {tuple(placements)}; sharded sends support one "
-                              "Shard(d) over one mesh dimension, Replicate() over the others (FSDP2, HSDP, tensor "
-                              "parallel; gather other layouts first)", metadata={"tensor": name})
-    size, coordinate = sizes[mesh_dim], coordinates[mesh_dim]
-    extent = shape[dim]
-    chunk = -(-extent // size)  # torch.chunk: equal chunks, the last ones short or empty
-    start = min(coordinate * chunk, extent)
-    rows = max(0, min(chunk, extent - start))
-    want = (*shape[:dim], rows, *shape[dim + 1:])
-    if tuple(local.shape) != want:
+    # Mesh dimensions that replicate the tensor (HSDP: Replicate() across the replica
+    # groups, Shard(0) within each) leave several ranks the same slice, and ``assign``
+    # has one of them send it.
+    slices = _slices_of(name, shape, placements, sizes, coordinates, shard)
+    want = list(shape)
+    for dim, _, rows in slices:
+        want[dim] = rows
+    if tuple(local.shape) != tuple(want):
         raise InvalidArgument(f"tensor {name!r}: local shard {tuple(local.shape)} is not the torch.chunk shard "
-                              f"{want} of mesh coordinate {coordinate}", metadata={"tensor": name})
-    return Holding(name, tensor.dtype, shape, start, rows, local.contiguous(), dim)
+                              f"{tuple(want)} of mesh coordinate {coordinates}", metadata={"tensor": name})
+    if not slices:
+        return Holding(name, tensor.dtype, shape, 0, shape[0] if shape else 1, local.contiguous())
+    (dim, start, rows), *extra = slices
+    return Holding(name, tensor.dtype, shape, start, rows, local.contiguous(), dim, tuple(extra))
 
 
 class HeldReplay:
@@ -516,6 +703,8 @@ def describe(holdings: Sequence[Holding]) -> dict:
                  "rows": [h.rows for h in holdings]}
     if any(h.dim for h in holdings):
         described["dims"] = [h.dim for h in holdings]
+    if any(h.extra for h in holdings):
+        described["extra"] = [[list(cut) for cut in h.extra] for h in holdings]
     return described
 
 
@@ -525,10 +714,10 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
 
     Tensors are planned in the order they first appear (rank 0's order, then tensors
     only later ranks hold). A tensor whose shards, over the ranks that hold a shard,
-    slice one dimension and cover it is sent shard by shard, each shard several ranks
-    hold (HSDP's replicas) from the one that sends the fewest bytes so far; otherwise a rank holding it whole sends it,
-    the one that sends the fewest bytes so far (so replicated tensors spread over
-    the ranks).
+    cover it exactly once (slices of one dimension, or blocks that form a grid) is
+    sent shard by shard, each shard several ranks hold (HSDP's replicas) from the one
+    that sends the fewest bytes so far; otherwise a rank holding it whole sends it, the
+    one that sends the fewest bytes so far (so replicated tensors spread over the ranks).
 
     Raises:
         InvalidArgument: ranks disagree on a tensor's dtype or shape, or a tensor is
@@ -536,65 +725,88 @@ def assign(described: Sequence[dict], *, bucket_bytes: int,
     """
     from weightsync.dtypes import ITEMSIZE, dtype_from_name, on_wire
     order: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    shards: dict[str, list[tuple[int, int, int, int]]] = {}  # name -> [(start, rows, rank, dim)]
+    # name -> [(start, rows, dim, further slices, rank)]
+    shards: dict[str, list[tuple[int, int, int, tuple, int]]] = {}
     whole: dict[str, list[int]] = {}
     for rank, d in enumerate(described):
-        dims = d.get("dims") or [0] * len(d["names"])
-        for name, dt, shape, start, rows, dim in zip(d["names"], d["dtypes"], d["shapes"], d["starts"], d["rows"],
-                                                     dims, strict=True):
+        count = len(d["names"])
+        dims = d.get("dims") or [0] * count
+        extras = d.get("extra") or [()] * count
+        for name, dt, shape, start, rows, dim, extra in zip(d["names"], d["dtypes"], d["shapes"], d["starts"],
+                                                            d["rows"], dims, extras, strict=True):
             spec = (dtype_from_name(dt), tuple(shape))
             known = order.setdefault(name, spec)
             if known != spec:
                 raise InvalidArgument(f"tensor {name!r}: rank {rank} holds {dt} {list(shape)}, another rank "
                                       f"{known[0]} {list(known[1])}", metadata={"tensor": name})
-            if not 0 <= dim < max(len(shape), 1):
-                raise InvalidArgument(f"tensor {name!r}: rank {rank} holds a slice of dimension {dim} of a "
+            extra = tuple(tuple(cut) for cut in extra)
+            cut_dims = [dim, *(cut[0] for cut in extra)]
+            if any(not 0 <= c < max(len(shape), 1) for c in cut_dims) or cut_dims != sorted(set(cut_dims)):
+                raise InvalidArgument(f"tensor {name!r}: rank {rank} holds a slice of dimensions {cut_dims} of a "
                                       f"{len(shape)}-dimensional tensor", metadata={"tensor": name})
             extent = shape[dim] if shape else 1
-            if start == 0 and rows == extent:
+            if start == 0 and rows == extent and not extra:
                 whole.setdefault(name, []).append(rank)
-            elif rows > 0:
-                shards.setdefault(name, []).append((start, rows, rank, dim))
+            elif rows > 0 and all(cut[2] > 0 for cut in extra):
+                shards.setdefault(name, []).append((start, rows, dim, extra, rank))
     names = list(order)
     dtypes = [on_wire(order[n][0], wire_dtype) for n in names]
     plan = BucketPlan.build(((n, d, order[n][1]) for n, d in zip(names, dtypes, strict=True)),
                             bucket_bytes=bucket_bytes)
     sent = [0] * len(described)
-    parts: list[list[tuple[int, int, int, int]]] = [[] for _ in described]  # per rank: (tensor, start, rows, dim)
+    parts: list[list[tuple[int, int, int, int, tuple]]] = [[] for _ in described]  # per rank: (tensor, start, rows, dim, extra)
     for index, name in enumerate(names):
         shape = order[name][1]
+        itemsize = ITEMSIZE[dtypes[index]]
         # The same slice held by several ranks (HSDP's replica groups): one entry,
         # with every rank that holds it.
-        holders: dict[tuple[int, int, int], list[int]] = {}
-        for start, rows, rank, dim in shards.get(name, ()):
-            holders.setdefault((start, rows, dim), []).append(rank)
+        holders: dict[tuple[int, int, int, tuple], list[int]] = {}
+        for start, rows, dim, extra, rank in shards.get(name, ()):
+            holders.setdefault((start, rows, dim, extra), []).append(rank)
         pieces = sorted(holders)
-        dim = pieces[0][2] if pieces else 0
-        covered, at = all(p[2] == dim for p in pieces), 0
-        for start, rows, _ in pieces:
-            covered &= start == at
-            at = start + rows
-        # bytes of one slice along ``dim``: the tensor's bytes over its extent there
-        slice_bytes = ITEMSIZE[dtypes[index]] * (int(np.prod(shape, dtype=np.int64)) // max(shape[dim], 1)
-                                                 if shape else 1)
-        if pieces and covered and at == shape[dim]:
-            for start, rows, _ in pieces:
-                rank = min(holders[(start, rows, dim)], key=lambda r: (sent[r], r))
-                parts[rank].append((index, start, rows, dim))
-                sent[rank] += rows * slice_bytes
+        if pieces and _covers(shape, pieces):
+            for piece in pieces:
+                start, rows, dim, extra = piece
+                rank = min(holders[piece], key=lambda r: (sent[r], r))
+                parts[rank].append((index, start, rows, dim, extra))
+                block = _block(shape, dim, start, rows, extra)
+                sent[rank] += itemsize * int(np.prod([r for _, r in block], dtype=np.int64))
         elif name in whole:
             rank = min(whole[name], key=lambda r: (sent[r], r))
             rows = shape[0] if shape else 1
-            parts[rank].append((index, 0, rows, 0))
-            sent[rank] += ITEMSIZE[dtypes[index]] * (int(np.prod(shape, dtype=np.int64)) if shape else 1)
+            parts[rank].append((index, 0, rows, 0, ()))
+            sent[rank] += itemsize * (int(np.prod(shape, dtype=np.int64)) if shape else 1)
         else:
             raise InvalidArgument(f"tensor {name!r}: no rank holds it whole and its shards do not cover it",
                                   metadata={"tensor": name})
-    senders = [SenderParts(rank, np.array([p[0] for p in ps], dtype=np.int32),
-                           np.array([p[1] for p in ps], dtype=np.int64), np.array([p[2] for p in ps], dtype=np.int64),
-                           np.array([p[3] for p in ps], dtype=np.int8))
-               for rank, ps in enumerate(parts) if ps]
+    senders = []
+    for rank, ps in enumerate(parts):
+        if not ps:
+            continue
+        extra = [(i, *cut) for i, p in enumerate(ps) for cut in p[4]]
+        senders.append(SenderParts(rank, np.array([p[0] for p in ps], dtype=np.int32),
+                                   np.array([p[1] for p in ps], dtype=np.int64),
+                                   np.array([p[2] for p in ps], dtype=np.int64),
+                                   np.array([p[3] for p in ps], dtype=np.int8),
+                                   np.array([e[0] for e in extra], dtype=np.int32),
+                                   np.array([e[1] for e in extra], dtype=np.int8),
+                                   np.array([e[2] for e in extra], dtype=np.int64),
+                                   np.array([e[3] for e in extra], dtype=np.int64)))
     return plan, Owners(plan, senders)
+
+
+def _covers(shape: tuple[int, ...], pieces: list[tuple[int, int, int, tuple]]) -> bool:
+    """Whether ``pieces`` (start, rows, dim, further slices; sorted) cover a tensor of
+    ``shape`` exactly once: consecutive slices of one dimension, or blocks that form a
+    grid."""
+    if any(extra for *_, extra in pieces):
+        return _tiles(shape, [_block(shape, dim, start, rows, extra) for start, rows, dim, extra in pieces])
+    dim, at = pieces[0][2], 0
+    for start, rows, piece_dim, _ in pieces:
+        if piece_dim != dim or start != at:
+            return False
+        at = start + rows
+    return at == (shape[dim] if shape else 1)
 
 
 def sources_for(owners: Owners, sender: int, holdings: dict[str, Holding]) -> list[torch.Tensor]:
@@ -603,14 +815,18 @@ def sources_for(owners: Owners, sender: int, holdings: dict[str, Holding]) -> li
     dtype is applied as the buckets are packed, as for any plan."""
     parts = owners.parts_of(sender)
     names = owners.plan.names
+    extras = parts.extras()
     sources = []
-    for t, start, rows, dim in zip(parts.tensors.tolist(), parts.starts.tolist(), parts.rows.tolist(),
-                                   parts.dims.tolist(), strict=True):
+    for i, (t, start, rows, dim) in enumerate(zip(parts.tensors.tolist(), parts.starts.tolist(),
+                                                  parts.rows.tolist(), parts.dims.tolist(), strict=True)):
         h = holdings[names[t]]
         local = h.local
-        if h.whole and not (start == 0 and rows == (h.shape[dim] if h.shape else 1)):
+        extra = extras.get(i, ())
+        if h.whole and (extra or not (start == 0 and rows == (h.shape[dim] if h.shape else 1))):
             # a whole copy asked for a slice (not planned today)
-            local = local.narrow(dim, start, rows).contiguous()
+            for d, s, r in ((dim, start, rows), *extra):
+                local = local.narrow(d, s, r)
+            local = local.contiguous()
         sources.append(local)
     return sources
 

@@ -165,10 +165,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--trainer-ranks", type=int, default=0,
                    help="a sharded trainer of N FSDP2 ranks: every rank sends its shards, against all-gather to "
                         "rank 0 then send (transport: the first --transport, default auto)")
-    p.add_argument("--trainer-parallel", choices=("fsdp", "hsdp", "tp"), default="fsdp",
+    p.add_argument("--trainer-parallel", choices=("fsdp", "hsdp", "tp", "fsdp-tp"), default="fsdp",
                    help="with --trainer-ranks: how the trainer shards its model: FSDP2 (rows), HSDP (FSDP2 over two "
-                        "replica groups: an even number of ranks) or tensor parallel (row-wise layers' weights by "
-                        "columns)")
+                        "replica groups: an even number of ranks), tensor parallel (row-wise layers' weights by "
+                        "columns) or FSDP2 over tensor parallel (blocks of rows and columns: 4 or more ranks, even)")
     p.add_argument("--steps", type=int, default=3, help="timed rounds per method")
     p.add_argument("--passes", type=int, default=1,
                    help="run every method --steps times, this many times over, on fresh processes each pass, the "

@@ -236,6 +236,10 @@ class SenderParts(_message.Message):
     ROWS_FIELD_NUMBER: _builtins.int
     LANE_FIELD_NUMBER: _builtins.int
     DIMS_FIELD_NUMBER: _builtins.int
+    EXTRA_PARTS_FIELD_NUMBER: _builtins.int
+    EXTRA_DIMS_FIELD_NUMBER: _builtins.int
+    EXTRA_STARTS_FIELD_NUMBER: _builtins.int
+    EXTRA_ROWS_FIELD_NUMBER: _builtins.int
     sender: _builtins.int
     """the trainer rank (0 = the one that drives the round)"""
     tensors: _builtins.bytes
@@ -246,6 +250,18 @@ class SenderParts(_message.Message):
     """int64 little-endian per part: number of slices"""
     dims: _builtins.bytes
     """int8 per part: the dimension it slices (tensor parallel's"""
+    extra_parts: _builtins.bytes
+    """row-wise layers: 1); empty: every part slices dimension 0
+    Further slices of parts that are blocks (FSDP2 over tensor parallel: a row-wise
+    layer's weight is a block of rows and columns), one entry per further slice:
+    int32 per slice: the part (index into this sender's parts)
+    """
+    extra_dims: _builtins.bytes
+    """int8 per slice: a dimension after the part's own, increasing"""
+    extra_starts: _builtins.bytes
+    """int64 per slice: first slice along that dimension"""
+    extra_rows: _builtins.bytes
+    """int64 per slice: number of slices along it"""
     @_builtins.property
     def lane(self) -> Global___Rendezvous:
         """in a ReceiveRequest: the lane this sender sends"""
@@ -259,10 +275,14 @@ class SenderParts(_message.Message):
         rows: _builtins.bytes = ...,
         lane: Global___Rendezvous | None = ...,
         dims: _builtins.bytes = ...,
+        extra_parts: _builtins.bytes = ...,
+        extra_dims: _builtins.bytes = ...,
+        extra_starts: _builtins.bytes = ...,
+        extra_rows: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lane", b"lane"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "lane", b"lane", "rows", b"rows", "sender", b"sender", "starts", b"starts", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "extra_dims", b"extra_dims", "extra_parts", b"extra_parts", "extra_rows", b"extra_rows", "extra_starts", b"extra_starts", "lane", b"lane", "rows", b"rows", "sender", b"sender", "starts", b"starts", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

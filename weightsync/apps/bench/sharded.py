@@ -3,7 +3,8 @@ its own shards, against all-gather to rank 0 then one sender, in one run.
 
 A coordinator and ``engines`` reference engines (agent processes); the trainer is N
 FSDP2 ranks (``parallel="tp"``: tensor parallel, its row-wise layers' weights sliced
-along dimension 1; ``"hsdp"``: FSDP2 over two replica groups) over gloo (``weightsync.apps.bench.sharded_trainer``, started as
+along dimension 1; ``"hsdp"``: FSDP2 over two replica groups; ``"fsdp-tp"``: FSDP2 over
+tensor parallel, row-wise weights in blocks of rows and columns) over gloo (``weightsync.apps.bench.sharded_trainer``, started as
 torchrun starts ranks). For each mode, one warm-up round (groups and plans are set up once),
 then ``rounds`` timed rounds; reported: the median round time on rank 0 (pause,
 broadcast, resume; for ``gather`` the all-gather too, also reported on its own) and
@@ -24,6 +25,7 @@ from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.engine.model import config_for_size
 
 MODES = ("sharded", "gather")
+PARALLEL = ("fsdp", "hsdp", "tp", "fsdp-tp")  # sharded_trainer's --parallel
 
 
 def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, rounds: int, transport: str,
@@ -36,10 +38,13 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
         raise ValueError("--trainer-ranks takes 2 to 64 ranks, with at least 1 engine and 1 round")
     if transport not in ("auto", "gloo", "shm"):
         raise ValueError("--trainer-ranks measures auto, gloo or shm")
-    if parallel not in ("fsdp", "hsdp", "tp"):
-        raise ValueError("--trainer-parallel is fsdp, hsdp or tp")
+    if parallel not in PARALLEL:
+        raise ValueError(f"--trainer-parallel is one of {', '.join(PARALLEL)}")
     if parallel == "hsdp" and ranks % 2:
         raise ValueError("--trainer-parallel hsdp takes an even number of ranks (two replica groups)")
+    if parallel == "fsdp-tp" and (ranks % 2 or ranks < 4):
+        raise ValueError("--trainer-parallel fsdp-tp takes an even number of ranks, 4 or more (pairs of "
+                         "tensor-parallel ranks)")
     model = config_for_size(parse_size(size), tensors).to_json()
     report: dict = {"trainer_ranks": ranks, "engines": engines, "size": size, "tensors": tensors, "rounds": rounds,
                     "transport": transport, "parallel": parallel, "results": []}

@@ -4,9 +4,10 @@ sharded-trainer tests and ``weightsync bench --trainer-ranks``.
 Started like torchrun starts a rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` in the environment). Wraps the engines' reference model (``--model``)
 with ``fully_shard`` (``--parallel fsdp``; ``hsdp``: over a 2-D mesh, two replica
-groups each sharding over half the ranks) or torch's tensor parallel
-(``--parallel tp``: each block's ``qkv`` and ``fc1`` column-wise, ``proj`` and ``fc2``
-row-wise; the rest plain tensors every rank holds whole), moves every rank's own shard
+groups each sharding over half the ranks), torch's tensor parallel (``--parallel tp``:
+each block's ``qkv`` and ``fc1`` column-wise, ``proj`` and ``fc2`` row-wise; the rest
+plain tensors every rank holds whole) or both (``--parallel fsdp-tp``: tensor parallel
+within pairs of ranks, FSDP2 across the pairs, as torchtitan composes them), moves every rank's own shard
 by seeded noise each round (so rounds differ; replicated tensors alike on every rank),
 and syncs it for ``--rounds`` rounds:
 
@@ -98,17 +99,42 @@ def hsdp_model(config: ModelConfig):
     return model
 
 
-def _shard_coordinate(p) -> int | None:
-    """Which slice of ``p`` this rank holds (its coordinate along the mesh dimension
-    that shards it), or None for a tensor every rank holds alike (a plain tensor, or
-    Replicate() everywhere). Replicas of a slice (HSDP) share the coordinate."""
-    from torch.distributed.tensor import DTensor, Shard
+def fsdp_over_tp_model(config: ModelConfig):
+    """The engines' model with tensor parallel within pairs of ranks and FSDP2 across
+    the pairs (a (world/2, 2) mesh, "dp" x "tp"): column-wise weights end up
+    ``_StridedShard(0)`` over dp and ``Shard(0)`` over tp (a row range: tp's chunk, then
+    FSDP's chunk of it), row-wise weights ``Shard(0)`` and ``Shard(1)`` (a block of rows
+    and columns), the rest ``Shard(0)`` over dp (the pair's two ranks hold the same rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    world = dist.get_world_size()
+    if world % 2 or world < 4:
+        raise SystemExit("--parallel fsdp-tp takes an even number of ranks, 4 or more")
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = ReferenceLM(config)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                                               "fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _shard_coordinate(p) -> tuple[int, ...] | None:
+    """Which slice of ``p`` this rank holds (its coordinates along the mesh dimensions
+    that shard it), or None for a tensor every rank holds alike (a plain tensor, or
+    Replicate() everywhere). Replicas of a slice (HSDP) share the coordinates."""
+    from torch.distributed.tensor import DTensor, Replicate
     if not isinstance(p, DTensor):
         return None
-    for mesh_dim, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):
-            return p.device_mesh.get_local_rank(mesh_dim=mesh_dim)
-    return None
+    found = tuple(p.device_mesh.get_local_rank(mesh_dim=mesh_dim) for mesh_dim, placement in enumerate(p.placements)
+                  if not isinstance(placement, Replicate))
+    return found or None
 
 
 def move(model, seed: int) -> None:
@@ -118,8 +144,8 @@ def move(model, seed: int) -> None:
         for i, (_, p) in enumerate(model.named_parameters()):
             local = p.to_local() if hasattr(p, "to_local") else p
             coordinate = _shard_coordinate(p)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + i * 1009 + (0 if coordinate is None
-                                                                                else coordinate + 1))
+            salt = 0 if coordinate is None else 1 + sum(c * 97 ** k for k, c in enumerate(coordinate))
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + i * 1009 + salt)
             local.add_(0.01 * torch.randn(local.shape, generator=gen))
 
 
@@ -140,10 +166,13 @@ def full_state(model) -> list[tuple[str, torch.Tensor]]:
             for name, p in model.named_parameters()]
 
 
+PARALLEL = {"fsdp": sharded_model, "hsdp": hsdp_model, "tp": tensor_parallel_model, "fsdp-tp": fsdp_over_tp_model}
+
+
 async def run(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     config = ModelConfig.from_json(args.model)
-    model = {"fsdp": sharded_model, "hsdp": hsdp_model, "tp": tensor_parallel_model}[args.parallel](config)
+    model = PARALLEL[args.parallel](config)
     common = dict(host=args.host, transport=args.transport, bucket_bytes=args.bucket_bytes,
                   default_timeout_s=args.timeout)
     if args.mode == "sharded":
@@ -211,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address engines reach this rank at")
     parser.add_argument("--model", required=True, help="the engines' --model JSON")
     parser.add_argument("--mode", choices=("sharded", "gather"), default="sharded")
-    parser.add_argument("--parallel", choices=("fsdp", "hsdp", "tp"), default="fsdp",
-                        help="how the model is sharded: FSDP2 (Shard(0)), HSDP (two replica groups of FSDP2) or "
-                             "tensor parallel (Shard(0) and Shard(1))")
+    parser.add_argument("--parallel", choices=tuple(PARALLEL), default="fsdp",
+                        help="how the model is sharded: FSDP2 (Shard(0)), HSDP (two replica groups of FSDP2), "
+                             "tensor parallel (Shard(0) and Shard(1)) or FSDP2 over tensor parallel (blocks)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--first-version", type=int, default=1)
     parser.add_argument("--transport", default="auto")
