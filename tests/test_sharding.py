@@ -245,6 +245,65 @@ def test_blocks_that_do_not_tile_their_tensor_as_a_grid_are_refused(bad, message
         Owners(plan, bad)
 
 
+def _cuts(extent: int, pieces: int, rng) -> list[tuple[int, int]]:
+    edges = sorted(rng.sample(range(1, extent), pieces - 1)) if pieces > 1 else []
+    bounds = [0, *edges, extent]
+    return [(a, b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def test_the_grid_check_agrees_with_a_block_by_block_one_on_random_layouts():
+    """Owners' whole-array grid check against ``_tiles`` (the plain statement of what a
+    grid tiling is) on random grids of 2-3 dimensional tensors, one block per sender,
+    before and after one block is moved, resized or dropped."""
+    import random
+
+    from weightsync.sharding import _tiles
+    rng = random.Random(7)
+    agreed = {True: 0, False: 0}
+    for _ in range(300):
+        shape = tuple(rng.randint(2, 7) for _ in range(rng.choice((2, 3))))
+        grid = [_cuts(n, rng.randint(1, min(n, 3)), rng) for n in shape]
+        cells = [tuple(c) for c in np.ndindex(*(len(g) for g in grid))]
+        if len(cells) < 2:
+            continue
+        blocks = [[grid[d][c[d]] for d in range(len(shape))] for c in cells]
+        change = rng.choice(("none", "drop", "move", "resize"))
+        if change == "drop":
+            blocks.pop(rng.randrange(len(blocks)))
+        elif change in ("move", "resize"):
+            block = blocks[rng.randrange(len(blocks))]
+            d = rng.randrange(len(shape))
+            start, rows = block[d]
+            if change == "move":
+                start = rng.randint(0, shape[d] - rows)
+            else:
+                rows = rng.randint(1, shape[d] - start)
+            block[d] = (start, rows)
+        plan = BucketPlan.from_tensors([("x", torch.zeros(shape)), ("y", torch.zeros(3))], bucket_bytes=64)
+        senders = [blocks_of(r, b) for r, b in enumerate(blocks)]
+        senders[0] = blocks_of(0, blocks[0], and_y=True)
+        expected = _tiles(shape, [tuple(b) for b in blocks])
+        try:
+            Owners(plan, senders)
+            accepted = True
+        except InvalidArgument as exc:
+            assert "'x'" in str(exc), exc
+            accepted = False
+        assert accepted == expected, (shape, blocks)
+        agreed[expected] += 1
+    assert min(agreed.values()) > 50, agreed  # both outcomes were tried often
+
+
+def blocks_of(sender: int, block, and_y: bool = False) -> SenderParts:
+    """One sender's part of tensor 0 as ``block`` ((start, rows) per dimension; the
+    whole first dimension is sliced as the part's own), and tensor 1 whole if asked."""
+    extra = [(0, d, s, r) for d, (s, r) in enumerate(block) if d > 0]
+    start, rows = block[0]
+    if and_y:
+        return blocks(sender, [0, 1], [start, 0], [rows, 3], [0, 0], extra)
+    return blocks(sender, [0], [start], [rows], [0], extra)
+
+
 def test_blocks_make_part_plans_shaped_like_them_and_travel_in_the_owners():
     plan = BucketPlan.from_tensors(FULL.items(), bucket_bytes=64)
     owners = Owners(plan, w_blocks())

@@ -101,13 +101,20 @@ class SenderParts:
 
     def extras(self) -> dict[int, tuple[tuple[int, int, int], ...]]:
         """Each block's further slices, (dim, start, rows), by part index; {} for none."""
-        if not len(self.extra_parts):
-            return {}
-        found: dict[int, list[tuple[int, int, int]]] = {}
-        for part, dim, start, rows in zip(self.extra_parts.tolist(), self.extra_dims.tolist(),
-                                          self.extra_starts.tolist(), self.extra_rows.tolist(), strict=True):
-            found.setdefault(part, []).append((dim, start, rows))
-        return {part: tuple(cuts) for part, cuts in found.items()}
+        known = self.__dict__.get("_extras")
+        if known is not None:
+            return known
+        parts = self.extra_parts.tolist()
+        cuts = list(zip(self.extra_dims.tolist(), self.extra_starts.tolist(), self.extra_rows.tolist(), strict=True))
+        if len(set(parts)) == len(parts):  # the usual block: one further slice (rows and columns)
+            found = {part: (cut,) for part, cut in zip(parts, cuts, strict=True)}
+        else:
+            grouped: dict[int, list[tuple[int, int, int]]] = {}
+            for part, cut in zip(parts, cuts, strict=True):
+                grouped.setdefault(part, []).append(cut)
+            found = {part: tuple(cut) for part, cut in grouped.items()}
+        object.__setattr__(self, "_extras", found)  # made once: the columns never change
+        return found
 
     def to_proto(self) -> common_pb2.SenderParts:
         return common_pb2.SenderParts(sender=self.sender, tensors=self.tensors.astype("<i4").tobytes(),
@@ -337,20 +344,59 @@ class Owners:
 
     def _check_grids(self, blocky: np.ndarray) -> None:
         """Every tensor some sender sends as blocks: all its parts, over every sender,
-        tile it as a grid (``_tiles``)."""
-        shapes = self.plan.shapes
-        blocks: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+        tile it as a grid (as ``_tiles`` says, with whole-array operations: an MoE
+        trainer's plan may hold 20k blocked tensors): no block twice; along each
+        dimension the blocks' distinct ranges cut it into consecutive pieces; and there
+        are as many blocks as cells."""
+        plan, ndims = self.plan, self.plan.ndims.astype(np.int64)
+        width = int(ndims[blocky].max())
+        tensors, starts, rows = [], [], []
         for s in self.senders:
-            extras = s.extras()
-            for i in np.flatnonzero(blocky[s.tensors]).tolist():
-                t = int(s.tensors[i])
-                blocks.setdefault(t, []).append(_block(shapes[t], int(s.dims[i]), int(s.starts[i]), int(s.rows[i]),
-                                                       extras.get(i, ())))
-        for t, found in blocks.items():
-            if not _tiles(shapes[t], found):
-                name = self.plan.names[t]
-                raise InvalidArgument(f"the senders' blocks of {name!r} overlap, leave part of it unsent or do not "
-                                      "form a grid", metadata={"tensor": name})
+            at = np.flatnonzero(blocky[s.tensors])
+            if not len(at):
+                continue
+            t = s.tensors[at].astype(np.int64)
+            # each part as a block: (start, rows) along every dimension, whole by default
+            # (dimensions past a tensor's own are one slice long)
+            extent = np.stack([np.where(d < ndims[t], plan.extents(t, np.minimum(d, ndims[t] - 1)), 1)
+                               for d in range(width)], axis=1)
+            start = np.zeros_like(extent)
+            part = np.arange(len(at))
+            start[part, s.dims[at]] = s.starts[at]
+            extent[part, s.dims[at]] = s.rows[at]
+            block = np.searchsorted(at, s.extra_parts)  # the blocks' rows: every such part is of a blocked tensor
+            start[block, s.extra_dims] = s.extra_starts
+            extent[block, s.extra_dims] = s.extra_rows
+            tensors.append(t)
+            starts.append(start)
+            rows.append(extent)
+        t, start, size = np.concatenate(tensors), np.concatenate(starts), np.concatenate(rows)
+        bad: list[int] = []
+        order = np.lexsort((*(start[:, d] for d in reversed(range(width))), t))
+        same = (t[order][1:] == t[order][:-1]) & (start[order][1:] == start[order][:-1]).all(axis=1)
+        bad += t[order][1:][same][:1].tolist()
+        cells = np.ones(len(plan), dtype=np.int64)
+        for d in range(width):
+            order = np.lexsort((size[:, d], start[:, d], t))  # the distinct (tensor, start, rows), sorted
+            rt, rs, rr = t[order], start[order, d], size[order, d]
+            distinct = np.ones(len(rt), dtype=bool)
+            distinct[1:] = (rt[1:] != rt[:-1]) | (rs[1:] != rs[:-1]) | (rr[1:] != rr[:-1])
+            rt, rs, rr = rt[distinct], rs[distinct], rr[distinct]
+            first = np.ones(len(rt), dtype=bool)
+            first[1:] = rt[1:] != rt[:-1]
+            last = np.ones(len(rt), dtype=bool)
+            last[:-1] = first[1:]
+            extent = np.where(d < ndims[rt], plan.extents(rt, np.minimum(d, ndims[rt] - 1)), 1)
+            wrong = (first & (rs != 0)) | (~first & (rs != np.concatenate(([0], rs[:-1] + rr[:-1])))) \
+                | (last & (rs + rr != extent))
+            bad += rt[wrong][:1].tolist()
+            cells *= np.maximum(np.bincount(rt, minlength=len(plan)), 1)
+        counted = np.bincount(t, minlength=len(plan))
+        bad += np.flatnonzero(blocky & (counted != cells))[:1].tolist()
+        if bad:
+            name = plan.names[int(min(bad))]
+            raise InvalidArgument(f"the senders' blocks of {name!r} overlap, leave part of it unsent or do not "
+                                  "form a grid", metadata={"tensor": name})
 
     def part_plan(self, sender: int) -> BucketPlan:
         """The layout of ``sender``'s stream: its parts as tensors, the round's bucket size."""
@@ -361,16 +407,17 @@ class Owners:
                 names, dtypes, shapes = self.plan.names, self.plan.dtypes, self.plan.shapes
                 extras = parts.extras()
 
-                def part_shape(i: int, t: int, rows: int, dim: int) -> tuple[int, ...]:
-                    shape = list(shapes[t])
-                    for d, _, r in ((dim, 0, rows), *extras.get(i, ())):
-                        if shape:
-                            shape[d] = r
-                    return tuple(shape)
+                def block_shape(shape: tuple[int, ...], cuts) -> tuple[int, ...]:
+                    cut = list(shape)
+                    for d, _, r in cuts:
+                        cut[d] = r
+                    return tuple(cut)
 
-                specs = ((names[t], dtypes[t], part_shape(i, t, r, d))
-                         for i, (t, r, d) in enumerate(zip(parts.tensors.tolist(), parts.rows.tolist(),
-                                                           parts.dims.tolist(), strict=True)))
+                specs = [(names[t], dtypes[t], (*shapes[t][:d], r, *shapes[t][d + 1:]) if shapes[t] else ())
+                         for t, r, d in zip(parts.tensors.tolist(), parts.rows.tolist(), parts.dims.tolist(),
+                                            strict=True)]
+                for i, cuts in extras.items():
+                    specs[i] = (specs[i][0], specs[i][1], block_shape(specs[i][2], cuts))
                 plan = self._part_plans[sender] = BucketPlan.build(specs, bucket_bytes=self.plan.bucket_bytes)
             return plan
 
