@@ -276,21 +276,22 @@ def assert_same_outputs(got: list[Greedy], want: list[Greedy], what: str) -> Non
         assert worst <= LOGPROB_ATOL, f"{what}: prompt {PROMPTS[i]} log-probs differ by {worst}"
 
 
-def sharded_ranks(folder: str, address: str, model_dir: str, *rounds: str, go: str = ""):
-    """Two trainer ranks (``tests/vllm/sharded_rank.py``, as torchrun starts them) each
-    sending its slices of ``rounds`` (``VERSION,SEED,TRANSPORT,rows|columns[,attest]``)."""
+def sharded_ranks(folder: str, address: str, model_dir: str, *rounds: str, go: str = "", world: int = 2):
+    """``world`` trainer ranks (``tests/vllm/sharded_rank.py``, as torchrun starts them)
+    each sending its slices of ``rounds`` (``VERSION,SEED,TRANSPORT,rows|columns|blocks[,attest]``)."""
     from weightsync.apps.trainer_ranks import TrainerRanks
     args = ["--model-dir", model_dir, *(["--go", go] if go else []), *(a for r in rounds for a in ("--round", r))]
-    return TrainerRanks(folder, address, 2, args, module="tests.vllm.sharded_rank")
+    return TrainerRanks(folder, address, world, args, module="tests.vllm.sharded_rank")
 
 
 async def sync_sharded(folder: str, address: str, model_dir: str, version: int, seed: int, transport: str,
                        layout: str = "rows", timeout_s: float = 300) -> None:
     """One sharded round at ``version`` (weights ``round_weights(checkpoint, seed)``):
-    both ranks exit cleanly, each having seen the round end ok."""
-    with sharded_ranks(folder, address, model_dir, f"{version},{seed},{transport},{layout}") as ranks:
-        assert await asyncio.to_thread(ranks.wait, timeout_s) == [0, 0], ranks.tail()
-        assert all(ranks.rounds(r)[version]["ok"] for r in (0, 1)), ranks.tail()
+    every rank (two; four for ``blocks``) exits cleanly, each having seen the round end ok."""
+    world = 4 if layout == "blocks" else 2
+    with sharded_ranks(folder, address, model_dir, f"{version},{seed},{transport},{layout}", world=world) as ranks:
+        assert await asyncio.to_thread(ranks.wait, timeout_s) == [0] * world, ranks.tail()
+        assert all(ranks.rounds(r)[version]["ok"] for r in range(world)), ranks.tail()
 
 
 def checkpoint(model_dir: str) -> list[tuple[str, torch.Tensor]]:

@@ -4,8 +4,11 @@ Started like torchrun starts a rank (``TrainerRanks``). Every rank builds the sa
 tensors of the round (the tiny checkpoint moved by seeded noise, ``round_weights``),
 holds its rows of each as a DTensor placed ``Shard(0)`` on a 1-D mesh over the world
 (FSDP2's layout) -- or, for a round said to be by ``columns``, its columns of every
-matrix (``Shard(1)``, tensor parallel's row-wise layers) -- and calls ``DistributedTrainerClient.update_weights`` with them:
-every rank sends its own rows. A round said to ``attest`` carries the attestation probe
+matrix (``Shard(1)``, tensor parallel's row-wise layers); by ``blocks`` (four ranks, a
+2x2 mesh), a block of rows and columns of every matrix (``Shard(0), Shard(1)``: FSDP2
+over tensor parallel's row-wise layers) and rows of the rest, which two ranks hold
+each -- and calls ``DistributedTrainerClient.update_weights`` with them: every rank
+sends its own slices. A round said to ``attest`` carries the attestation probe
 of the trainer's full model (transformers, built by every rank from the same full tensors).
 Before each round a rank prints {"rank", "starting": VERSION}; after it, one JSON line:
 {"rank", "round", "ok", "error", "attest_max_diff"}.
@@ -21,7 +24,7 @@ import sys
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.vllm.harness import (
     PROBE_SEQUENCES,
@@ -39,6 +42,7 @@ from weightsync.lifecycle import wait_for_file
 async def run(args: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     mesh = init_device_mesh("cpu", (world,))
+    grid = init_device_mesh("cpu", (2, world // 2)) if world >= 4 and not world % 2 else None
     base = checkpoint(args.model_dir)
     for i, spec in enumerate(args.round):
         version, seed, transport, layout, *extra = spec.split(",")
@@ -46,8 +50,14 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.to_thread(wait_for_file, os.path.join(args.go, f"go-{version}"), timeout_s=300)
         version, seed, columns = int(version), int(seed), layout == "columns"
         weights = round_weights(base, seed)
-        named = [(name, distribute_tensor(full, mesh, [Shard(1 if columns and full.dim() >= 2 else 0)]))
-                 for name, full in weights]
+        if layout == "blocks":
+            if grid is None:
+                raise SystemExit("a round by blocks takes an even number of ranks, 4 or more")
+            named = [(name, distribute_tensor(full, grid, [Shard(0), Shard(1) if full.dim() >= 2 else Replicate()]))
+                     for name, full in weights]
+        else:
+            named = [(name, distribute_tensor(full, mesh, [Shard(1 if columns and full.dim() >= 2 else 0)]))
+                     for name, full in weights]
         probe = (Probe.from_model(trainer_logits_fn(trainer_model(args.model_dir, weights)), PROBE_SEQUENCES)
                  if "attest" in extra else None)
         line = {"rank": rank, "round": version, "ok": False, "error": ""}
@@ -69,7 +79,7 @@ def main() -> int:
     parser.add_argument("coordinator")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--round", action="append", required=True,
-                        help="VERSION,SEED,TRANSPORT,rows|columns[,attest]: one round (its own client), in order")
+                        help="VERSION,SEED,TRANSPORT,rows|columns|blocks[,attest]: one round (its own client), in order")
     parser.add_argument("--bucket-bytes", type=int, default=16 * 1024)
     parser.add_argument("--go", default="", help="before each round after the first, wait for GO/go-VERSION")
     args = parser.parse_args()

@@ -139,16 +139,18 @@ async def test_a_reload_as_vllm_does_it_is_caught_by_attestation(moe):
 
 
 async def test_a_sharded_trainers_experts_land_in_vllm_from_every_rank(moe, tmp_path):
-    """Two trainer ranks, each holding its rows of every tensor (the 192 expert
-    matrices included) as a DTensor placed Shard(0), each send their own rows on their
-    own gloo lane; vLLM's worker loads each tensor once all its rows are in, in
-    whatever order the lanes complete them, and its experts are laid out anew. The
-    synced vLLM gives the trainer's model's greedy tokens and log-probs (transformers,
-    from a checkpoint of the round's full tensors)."""
+    """Four trainer ranks on a 2x2 mesh, as FSDP2 over tensor parallel holds a model:
+    each holds a block of rows and columns of every matrix (the 192 expert matrices
+    included; placements Shard(0), Shard(1)) and rows of the rest, and each sends its
+    own on its own gloo lane; vLLM's worker receives every block apart, copies it into
+    place, loads each tensor once all its blocks are in, in whatever order the lanes
+    complete them, and its experts are laid out anew. The synced vLLM gives the
+    trainer's model's greedy tokens and log-probs (transformers, from a checkpoint of
+    the round's full tensors). (Rows and columns alone: tests/vllm/test_vllm_e2e.py.)"""
     stack, _, base_dir, tmp, _ = moe
     async with TrainerClient(stack.address) as client:
         version = (await client.get_state()).weight_version + 1
-    await sync_sharded(str(tmp_path / "ranks"), stack.address, base_dir, version, 500, "gloo")
+    await sync_sharded(str(tmp_path / "ranks"), stack.address, base_dir, version, 500, "gloo", "blocks")
     weights = round_weights(checkpoint(base_dir), 500)
     model, _ = trainer_reference(base_dir, weights, os.path.join(tmp, "reference-sharded"))
     assert_same_outputs(greedy_all(stack.url), [trainer_greedy(model, p) for p in PROMPTS], "sharded round")
