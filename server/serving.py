@@ -25,16 +25,18 @@ from weightsync.grpc_options import SERVER_OPTIONS
 from weightsync.security import Security
 from weightsync.server.decode_guard import DecodeGuard
 from weightsync.server.fault_interceptor import FaultInterceptor
+from weightsync.server.health_service import HealthServicer
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
     """Adds gRPC health checking (every service SERVING) and reflection.
 
-    The asyncio health servicer, not the thread-based one: a client that holds a
+    An asyncio health servicer, not the thread-based one: a client that holds a
     ``Watch`` stream open (load balancers and probes do) would otherwise pin a thread
-    that the server's shutdown waits for forever; the asyncio ``Watch`` is cancelled
-    with the server's other calls when the grace period ends."""
-    servicer = health.aio.HealthServicer()
+    that the server's shutdown waits for forever; and one whose watches end once the
+    server shuts down (``server/health_service.py``), so they do not hold the shutdown
+    for its whole grace period."""
+    servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     for name in [*service_names, ""]:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -186,3 +186,53 @@ def test_the_workers_receive_ends_before_vllm_stops_waiting():
         worker = worker_deadline_s(left)
         assert left / 2 <= worker < left
     assert worker_deadline_s(180.0) == pytest.approx(180.0 - 5.0 - 9.0)
+
+
+def test_a_sharded_trainers_owners_go_whole_once_then_by_key_and_whole_again_to_a_worker_that_forgot(vllm):
+    """A sharded trainer's owners (every rank's parts: megabytes at 20k tensors) go to
+    vLLM's workers whole once, then by their key while the workers keep them; a worker
+    that no longer keeps them (it keeps the last few; vLLM restarted behind the
+    adapter's back) answers OwnersUnknown before receiving anything, and gets them
+    whole in the same receive. Each round's lanes always go in full. (What the real
+    worker does with both: tests/vllm/test_vllm_e2e.py, a sharded round by key.)"""
+    import time
+
+    from google.protobuf import json_format
+
+    from tests.test_sharding import chunk_holdings
+    from weightsync.engine.adapter import Delivery
+    from weightsync.sharding import Owners, assign, describe
+    from weightsync.transport.from_senders import SenderLane
+    from weightsync.v1 import common_pb2
+
+    plan, planned = assign([describe(h) for h in chunk_holdings(2)], bucket_bytes=64)
+    owners = Owners.from_proto(planned.to_proto(), plan)  # as the agent has them: checked, with their key
+    worker_keeps: set[str] = set()
+    sent: list[tuple[bool, list[str]]] = []  # per call: parts sent whole?, the lanes' sessions
+
+    def collective_rpc(method, *args, timeout_s):
+        owners_json, key = args[6], args[7]
+        msg = json_format.Parse(owners_json, common_pb2.Owners())
+        whole = any(s.tensors for s in msg.senders)
+        sent.append((whole, [s.lane.session_id for s in msg.senders]))
+        if not whole and key not in worker_keeps:
+            return [{"error": f"OwnersUnknown: this worker keeps no owners {key}"}]
+        worker_keeps.add(key)
+        return [{"digest": "d", "bytes": plan.total_bytes}]
+
+    adapter = VllmAdapter(vllm.url)
+    adapter.collective_rpc = collective_rpc
+
+    def receive(round_: int) -> dict[str, str]:
+        lanes = tuple(SenderLane(common_pb2.Rendezvous(session_id=f"s{round_}-{r}", sender=r), owners.part_plan(r),
+                                 None, r) for r in owners.sender_ranks)
+        adapter.receive(Delivery(lanes[0].rendezvous, 1, plan, None, time.monotonic() + 10, threading.Event(),
+                                 senders=lanes, owners=owners, version=round_))
+        return adapter.receive_stats()
+
+    assert "owners" not in receive(1).get("sent_by_key", "")
+    assert "owners" in receive(2)["sent_by_key"]
+    worker_keeps.clear()
+    assert "owners" not in receive(3).get("sent_by_key", "")
+    assert [whole for whole, _ in sent] == [True, False, False, True], sent
+    assert all(sessions == [f"s{r}-0", f"s{r}-1"] for r, (_, sessions) in zip((1, 2, 3, 3), sent, strict=True))

@@ -172,6 +172,7 @@ class Owners:
         self._layouts: dict[int, tuple[list[int], list[int], list[int], list[bool]]] = {}
         self._addresses: dict[int, tuple[weakref.ref, np.ndarray]] = {}  # per sender: (addressed targets, parts')
         self._lock = threading.Lock()
+        self.key = ""  # from_proto's: the plan's id and the parts' fingerprint
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Owners, plan: BucketPlan) -> Owners:
@@ -194,11 +195,22 @@ class Owners:
                 _OWNERS_BY_KEY.move_to_end(key)
                 return known
         owners = cls._from_proto(msg, plan)
+        owners.key = key
         with _OWNERS_LOCK:
             _OWNERS_BY_KEY[key] = owners
             while len(_OWNERS_BY_KEY) > _OWNERS_KEPT:
                 _OWNERS_BY_KEY.popitem(last=False)
         return owners
+
+    @classmethod
+    def known(cls, key: str) -> Owners | None:
+        """The owners ``from_proto`` checked under ``key`` in this process, if it still
+        keeps them (the last few): what a round that names its owners by key reuses."""
+        with _OWNERS_LOCK:
+            owners = _OWNERS_BY_KEY.get(key)
+            if owners is not None:
+                _OWNERS_BY_KEY.move_to_end(key)
+            return owners
 
     @classmethod
     def _from_proto(cls, msg: common_pb2.Owners, plan: BucketPlan) -> Owners:

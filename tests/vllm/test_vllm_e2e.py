@@ -133,7 +133,9 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     of every tensor as a DTensor placed Shard(0) -- FSDP2's layout -- sync into vLLM,
     each rank sending its own rows on its own lane (gloo); then each holding its
     columns of every matrix (Shard(1), tensor parallel's row-wise layers), over shm,
-    with the trainer's attestation probe.
+    with the trainer's attestation probe; then by rows again, over shm: the worker
+    still holds those owners, and the round names them by key instead of sending
+    every part again.
     vLLM's worker takes every lane at once and loads each tensor once all its slices
     are in. Checked
     against the trainer's own full model (transformers) and the digest of its full
@@ -143,7 +145,7 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     original = checkpoint(tiny_model)
     async with TrainerClient(address) as client:
         first = (await client.get_state()).weight_version + 1
-    rounds = [(first, 700, "gloo", "rows"), (first + 1, 701, "shm", "columns,attest")]
+    rounds = [(first, 700, "gloo", "rows"), (first + 1, 701, "shm", "columns,attest"), (first + 2, 702, "shm", "rows")]
     go = str(tmp_path / "go")
     os.makedirs(go)
     # One job (each rank one process) for both rounds, each round its own client; the
@@ -172,7 +174,9 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
             done = [e for e in await engine.events() if e.kind == "transfer_done" and int(e.fields["version"]) >= first]
     model_bytes = sum(t.numel() * t.element_size() for _, t in original)
     largest = max(t.numel() * t.element_size() for _, t in original)
-    assert len(done) == 2, done
+    assert len(done) == 3, done
+    # the owners went whole for each new layout, by key for the one the worker holds
+    assert ["owners" in e.fields.get("sent_by_key", "").split(",") for e in done] == [False, False, True], done
     for event in done:  # never a second copy of the model in the worker, however the lanes interleave
         peak = int(event.fields["engine_peak_bytes"])
         assert 0 < peak <= 4 * 16 * 1024 + 2 * largest and peak < model_bytes / 2, (peak, model_bytes)

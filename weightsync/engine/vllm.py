@@ -63,14 +63,16 @@ def worker_deadline_s(left_s: float) -> float:
     return left_s - min(WORKER_MARGIN_S + WORKER_MARGIN_SHARE * left_s, left_s / 2)
 
 
-def _owners_json(delivery: Delivery) -> str:
-    """A sharded trainer's round for the worker: each sender's parts with its lane
-    (JSON, as every worker argument); "" for a round from one sender."""
+def _owners_json(delivery: Delivery, whole: bool = True) -> str:
+    """A sharded trainer's round for the worker: each sender's lane, with its parts
+    (``whole``) or without (the worker has them under the owners' key); JSON, as every
+    worker argument; "" for a round from one sender."""
     if delivery.owners is None:
         return ""
     senders = []
     for lane in delivery.senders:
-        parts = delivery.owners.parts_of(lane.sender).to_proto()
+        parts = (delivery.owners.parts_of(lane.sender).to_proto() if whole
+                 else common_pb2.SenderParts(sender=lane.sender))
         parts.lane.CopyFrom(lane.rendezvous)
         senders.append(parts)
     return json_format.MessageToJson(common_pb2.Owners(senders=senders), indent=None)
@@ -88,6 +90,8 @@ class VllmAdapter(HttpEngineAdapter):
         self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
         self._probe_limits: dict | None = None
         self._worker_plans: set[str] = set()  # plan ids the workers took whole
+        self._worker_owners: set[str] = set()  # owners' keys the workers took whole (sharded trainers)
+        self._sent_by_key: list[str] = []  # the last receive: what went by id or key ("plan", "owners")
         self._workers: int | None = None
         self._peak_target_bytes = 0
         self.last_received_digest = ""
@@ -173,6 +177,7 @@ class VllmAdapter(HttpEngineAdapter):
     def engine_restarted(self):
         self._asleep.clear()
         self._worker_plans.clear()
+        self._worker_owners.clear()
         self.last_received_digest = ""
         self._out_of_step = ""
 
@@ -222,24 +227,33 @@ class VllmAdapter(HttpEngineAdapter):
                    body={"new_version": self.receiving_marker(delivery.version, before)})
         # The worker remembers plans it took whole: later rounds name the plan by id (a
         # 20k-tensor plan is megabytes of JSON). A worker that forgot it (vLLM restarted)
-        # answers PlanUnknown before receiving anything, and gets the whole plan.
+        # answers PlanUnknown before receiving anything, and gets the whole plan. A
+        # sharded trainer's owners alike, by their key (20k tensors from four ranks in
+        # blocks: 3.3 MB of parts), while each round's lanes always go in full.
         whole = plan.plan_id not in self._worker_plans
-        owners = _owners_json(delivery)
+        owners_key = delivery.owners.key if delivery.owners is not None else ""
+        owners_whole = not owners_key or owners_key not in self._worker_owners
         while True:
             left = deadline_at - time.monotonic()
             if left <= 0:
                 raise StepTimeoutError("deadline exceeded before the receive started", operation="receive")
             wire = plan.to_proto() if whole else plan.reference_proto()
+            owners = _owners_json(delivery, owners_whole)
             results = self.collective_rpc(
                 "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
                 json_format.MessageToJson(wire), str(worker_deadline_s(left)), "1" if skip_post_load else "",
-                delivery.data_host, *([owners] if owners else []), timeout_s=left)
-            if not whole and any(isinstance(r, dict) and str(r.get("error", "")).startswith("PlanUnknown")
-                                 for r in results):
+                delivery.data_host, *([owners, owners_key] if owners else []), timeout_s=left)
+            errors = [str(r.get("error", "")) for r in results if isinstance(r, dict)]
+            if not whole and any(e.startswith("PlanUnknown") for e in errors):
                 self._worker_plans.discard(plan.plan_id)
                 whole = True
                 continue
+            if not owners_whole and any(e.startswith("OwnersUnknown") for e in errors):
+                self._worker_owners.discard(owners_key)
+                owners_whole = True
+                continue
             break
+        self._sent_by_key = [*(["plan"] if not whole else []), *(["owners"] if owners and not owners_whole else [])]
         # Every worker must have loaded the same bytes: one torn worker is a torn engine.
         bad = [r for r in results if not isinstance(r, dict) or "error" in r or "digest" not in r]
         if not results or bad:
@@ -249,12 +263,18 @@ class VllmAdapter(HttpEngineAdapter):
         if len(digests) != 1:
             raise TransferError(f"vLLM's workers loaded different bytes: digests {sorted(digests)}")
         self._worker_plans.add(plan.plan_id)
+        if owners_key:
+            self._worker_owners.add(owners_key)
         self.last_received_digest = digests.pop()
         self._peak_target_bytes = max(int(r.get("peak_target_bytes", 0)) for r in results)
 
     def receive_stats(self) -> dict[str, str]:
-        """The most bytes of received tensors one worker held at once (streamed loading)."""
-        return {"engine_peak_bytes": str(self._peak_target_bytes)} if self._peak_target_bytes else {}
+        """The most bytes of received tensors one worker held at once (streamed loading),
+        and what the last receive named by id or key instead of sending it whole."""
+        stats = {"engine_peak_bytes": str(self._peak_target_bytes)} if self._peak_target_bytes else {}
+        if self._sent_by_key:
+            stats["sent_by_key"] = ",".join(self._sent_by_key)
+        return stats
 
     def check_probe(self, probe: Probe) -> None:
         if self._probe_limits is None:

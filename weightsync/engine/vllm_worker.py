@@ -42,6 +42,7 @@ from weightsync.engine import vllm_probe
 from weightsync.engine.checkpoint import checkpoint_specs
 from weightsync.engine.streamed_load import receive_and_load, receive_and_load_from_senders
 from weightsync.engine.vllm_reload import reload_in_place
+from weightsync.errors import InvalidArgument
 from weightsync.plan import BucketPlan
 from weightsync.sharding import Owners
 from weightsync.transport.from_senders import SenderLane
@@ -55,7 +56,8 @@ class WeightsyncWorkerExtension:
         return checkpoint_specs(self.model_config.model)
 
     def weightsync_receive(self, rendezvous_json: str, rank: str, plan_json: str, timeout_s: str,
-                           skip_post_load: str = "", data_host: str = "127.0.0.1", owners_json: str = "") -> dict:
+                           skip_post_load: str = "", data_host: str = "127.0.0.1", owners_json: str = "",
+                           owners_key: str = "") -> dict:
         # Forgotten until this receive has loaded every tensor: a cut one leaves no digest.
         self.__dict__["_weightsync_digest"] = ""
         try:
@@ -76,7 +78,14 @@ class WeightsyncWorkerExtension:
                                                    repair=skip_post_load != "1")
             if owners_json:  # a sharded trainer: every sender's lane at once
                 owners_msg = json_format.Parse(owners_json, common_pb2.Owners())
-                owners = Owners.from_proto(owners_msg, plan)
+                if owners_key and not any(s.tensors for s in owners_msg.senders):  # named by key
+                    owners = Owners.known(owners_key)
+                    if owners is None or owners.plan.plan_id != plan.plan_id:
+                        return {"error": f"OwnersUnknown: this worker keeps no owners {owners_key}"}
+                    if [s.sender for s in owners_msg.senders] != owners.sender_ranks:
+                        raise InvalidArgument("the round's lanes are not its owners' senders")
+                else:
+                    owners = Owners.from_proto(owners_msg, plan)
                 lanes = [SenderLane(parts.lane, owners.part_plan(parts.sender),
                                     self._weightsync_receiver(parts.lane.transport, i, data_host), parts.sender)
                          for i, parts in enumerate(owners_msg.senders)]
