@@ -82,34 +82,23 @@ def test_tensor_parallel_ranks_send_their_column_and_row_slices_and_engines_matc
         assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2)] == [True, True], ranks.tail()
 
 
-def test_hsdp_replicas_send_each_shard_once_and_engines_match_the_full_model(cluster_factory, tmp_path):
-    """FSDP2 over a 2-D mesh (HSDP): two replica groups of two ranks, so two ranks hold
-    each shard (placements Replicate(), Shard(0)). Each shard is sent once, by one of
-    its holders (the bytes spread over all four ranks), and every engine ends bitwise
-    equal to the full model the trainer gathers for the check only."""
+@pytest.mark.parametrize("parallel", ["hsdp", "fsdp-tp"])
+def test_four_ranks_on_a_2d_mesh_send_each_slice_once_and_engines_match_the_full_model(cluster_factory, tmp_path,
+                                                                                       parallel):
+    """Four ranks on a 2-D mesh. ``hsdp``: FSDP2 over two replica groups of two ranks,
+    so two ranks hold each shard (placements Replicate(), Shard(0)). ``fsdp-tp``:
+    torchtitan's composition, tensor parallel within pairs and FSDP2 across them:
+    column-wise weights are row ranges (``_StridedShard``: the pair's chunk, then
+    FSDP's chunk of it), row-wise weights blocks of rows and columns, the rest row
+    ranges both ranks of a pair hold. Each slice is sent once, by one of its holders,
+    every rank sending on its own lane, and every engine ends bitwise equal to the full
+    model the trainer gathers (torch's own redistribution) for the check only. (No
+    attestation for fsdp-tp: the reference model's forward is not written for tensor
+    parallel's local outputs.)"""
     cluster = cluster_factory(2, agent_args=("--model", MODEL))
     with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 4,
                       rank_args("--rounds", "2", "--check-digests", "--transport", "shm",
-                                "--parallel", "hsdp")) as ranks:
-        assert ranks.wait(240) == [0] * 4, ranks.tail()
-        for rank in range(4):
-            assert all(r["ok"] for r in ranks.rounds(rank).values()) and len(ranks.rounds(rank)) == 2, ranks.tail()
-        assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2)] == [True, True], ranks.tail()
-
-
-def test_fsdp2_over_tensor_parallel_ranks_send_their_blocks_and_engines_match_the_full_model(cluster_factory,
-                                                                                           tmp_path):
-    """torchtitan's composition on four ranks: tensor parallel within pairs, FSDP2
-    across them. Column-wise weights are row ranges (``_StridedShard``: the pair's
-    chunk, then FSDP's chunk of it), row-wise weights blocks of rows and columns, the
-    rest row ranges both ranks of a pair hold. Each rank sends what it holds, each
-    slice once; every engine ends bitwise equal to the full model the trainer gathers
-    (torch's own redistribution) for the check only. (No attestation here: the
-    reference model's forward is not written for tensor parallel's local outputs.)"""
-    cluster = cluster_factory(2, agent_args=("--model", MODEL))
-    with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 4,
-                      rank_args("--rounds", "2", "--check-digests", "--transport", "shm",
-                                "--parallel", "fsdp-tp")) as ranks:
+                                "--parallel", parallel)) as ranks:
         assert ranks.wait(240) == [0] * 4, ranks.tail()
         for rank in range(4):
             assert all(r["ok"] for r in ranks.rounds(rank).values()) and len(ranks.rounds(rank)) == 2, ranks.tail()

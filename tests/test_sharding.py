@@ -344,6 +344,25 @@ def test_assign_sends_each_block_once_and_each_replicated_slice_from_one_rank():
     assert max(sent) - min(sent) <= 8 * 10, sent
 
 
+def test_ranks_whose_block_of_a_small_tensor_is_empty_send_nothing_of_it():
+    """A tensor with fewer rows than the mesh has row chunks (torch.chunk leaves the
+    last chunks empty): the ranks whose block is empty send none of it, and the others'
+    blocks cover it."""
+    tiny = [("tiny", torch.arange(6.0).reshape(1, 6)), ("pair", torch.arange(8.0).reshape(2, 4))]
+    holdings = grid_slices(3, 2, tiny)
+    assert [h.rows for h in holdings[4]] == [0, 0]  # row chunk 2 of 3: empty for both
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    senders = {r: owners.parts_of(r).tensors.tolist() for r in owners.sender_ranks}
+    assert 4 not in senders and 5 not in senders and sorted(senders) == [0, 1, 2, 3], senders
+    targets = [torch.zeros(s) for s in plan.shapes]
+    for r in owners.sender_ranks:
+        views = owners.part_views(r, targets)
+        for i, source in enumerate(sources_for(owners, r, {h.name: h for h in holdings[r]})):
+            views[i].copy_(source)
+            views.done(i)
+    assert all(torch.equal(t, dict(tiny)[n]) for n, t in zip(plan.names, targets, strict=True))
+
+
 def test_owners_round_trip_and_malformed_columns():
     plan, owners = assign([describe(h) for h in chunk_holdings(2)], bucket_bytes=64)
     again = Owners.from_proto(owners.to_proto(), plan)
