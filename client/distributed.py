@@ -26,8 +26,9 @@ are torn and stay paused; the next round heals them.
 Attestation (``attest=``): a ``Probe`` the trainer computed before the call, on every
 rank at once (its forward pass is a collective: ``Probe.from_model`` called on every
 rank); rank 0's goes with the round, and every engine scores it after loading, as for
-any trainer. Not supported here (typed errors): ``verify_digest`` (it needs the full
-tensors on one rank), a function in place of the probe (rank 0 alone would call it: a
+any trainer. ``verify_digest``: every rank hashes what it holds and the engines hash the
+same slices of what they end with (``weightsync/parts_digest.py``). Not supported here
+(typed errors): a function in place of the probe (rank 0 alone would call it: a
 collective forward there waits forever for the other ranks), the ``group`` transport
 and SGLang engines (SGLang's update group has one sender; the round fails its check,
 nothing changes).
@@ -72,6 +73,7 @@ from weightsync.errors import (
 )
 from weightsync.host_identity import host_id
 from weightsync.idempotency import validate_key
+from weightsync.parts_digest import combine, holding_hashes, sender_hashes
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from weightsync.security import Security
 from weightsync.sharding import (
@@ -188,9 +190,6 @@ class _ShardedDriver(TrainerClient):
         return self.common_host  # "" when the ranks are on different hosts: auto means gloo
 
     def _prepare(self, named_tensors, with_digest: bool, attest=None, *, addresses: bool = False) -> _Prepared:
-        if with_digest:
-            raise InvalidArgument("verify_digest needs the full tensors on one rank; a sharded trainer's round "
-                                  "cannot offer it (engines still check every part's layout)")
         if attest is not None and not isinstance(attest, Probe):
             raise InvalidArgument("a sharded trainer's attest takes a Probe computed before the call, on every rank "
                                   "(a collective forward: Probe.from_model on each), not a function rank 0 would "
@@ -198,6 +197,7 @@ class _ShardedDriver(TrainerClient):
         replay = self.owner.hold(named_tensors)
         self.holdings, mine = replay.holdings, replay.described
         described = [mine]
+        hashes = [holding_hashes(self.holdings.values(), self.wire_dtype)] if with_digest else []
         hosts = {host_id()}
         store = self._store_host
         for rank in range(1, self.owner.world_size):
@@ -207,6 +207,11 @@ class _ShardedDriver(TrainerClient):
                 raise outcome_error(held["error"]["reason"], f"trainer rank {rank}: {held['error']['message']}",
                                     operation="broadcast", code=held["error"].get("code", 0))
             hosts.add(held["host"])
+            if with_digest:
+                if "hashes" not in held:
+                    raise InvalidArgument(f"trainer rank {rank} did not hash its holdings: every rank passes the "
+                                          "same verify_digest")
+                hashes.append(held["hashes"])
             cached = self._described.get(rank)
             if cached is None or cached[0] != held["sig"]:
                 blob = store.get(f"ws-dist/{self.owner.session}/described/{rank}/{held['sig']}")
@@ -230,7 +235,10 @@ class _ShardedDriver(TrainerClient):
             if self._sources is None or self._sources[0] is not owners or self._sources[1] is not self.holdings:
                 self._sources = (owners, self.holdings, sources_for(owners, 0, self.holdings))
             sources = self._sources[2]
-        return _Prepared(plan, sources, "", attest, owners)
+        digest = ""
+        if with_digest:  # the parts' digest (weightsync/parts_digest.py): engines hash the same slices
+            digest = combine(plan, owners, {s: sender_hashes(owners, s, hashes[s]) for s in owners.sender_ranks})
+        return _Prepared(plan, sources, digest, attest, owners)
 
     def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
         """Hands rank ``rendezvous.sender`` its lane and part layout; the lane's future
@@ -304,6 +312,7 @@ class DistributedTrainerClient(AsyncClient):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.coordinator, self.host, self.transport = coordinator, host, transport
+        self.wire_dtype = wire_dtype
         self.default_timeout_s, self.resume_grace_s = default_timeout_s, resume_grace_s
         self.session = ""
         self._driver: _ShardedDriver | None = None
@@ -384,7 +393,7 @@ class DistributedTrainerClient(AsyncClient):
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                              key: str | None = None, timeout_s: float | None = None, mode: str = "keep",
                              offload_kv: bool = False, required_engines: Iterable[str] = (),
-                             attest: Probe | None = None) -> SyncResult:
+                             attest: Probe | None = None, verify_digest: bool = False) -> SyncResult:
         """Collective: every rank calls it with what it holds (DTensors or plain tensors;
         the same names across ranks). Returns the round's SyncResult on every rank, or
         raises the same typed error on every rank (a rank that was cancelled raises
@@ -396,6 +405,12 @@ class DistributedTrainerClient(AsyncClient):
         every rank (collectively); rank 0's is used, the others may pass theirs or None.
         Engines then prove they compute with the new weights, as in
         ``TrainerClient.broadcast``.
+        ``verify_digest``: give every rank the same. Every rank hashes what it holds,
+        rank 0 combines the hashes of the parts each rank sends
+        (``weightsync/parts_digest.py``), and each engine, before the version is
+        committed, hashes the same slices of the tensors it ended with: a part that
+        landed torn, stale or in the wrong place fails the round
+        (``TransferError``), as ``TrainerClient``'s ``verify_digest`` does.
         Do not modify the tensors until this returns.
         """
         if self._closed or (self._driver is None and self._store is None):
@@ -405,9 +420,10 @@ class DistributedTrainerClient(AsyncClient):
         budget = timeout_s if timeout_s is not None else self.default_timeout_s
         if self._driver is not None:
             return await self._drive(prefix, named_tensors, version=version, key=key, timeout_s=budget, mode=mode,
-                                     offload_kv=offload_kv, required_engines=required_engines, attest=attest)
+                                     offload_kv=offload_kv, required_engines=required_engines, attest=attest,
+                                     verify_digest=verify_digest)
         cancel = threading.Event()
-        work = run_in(self._thread, self._take_part, prefix, named_tensors, budget, cancel)
+        work = run_in(self._thread, self._take_part, prefix, named_tensors, budget, cancel, verify_digest)
         # A cancel stops this rank's send; rank 0 then ends the round for everyone, and
         # this returns once it has.
         if await wait_through_cancellation(work, on_cancel=cancel.set):
@@ -415,7 +431,7 @@ class DistributedTrainerClient(AsyncClient):
         return work.result()
 
     async def _drive(self, prefix: str, named_tensors, *, version, key, timeout_s, mode, offload_kv,
-                     required_engines, attest) -> SyncResult:
+                     required_engines, attest, verify_digest) -> SyncResult:
         """Rank 0: the round, then its end published for the other ranks."""
         driver = self._driver
         driver.prefix = prefix
@@ -423,7 +439,8 @@ class DistributedTrainerClient(AsyncClient):
         try:
             result = await driver.update_weights(named_tensors, version=version, key=key and validate_key(key),
                                                  timeout_s=timeout_s, mode=mode, offload_kv=offload_kv,
-                                                 required_engines=required_engines, attest=attest)
+                                                 required_engines=required_engines, attest=attest,
+                                                 verify_digest=verify_digest)
         except BaseException as exc:
             record = {"error": _error_record(exc)}
             result_of = getattr(exc, "result", None)
@@ -486,7 +503,8 @@ class DistributedTrainerClient(AsyncClient):
                 raise StepTimeoutError(f"deadline exceeded waiting for {operation}", operation="broadcast")
             time.sleep(_POLL_S)
 
-    def _take_part(self, prefix: str, named_tensors, budget_s: float, cancel: threading.Event) -> SyncResult:
+    def _take_part(self, prefix: str, named_tensors, budget_s: float, cancel: threading.Event,
+                   verify_digest: bool = False) -> SyncResult:
         """Ranks > 0 (their thread): say what this rank holds, send its lane when rank 0
         hands it one, say how the send ended, and return (or raise) the round's end."""
         store, rank = self._store, self.rank
@@ -503,7 +521,10 @@ class DistributedTrainerClient(AsyncClient):
                 if sig != self._published:
                     store.set(f"ws-dist/{self.session}/described/{rank}/{sig}", json.dumps(replay.described))
                     self._published = sig
-                store.set(f"{prefix}/holding/{rank}", json.dumps({"sig": sig, "host": host_id()}))
+                record = {"sig": sig, "host": host_id()}
+                if verify_digest:  # what this rank sends, hashed (rank 0 combines the senders' hashes)
+                    record["hashes"] = holding_hashes(held.values(), self.wire_dtype)
+                store.set(f"{prefix}/holding/{rank}", json.dumps(record))
             except WeightSyncError as exc:
                 store.set(f"{prefix}/holding/{rank}", json.dumps({"error": _error_record(exc)}))
                 held = None

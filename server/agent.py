@@ -659,7 +659,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if job.error is None and restore_stale is not None:
             restore_stale()
         if job.error is None and request.weights_digest:
-            digest = await job.wait(asyncio.ensure_future(self.run_on_engine(self.adapter.received_digest)))
+            digest = await job.wait(asyncio.ensure_future(self.run_on_engine(self.adapter.received_digest,
+                                                                             job.owners)))
             if job.error is None and len(digest) != len(request.weights_digest):
                 job.error = TransferError(
                     f"the trainer's weights digest is of another kind than this agent's ({len(request.weights_digest)}"

@@ -227,6 +227,34 @@ def test_a_rank_that_leaves_a_shard_out_gets_the_same_typed_error_everywhere_and
     assert asyncio.run(transfer_counts(cluster)) == {"engine-0": 0, "engine-1": 0}
 
 
+def test_a_sharded_trainers_digest_is_checked_by_every_engine_and_a_stale_block_fails_the_round(cluster_factory,
+                                                                                                   tmp_path):
+    """``verify_digest`` from two tensor-parallel ranks: every rank hashes the slices
+    it holds (rows, and columns of the row-wise weights), rank 0 combines them, and
+    every engine hashes the same slices of what it loaded before committing (blocks:
+    tests/test_sharding.py, tests/test_streamed_load.py). Round 1 passes on both
+    engines. In round 2 engine-1 keeps its old bytes of a row-wise weight (columns
+    from each rank) after they arrived: its digest differs, the round fails on every
+    rank, and engine-1 stays torn; engine-0 is not blamed."""
+    rules = [{"op": "receive", "action": "stale_tensor", "version": 2, "tensor": "blocks.0.proj.weight",
+              "engine": "engine-1"}]
+    cluster = cluster_factory(2, agent_args=("--model", MODEL, "--enable-fault-injection"),
+                              agent_env={"WEIGHTSYNC_FAULTS": json.dumps(rules)})
+    with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 2,
+                      rank_args("--rounds", "2", "--verify-digest", "--transport", "shm",
+                                "--parallel", "tp")) as ranks:
+        assert ranks.wait(240) == [0, 0], ranks.tail()
+        for rank in range(2):
+            rounds = ranks.rounds(rank)
+            assert rounds[1]["ok"], ranks.tail()
+            assert not rounds[2]["ok"] and rounds[2]["error_type"] == "SyncFailed", ranks.tail()
+            assert "engine-1" in rounds[2]["error"] and "do not match the trainer's digest" in rounds[2]["error"], \
+                ranks.tail()
+    states = settled_states(cluster.address)
+    assert states["engine-1"].torn and states["engine-1"].torn_version == 2, states
+    assert not states["engine-0"].torn, states
+
+
 def test_a_sharded_trainers_probe_attests_every_engine_and_a_stale_one_is_refused(cluster_factory, tmp_path):
     """FSDP2 ranks score the probe sequences together (a collective forward) before the
     round and pass the probe: every engine scores it after loading and the round is ok

@@ -363,6 +363,34 @@ def test_ranks_whose_block_of_a_small_tensor_is_empty_send_nothing_of_it():
     assert all(torch.equal(t, dict(tiny)[n]) for n, t in zip(plan.names, targets, strict=True))
 
 
+@pytest.mark.parametrize("layout", ["rows", "columns", "blocks"])
+def test_the_parts_digest_the_senders_combine_is_the_engines_of_the_same_slices(layout):
+    """``verify_digest`` for a sharded trainer (weightsync/parts_digest.py): the hashes
+    each rank makes of what it holds, combined by rank 0, equal what an engine hashes
+    of the same slices of the full tensors; two elements of different parts swapped
+    (bytes that landed in another part's place), one stale element, or a tensor of
+    another dtype changes the engine's."""
+    from weightsync.parts_digest import combine, holding_hashes, parts_digest, sender_hashes
+    holdings = (grid_slices(2, 2, FULL.items()) if layout == "blocks"
+                else chunk_holdings(3, columns=layout == "columns"))
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    trainer = combine(plan, owners, {r: sender_hashes(owners, r, holding_hashes(holdings[r]))
+                                     for r in owners.sender_ranks})
+    engine = {n: t.clone() for n, t in FULL.items()}
+    assert parts_digest(plan, owners, engine.items()) == trainer
+    swapped = dict(engine, w=engine["w"].clone())
+    swapped["w"][0, 0], swapped["w"][6, 2] = engine["w"][6, 2], engine["w"][0, 0]
+    stale = dict(engine, emb=engine["emb"].clone())
+    stale["emb"][9, 3] += 1
+    wider = dict(engine, w=engine["w"].double())
+    for changed in (swapped, stale, wider):
+        assert parts_digest(plan, owners, changed.items()) != trainer
+    with pytest.raises(InvalidArgument, match="gave no hash of a tensor it sends"):
+        sender_hashes(owners, owners.sender_ranks[0], {})
+    with pytest.raises(InvalidArgument, match="hashed 0 parts"):
+        combine(plan, owners, {r: [] for r in owners.sender_ranks})
+
+
 def test_owners_round_trip_and_malformed_columns():
     plan, owners = assign([describe(h) for h in chunk_holdings(2)], bucket_bytes=64)
     again = Owners.from_proto(owners.to_proto(), plan)

@@ -18,6 +18,7 @@ from weightsync import transport as transports
 from weightsync.engine.streamed_load import receive_and_load, receive_and_load_from_senders
 from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.packing import weights_digest
+from weightsync.parts_digest import combine, holding_hashes, sender_hashes
 from weightsync.plan import BucketPlan
 from weightsync.sharding import assign, describe, sources_for
 from weightsync.transport.from_senders import SenderLane
@@ -180,7 +181,10 @@ def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int
             sender.close()
         for receiver in receivers:
             receiver.close()
-    return plan, outcome
+    # what a trainer verifying the round would send: the senders' hashes of what they hold
+    trainer_parts = combine(plan, owners, {r: sender_hashes(owners, r, holding_hashes(holdings[r]))
+                                           for r in owners.sender_ranks})
+    return plan, outcome, trainer_parts
 
 
 @pytest.mark.parametrize("layout", ["rows", "columns", "blocks"])
@@ -201,10 +205,12 @@ def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kin
             seen.append(name)
             loaded[name] = tensor.clone()
 
-    plan, outcome = _run_sharded(kind_name, load, sources, dim=int(layout == "columns"), grid=layout == "blocks")
+    plan, outcome, trainer_parts = _run_sharded(kind_name, load, sources, dim=int(layout == "columns"),
+                                                grid=layout == "blocks")
     assert set(outcome) == {"result"}, outcome
-    digest, peak = outcome["result"]
+    digest, peak, parts = outcome["result"]
     assert digest == weights_digest(sources)  # what the trainer's full tensors hash to
+    assert parts == trainer_parts  # the senders' hashes of what they hold, combined
     assert sorted(seen) == sorted(n for n, _ in sources), "a tensor loaded twice, or never"
     assert all(torch.equal(loaded[name], t) for name, t in sources)
     largest = max(t.numel() * t.element_size() for _, t in sources)
@@ -215,7 +221,7 @@ def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kin
 def test_a_sharded_lane_that_stops_fails_the_receive_and_stops_the_other_sender(kind_name):
     sources = [(n, t.view(-1, 64)) for n, t in _model(6)]
     started = time.monotonic()
-    _, outcome = _run_sharded(kind_name, lambda weights: [time.sleep(0.01) for _ in weights], sources,
+    _, outcome, _ = _run_sharded(kind_name, lambda weights: [time.sleep(0.01) for _ in weights], sources,
                               fail_sender=1)
     assert isinstance(outcome.get("receive"), (TransferError, StepTimeoutError)), outcome
     assert "result" not in outcome

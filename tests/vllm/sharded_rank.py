@@ -8,7 +8,8 @@ matrix (``Shard(1)``, tensor parallel's row-wise layers); by ``blocks`` (four ra
 2x2 mesh), a block of rows and columns of every matrix (``Shard(0), Shard(1)``: FSDP2
 over tensor parallel's row-wise layers) and rows of the rest, which two ranks hold
 each -- and calls ``DistributedTrainerClient.update_weights`` with them: every rank
-sends its own slices. A round said to ``attest`` carries the attestation probe
+sends its own slices. A round said to ``verify`` carries the parts' digest
+(``verify_digest``), which vLLM's worker checks. A round said to ``attest`` carries the attestation probe
 of the trainer's full model (transformers, built by every rank from the same full tensors).
 Before each round a rank prints {"rank", "starting": VERSION}; after it, one JSON line:
 {"rank", "round", "ok", "error", "attest_max_diff"}.
@@ -65,7 +66,8 @@ async def run(args: argparse.Namespace) -> None:
                                             default_timeout_s=120) as client:
             print(json.dumps({"rank": rank, "starting": version}), flush=True)
             try:
-                result = await client.update_weights(named, version=version, timeout_s=120, attest=probe)
+                result = await client.update_weights(named, version=version, timeout_s=120, attest=probe,
+                                                     verify_digest="verify" in extra)
                 line["ok"] = result.ok
                 if probe is not None:
                     line["attest_max_diff"] = max(e.attest_max_diff or 0.0 for e in result.engines)
@@ -79,7 +81,7 @@ def main() -> int:
     parser.add_argument("coordinator")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--round", action="append", required=True,
-                        help="VERSION,SEED,TRANSPORT,rows|columns|blocks[,attest]: one round (its own client), in order")
+                        help="VERSION,SEED,TRANSPORT,rows|columns|blocks[,attest][,verify]: one round (its own client), in order")
     parser.add_argument("--bucket-bytes", type=int, default=16 * 1024)
     parser.add_argument("--go", default="", help="before each round after the first, wait for GO/go-VERSION")
     args = parser.parse_args()

@@ -135,7 +135,8 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     columns of every matrix (Shard(1), tensor parallel's row-wise layers), over shm,
     with the trainer's attestation probe; then by rows again, over shm: the worker
     still holds those owners, and the round names them by key instead of sending
-    every part again.
+    every part again; that round verified by the parts' digest (every rank's hashes
+    of what it holds, against the worker's of the same slices of what it loaded).
     vLLM's worker takes every lane at once and loads each tensor once all its slices
     are in. Checked
     against the trainer's own full model (transformers) and the digest of its full
@@ -145,7 +146,7 @@ async def test_a_sharded_trainers_ranks_each_send_their_rows_into_vllm(vllm_stac
     original = checkpoint(tiny_model)
     async with TrainerClient(address) as client:
         first = (await client.get_state()).weight_version + 1
-    rounds = [(first, 700, "gloo", "rows"), (first + 1, 701, "shm", "columns,attest"), (first + 2, 702, "shm", "rows")]
+    rounds = [(first, 700, "gloo", "rows"), (first + 1, 701, "shm", "columns,attest"), (first + 2, 702, "shm", "rows,verify")]
     go = str(tmp_path / "go")
     os.makedirs(go)
     # One job (each rank one process) for both rounds, each round its own client; the

@@ -257,9 +257,17 @@ class EngineAdapter(abc.ABC):
                 that (it cannot compute one, or holds weights weightsync did not send).
         """
 
-    def received_digest(self) -> str:
+    def received_digest(self, owners: Owners | None = None) -> str:
         """The digest of what the receive that just ended loaded, read before the
-        version is committed (the agent checks it against the trainer's)."""
+        version is committed (the agent checks it against the trainer's). For a
+        sharded trainer's round (``owners``), the parts' digest
+        (``weightsync/parts_digest.py``): the same slices of the loaded tensors.
+
+        Raises:
+            Unsupported: this engine cannot hash a sharded round's parts."""
+        if owners is not None:
+            raise Unsupported(f"{self.name} cannot check a sharded trainer's round against its digest",
+                              reason="DIGEST_UNSUPPORTED")
         return self.weights_digest()
 
     def submit(self, prompt: Sequence[int], max_tokens: int) -> str:

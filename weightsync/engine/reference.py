@@ -35,6 +35,7 @@ from weightsync.engine.adapter import EngineAdapter, Request, validate_tags
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import EngineFault, FailedPrecondition, InvalidArgument, StepTimeoutError
 from weightsync.packing import weights_digest
+from weightsync.parts_digest import parts_digest
 from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses
 from weightsync.v1 import common_pb2
 from weightsync.validate import check_pause_mode
@@ -404,6 +405,11 @@ class ReferenceAdapter(EngineAdapter):
 
     def weights_digest(self):
         return weights_digest(self.engine.named_tensors())
+
+    def received_digest(self, owners=None):
+        if owners is None:
+            return self.weights_digest()
+        return parts_digest(owners.plan, owners, self.engine.named_tensors())
 
     def submit(self, prompt, max_tokens):
         return self.engine.submit(prompt, max_tokens)

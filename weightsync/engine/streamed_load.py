@@ -34,6 +34,7 @@ import torch
 
 from weightsync.errors import StepTimeoutError, TransferError
 from weightsync.packing import WeightsDigest
+from weightsync.parts_digest import PartsDigest
 from weightsync.plan import BucketPlan
 from weightsync.sharding import Owners
 from weightsync.transport.base import Receiver
@@ -96,6 +97,7 @@ class _Loading:
         self.ready_bytes = 0
         self.stop = threading.Event()  # the loader side gave up: the receive must stop too
         self.digest = WeightsDigest()
+        self.parts: PartsDigest | None = None  # a sharded round's: its parts hashed as they load
         self.remaining = len(plan)
 
     def completed(self, indices: Iterable[int]) -> None:
@@ -150,6 +152,8 @@ class _Loading:
                 self.waiting.notify_all()
             name = self.plan.names[item]
             self.digest.add(name, tensor)
+            if self.parts is not None:
+                self.parts.add(name, tensor)
             self.remaining -= 1
             yield name, tensor
 
@@ -195,10 +199,13 @@ def receive_and_load(receiver: Receiver, rendezvous: common_pb2.Rendezvous, rank
 def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: BucketPlan, owners: Owners, *,
                                   device: torch.device, deadline_at: float, abort: threading.Event,
                                   load: Callable[[Iterable[tuple[str, torch.Tensor]]], None],
-                                  max_ready_bytes: int = DEFAULT_MAX_READY_BYTES) -> tuple[str, int]:
+                                  max_ready_bytes: int = DEFAULT_MAX_READY_BYTES) -> tuple[str, int, str]:
     """``receive_and_load`` for a sharded trainer's round: every sender's lane at once
     (``receive_from_senders``), each into row ranges of the same full tensors, which go
-    to ``load`` once the last of their parts, from whichever lane, is in.
+    to ``load`` once the last of their parts, from whichever lane, is in. Returns what
+    ``receive_and_load`` does and the parts' digest of what was loaded
+    (``weightsync/parts_digest.py``: what a trainer that asked to verify the round
+    hashed).
 
     Tensors whose parts have come in on some lanes and not yet on others are held
     too, however far one lane runs ahead of another (a rank on a faster link, or
@@ -208,6 +215,7 @@ def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: 
     the lanes cannot all wait on each other."""
     targets = StreamedTargets(plan, device)
     loading = _Loading(plan, targets, max_ready_bytes=max_ready_bytes, deadline_at=deadline_at, abort=abort)
+    loading.parts = PartsDigest(plan, owners)
     parts_left = np.bincount(np.concatenate([owners.parts_of(lane.sender).tensors for lane in lanes]),
                              minlength=len(plan))
     if len(lanes) != len(owners.senders) or (parts_left == 0).any():
@@ -246,7 +254,8 @@ def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: 
         receive_from_senders(lanes, rank, lambda lane: views[lane.sender], deadline_at=deadline_at,
                              abort=_Either(abort, loading.stop), on_lane_bucket=lane_bucket, stop=lanes_stop)
 
-    return loading.load_while(receive, device, load)
+    digest, peak = loading.load_while(receive, device, load)
+    return digest, peak, loading.parts.hexdigest()
 
 
 class _Either:

@@ -95,6 +95,7 @@ class VllmAdapter(HttpEngineAdapter):
         self._workers: int | None = None
         self._peak_target_bytes = 0
         self.last_received_digest = ""
+        self._last_parts_digest = ""  # a sharded round's: the same slices of what the workers loaded
         self._out_of_step = ""  # why vLLM's replies may no longer match its calls; "" while they do
 
     # ----- HTTP ---------------------------------------------------------------------
@@ -222,7 +223,7 @@ class VllmAdapter(HttpEngineAdapter):
         # an agent started after this one died mid-receive reads that record and keeps
         # the engine torn and paused until a round lands whole (``torn_to``).
         before = self._read_version("/weight_info")[0] or 0
-        self.last_received_digest = ""  # until this receive has loaded every tensor
+        self.last_received_digest = self._last_parts_digest = ""  # until this receive has loaded every tensor
         self._call("POST", "/update_weight_version",
                    body={"new_version": self.receiving_marker(delivery.version, before)})
         # The worker remembers plans it took whole: later rounds name the plan by id (a
@@ -260,8 +261,10 @@ class VllmAdapter(HttpEngineAdapter):
             raise TransferError(f"receive inside vLLM failed on {len(bad) or 'every'} of {len(results)} "
                                 f"worker(s): {(bad or results)[:2]!r}")
         digests = {r["digest"] for r in results}
-        if len(digests) != 1:
-            raise TransferError(f"vLLM's workers loaded different bytes: digests {sorted(digests)}")
+        parts = {r.get("parts_digest", "") for r in results}
+        if len(digests) != 1 or len(parts) != 1:
+            raise TransferError(f"vLLM's workers loaded different bytes: digests {sorted(digests)} {sorted(parts)}")
+        self._last_parts_digest = parts.pop()
         self._worker_plans.add(plan.plan_id)
         if owners_key:
             self._worker_owners.add(owners_key)
@@ -329,9 +332,9 @@ class VllmAdapter(HttpEngineAdapter):
             self.last_received_digest = self._workers_digest()
         return self.last_received_digest
 
-    def received_digest(self):
+    def received_digest(self, owners=None):
         # Before commit vLLM's record still says the receive is under way.
-        return self.last_received_digest
+        return self.last_received_digest if owners is None else self._last_parts_digest
 
     def _workers_digest(self) -> str:
         """The digest every worker says its last whole receive loaded ("" while vLLM

@@ -89,16 +89,18 @@ class WeightsyncWorkerExtension:
                 lanes = [SenderLane(parts.lane, owners.part_plan(parts.sender),
                                     self._weightsync_receiver(parts.lane.transport, i, data_host), parts.sender)
                          for i, parts in enumerate(owners_msg.senders)]
-                digest, peak = receive_and_load_from_senders(
+                digest, peak, parts_digest = receive_and_load_from_senders(
                     lanes, my_rank, plan, owners, device=device, deadline_at=deadline_at, abort=threading.Event(),
                     load=load, max_ready_bytes=2 * plan.bucket_bytes)
             else:
+                parts_digest = ""
                 digest, peak = receive_and_load(
                     self._weightsync_receiver(rendezvous.transport, 0, data_host), rendezvous, my_rank, plan,
                     device=device, deadline_at=deadline_at, abort=threading.Event(), load=load,
                     max_ready_bytes=2 * plan.bucket_bytes)
             self.__dict__["_weightsync_digest"] = digest
-            return {"digest": digest, "bytes": plan.total_bytes, "peak_target_bytes": peak}
+            return {"digest": digest, "bytes": plan.total_bytes, "peak_target_bytes": peak,
+                    "parts_digest": parts_digest}
         except Exception as exc:  # reported to the agent as data; the agent marks the engine torn
             return {"error": f"{type(exc).__name__}: {exc}"}
 

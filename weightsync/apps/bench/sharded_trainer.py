@@ -15,6 +15,8 @@ and syncs it for ``--rounds`` rounds:
 - ``--mode gather``: the baseline: all-gather every parameter to rank 0, which sends
   the full tensors (``TrainerClient``); the others wait at a barrier.
 
+``--verify-digest``: every round carries the digest of the parts the ranks send, which
+each engine checks against what it loaded before committing.
 ``--attest``: before each round every rank scores the probe sequences with the model
 (FSDP2's forward is a collective) and the round carries that probe; from version
 ``--stale-from`` on, the ranks score them before moving the weights (the engines must
@@ -197,7 +199,8 @@ async def run(args: argparse.Namespace) -> None:
                     if rank == args.drop_on_rank:  # tests: this rank fails to offer one of its shards
                         named = named[1:]
                     result = await client.update_weights(named, version=r, timeout_s=args.timeout,
-                                                         key=f"{args.key}-{r}" if args.key else None, attest=probe)
+                                                         key=f"{args.key}-{r}" if args.key else None, attest=probe,
+                                                         verify_digest=args.verify_digest)
                     line["ok"] = result.ok
                     if probe is not None:
                         line["attest_max_diff"] = max(e.attest_max_diff or 0.0 for e in result.engines)
@@ -252,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drop-on-rank", type=int, default=-1,
                         help="tests: this rank leaves its first tensor out (its shards then do not cover it)")
     parser.add_argument("--check-digests", action="store_true", help="after every good round")
+    parser.add_argument("--verify-digest", action="store_true",
+                        help="every round verified by the parts' digest (update_weights(verify_digest=True))")
     parser.add_argument("--attest", action="store_true",
                         help="carry an attestation probe scored by every rank before the round")
     parser.add_argument("--stale-from", type=int, default=0,
