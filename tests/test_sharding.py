@@ -385,6 +385,12 @@ def test_the_parts_digest_the_senders_combine_is_the_engines_of_the_same_slices(
     wider = dict(engine, w=engine["w"].double())
     for changed in (swapped, stale, wider):
         assert parts_digest(plan, owners, changed.items()) != trainer
+    # a wire dtype: each rank hashes what it sends (bfloat16), the engine what it holds
+    plan16, owners16 = assign([describe(h) for h in holdings], bucket_bytes=64, wire_dtype=torch.bfloat16)
+    sent16 = combine(plan16, owners16, {r: sender_hashes(owners16, r, holding_hashes(holdings[r], torch.bfloat16))
+                                        for r in owners16.sender_ranks})
+    held16 = [(n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in FULL.items()]
+    assert parts_digest(plan16, owners16, held16) == sent16 != trainer
     with pytest.raises(InvalidArgument, match="gave no hash of a tensor it sends"):
         sender_hashes(owners, owners.sender_ranks[0], {})
     with pytest.raises(InvalidArgument, match="hashed 0 parts"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -32,10 +33,7 @@ def part_hash(tensor: torch.Tensor) -> bytes:
     t = tensor.detach().contiguous()
     if t.device.type != "cpu":
         t = t.cpu()
-    h = xxhash.xxh3_128()
-    if t.numel():
-        h.update(byte_view(t).numpy())
-    return h.digest()
+    return xxhash.xxh3_128_digest(byte_view(t).numpy() if t.numel() else b"")
 
 
 def _tensor_hash(name: str, dtype: torch.dtype, shape: Sequence[int], parts: Sequence[bytes]) -> bytes:
@@ -53,7 +51,11 @@ def _digest(tensor_hashes: Mapping[str, bytes]) -> str:
 
 
 def _parts_by_tensor(plan: BucketPlan, owners: Owners) -> list[list[tuple[tuple, int, int]]]:
-    """Per tensor: its parts as (block, sender, part index), in the digest's order."""
+    """Per tensor: its parts as (block, sender, part index), in the digest's order;
+    worked out once per owners (kept on them: rounds replay the same owners)."""
+    known = getattr(owners, "_digest_parts", None)
+    if known is not None:
+        return known
     found: list[list[tuple[tuple, int, int]]] = [[] for _ in range(len(plan))]
     shapes = plan.shapes
     for s in owners.senders:
@@ -63,7 +65,9 @@ def _parts_by_tensor(plan: BucketPlan, owners: Owners) -> list[list[tuple[tuple,
             block = _block(shapes[t], dim, start, rows, extras.get(i, ())) if shapes[t] else ()
             found[t].append((block, s.sender, i))
     for parts in found:
-        parts.sort()
+        if len(parts) > 1:
+            parts.sort()
+    owners._digest_parts = found
     return found
 
 
@@ -119,14 +123,18 @@ class PartsDigest:
         self._hashes: dict[str, bytes] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = self._index[name]
-        hashes = []
-        for block, _, _ in self._parts[t]:
-            view = tensor
-            for dim, (start, rows) in enumerate(block):
-                if (start, rows) != (0, tensor.shape[dim]):
-                    view = view.narrow(dim, start, rows)
-            hashes.append(part_hash(view))
+        parts = self._parts[self._index[name]]
+        t = tensor.detach().contiguous()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if len(parts) == 1 and parts[0][0] == tuple((0, n) for n in t.shape):  # sent whole
+            hashes = [xxhash.xxh3_128_digest(byte_view(t).numpy() if t.numel() else b"")]
+        else:
+            # Each part a numpy view of the tensor's bytes (one more axis: the element's
+            # bytes), made contiguous only where it is not (a block, a column slice).
+            as_bytes = byte_view(t).numpy().reshape(*t.shape, t.element_size())
+            hashes = [xxhash.xxh3_128_digest(np.ascontiguousarray(as_bytes[tuple(slice(s, s + r) for s, r in block)]))
+                      for block, _, _ in parts]
         self._hashes[name] = _tensor_hash(name, tensor.dtype, tuple(tensor.shape), hashes)
 
     def hexdigest(self) -> str:
