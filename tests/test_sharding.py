@@ -344,6 +344,25 @@ def test_assign_sends_each_block_once_and_each_replicated_slice_from_one_rank():
     assert max(sent) - min(sent) <= 8 * 10, sent
 
 
+def test_tensors_only_one_rank_holds_are_planned_and_sent_by_that_rank():
+    """Expert parallelism: each rank holds the shared tensors and its own experts, whole.
+    The plan lists every tensor (rank 0's in its order, then those only later ranks
+    hold); each expert is sent by its holder, each shared tensor by one rank."""
+    shared = [("embed", torch.randn(10, 4)), ("head", torch.randn(4, 10))]
+    experts = [(f"experts.{e}.w", torch.randn(6, 4)) for e in range(6)]
+    holdings = [[Holding(n, t.dtype, tuple(t.shape), 0, t.shape[0], t)
+                 for n, t in shared + [x for e, x in enumerate(experts) if e % 3 == r]] for r in range(3)]
+    plan, owners = assign([describe(h) for h in holdings], bucket_bytes=64)
+    assert list(plan.names) == ["embed", "head", "experts.0.w", "experts.3.w", "experts.1.w", "experts.4.w",
+                                "experts.2.w", "experts.5.w"]
+    for e in range(6):
+        senders = [r for r in owners.sender_ranks
+                   if plan.names.index(f"experts.{e}.w") in owners.parts_of(r).tensors.tolist()]
+        assert senders == [e % 3], (e, senders)
+    shared_senders = [r for r in owners.sender_ranks for t in owners.parts_of(r).tensors.tolist() if t < 2]
+    assert len(shared_senders) == 2  # each shared tensor once
+
+
 def test_ranks_whose_block_of_a_small_tensor_is_empty_send_nothing_of_it():
     """A tensor with fewer rows than the mesh has row chunks (torch.chunk leaves the
     last chunks empty): the ranks whose block is empty send none of it, and the others'

@@ -6,8 +6,12 @@ Started like torchrun starts a rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 with ``fully_shard`` (``--parallel fsdp``; ``hsdp``: over a 2-D mesh, two replica
 groups each sharding over half the ranks), torch's tensor parallel (``--parallel tp``:
 each block's ``qkv`` and ``fc1`` column-wise, ``proj`` and ``fc2`` row-wise; the rest
-plain tensors every rank holds whole) or both (``--parallel fsdp-tp``: tensor parallel
-within pairs of ranks, FSDP2 across the pairs, as torchtitan composes them), moves every rank's own shard
+plain tensors every rank holds whole), both (``--parallel fsdp-tp``: tensor parallel
+within pairs of ranks, FSDP2 across the pairs, as torchtitan composes them), or
+expert parallel (``--parallel ep``, a mixture-of-experts ``--model``: plain tensors, each
+rank offering the shared ones and only its own experts, expert ``e`` on rank ``e mod
+world``; every rank moves its whole copy alike, so rank 0's is the full model the check
+gathers), moves every rank's own shard
 by seeded noise each round (so rounds differ; replicated tensors alike on every rank),
 and syncs it for ``--rounds`` rounds:
 
@@ -168,7 +172,30 @@ def full_state(model) -> list[tuple[str, torch.Tensor]]:
             for name, p in model.named_parameters()]
 
 
-PARALLEL = {"fsdp": sharded_model, "hsdp": hsdp_model, "tp": tensor_parallel_model, "fsdp-tp": fsdp_over_tp_model}
+def expert_parallel_model(config: ModelConfig):
+    """The engines' model, whole, on every rank (what each rank offers is cut by
+    ``offered``)."""
+    if not config.n_experts:
+        raise SystemExit("--parallel ep takes a mixture-of-experts --model (n_experts > 0)")
+    return ReferenceLM(config)
+
+
+def offered(model, parallel: str, rank: int, world: int) -> list[tuple[str, torch.Tensor]]:
+    """What this rank passes to ``update_weights``: every parameter, or under expert
+    parallelism the shared ones and this rank's experts (``...experts.E....``, E mod
+    world == rank)."""
+    named = list(model.named_parameters())
+    if parallel != "ep":
+        return named
+
+    def mine(name: str) -> bool:
+        parts = name.split(".")
+        return "experts" not in parts or int(parts[parts.index("experts") + 1]) % world == rank
+    return [(n, p) for n, p in named if mine(n)]
+
+
+PARALLEL = {"fsdp": sharded_model, "hsdp": hsdp_model, "tp": tensor_parallel_model, "fsdp-tp": fsdp_over_tp_model,
+            "ep": expert_parallel_model}
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -195,7 +222,7 @@ async def run(args: argparse.Namespace) -> None:
             started = time.monotonic()
             try:
                 if args.mode == "sharded":
-                    named = [(n, p) for n, p in model.named_parameters()]
+                    named = offered(model, args.parallel, rank, dist.get_world_size())
                     if rank == args.drop_on_rank:  # tests: this rank fails to offer one of its shards
                         named = named[1:]
                     result = await client.update_weights(named, version=r, timeout_s=args.timeout,
@@ -245,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("sharded", "gather"), default="sharded")
     parser.add_argument("--parallel", choices=tuple(PARALLEL), default="fsdp",
                         help="how the model is sharded: FSDP2 (Shard(0)), HSDP (two replica groups of FSDP2), "
-                             "tensor parallel (Shard(0) and Shard(1)) or FSDP2 over tensor parallel (blocks)")
+                             "tensor parallel (Shard(0) and Shard(1)), FSDP2 over tensor parallel (blocks) or expert "
+                             "parallel (each rank its own experts, whole)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--first-version", type=int, default=1)
     parser.add_argument("--transport", default="auto")
