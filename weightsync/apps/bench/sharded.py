@@ -25,7 +25,7 @@ from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.engine.model import config_for_size
 
 MODES = ("sharded", "gather")
-PARALLEL = ("fsdp", "hsdp", "tp", "fsdp-tp")  # sharded_trainer's --parallel
+PARALLEL = ("fsdp", "hsdp", "tp", "fsdp-tp")  # the layouts the bench measures (sharded_trainer --parallel)
 
 
 def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, rounds: int, transport: str,
