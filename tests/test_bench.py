@@ -174,7 +174,7 @@ def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--size", "2MiB", "--tensors", "30,300",
                            "--shape-profile", "moe", "--engines", "1", "--steps", "1", "--bucket-bytes", "1MiB",
                            "--transport", "shm", "--transport", "group-flat", "--no-baselines", "--json", str(out),
-                           "--plot", str(png), "--trainer-memory", "huge-pages"],
+                           "--plot", str(png), "--trainer-memory", "huge-pages", "--settle-s", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
