@@ -200,7 +200,7 @@ def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked
     to the trainer's full state dict. ``--no-baselines`` leaves the all-gather out."""
     out = tmp_path / "ranks.json"
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--trainer-ranks", "2", "--size", "1MiB",
-                           "--tensors", "40", "--engines", "1", "--steps", "1", "--transport", "shm",
+                           "--tensors", "12", "--engines", "1", "--steps", "1", "--transport", "shm",
                            "--json", str(out), *([] if baselines else ["--no-baselines"])],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
