@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -316,3 +317,20 @@ def test_shared_memory_the_engine_left_is_removed_and_another_processs_is_not(la
         for path in (own, held, before):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_free_ports_come_from_outside_the_kernels_ephemeral_range_and_are_never_handed_out_twice():
+    """A port a test hands to a child is one neither a server bound to port 0 nor an
+    outgoing connection can take before the child binds it: the kernel gives those from
+    its ephemeral range only (a ready port taken by such a socket failed an agent's
+    start once under load)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
+    if low < 11000:
+        pytest.skip(f"this machine's ephemeral range starts at {low}: no room below it")
+    busy = [free_port() for _ in range(50)]
+    assert all(port < low for port in busy), busy
+    assert len(set(busy)) == len(busy)
+    for port in busy[:5]:  # each one binds
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -128,12 +129,44 @@ def stop_process(proc: subprocess.Popen, *, grace_s: float = 10.0) -> int | None
         return proc.wait(timeout=grace_s)
 
 
+_handed_out: set[int] = set()
+_FIXED_PORTS_FROM = 10000  # below the kernel's ephemeral range, above well-known services
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on now (for a child to bind; another process
-    could take it first, so use it at once)."""
-    with socket.socket() as s:
+    """A TCP port that nothing is bound to now, for a child to bind (another process
+    could still take it first, so use it at once).
+
+    Taken from below the kernel's ephemeral range (``ip_local_port_range``) where
+    there is room: a port bound to ``0``, or the local end of any outgoing
+    connection, comes from that range, so a port picked there was now and then taken
+    by one of the very servers or connections started before the child bound it
+    (``address already in use``, seen under load). No port is handed out twice by one
+    process."""
+    low = _ephemeral_low()
+    for _ in range(200) if low - _FIXED_PORTS_FROM >= 1000 else ():
+        port = random.randrange(_FIXED_PORTS_FROM, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_for_file(path: str, *, timeout_s: float, proc: subprocess.Popen | None = None) -> str:
