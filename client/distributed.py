@@ -28,10 +28,18 @@ rank at once (its forward pass is a collective: ``Probe.from_model`` called on e
 rank); rank 0's goes with the round, and every engine scores it after loading, as for
 any trainer. ``verify_digest``: every rank hashes what it holds and the engines hash the
 same slices of what they end with (``weightsync/parts_digest.py``). Not supported here
-(typed errors): a function in place of the probe (rank 0 alone would call it: a
-collective forward there waits forever for the other ranks), the ``group`` transport
-and SGLang engines (SGLang's update group has one sender; the round fails its check,
-nothing changes).
+(a typed error): a function in place of the probe (rank 0 alone would call it: a
+collective forward there waits forever for the other ranks).
+
+The ``group`` transport (SGLang's update group) has one sender, so a client made with
+``transport="group"`` *gathers* first: before the round starts (the engines serve on
+meanwhile), every rank sends its parts to rank 0 on a lane of its own (shm from a rank
+on rank 0's host, else gloo; followed like a round's lanes: heartbeats, reports,
+deadline), received into full tensors rank 0 keeps while the plan stays -- a full copy
+of the model in rank 0's host memory -- and rank 0 then runs a plain round with them.
+A gather that fails ends the call on every rank with the same typed error and changes
+nothing in any engine. ``verify_digest`` checks the gathered parts against the hashes
+each rank took of what it holds, then has the engines check the full tensors' digest.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,7 +81,7 @@ from weightsync.errors import (
 )
 from weightsync.host_identity import host_id
 from weightsync.idempotency import validate_key
-from weightsync.parts_digest import combine, holding_hashes, sender_hashes
+from weightsync.parts_digest import combine, holding_hashes, parts_digest, sender_hashes
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from weightsync.security import Security
 from weightsync.sharding import (
@@ -86,7 +94,8 @@ from weightsync.sharding import (
     sources_for,
 )
 from weightsync.threads import run_in
-from weightsync.transport.base import Sender, TransferStats
+from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
 from weightsync.transport.secure_store import SecureStore, StoreHost
 from weightsync.transport.store import session_key
 from weightsync.v1 import common_pb2
@@ -97,6 +106,24 @@ CLOSE_GRACE_S = 5.0    # rank 0, closing: how long it waits for the others to re
 STOP_GRACE_S = 10.0    # after a stop, how long rank 0 waits for a rank to say its send ended
 _POLL_S = 0.005
 _START_TIMEOUT_S = 60.0
+
+
+class _FirstFailure:
+    """``is_set()`` once the caller cancelled or a rank's follower failed (the abort of a
+    gather's receive); ``first()``: that follower's error."""
+
+    def __init__(self, cancel: threading.Event, followers: list[futures.Future]) -> None:
+        self.cancel, self.followers = cancel, followers
+        self._first: BaseException | None = None
+
+    def is_set(self) -> bool:
+        return self.cancel.is_set() or self.first() is not None
+
+    def first(self) -> BaseException | None:
+        if self._first is None:
+            self._first = next((f.exception() for f in self.followers if f.done() and f.exception() is not None),
+                               None)
+        return self._first
 
 
 def _round_prefix(session: str, n: int) -> str:
@@ -172,6 +199,13 @@ def _raise_recorded(record: dict) -> None:
     raise typed
 
 
+def _refuse_a_function_as_probe(attest) -> None:
+    if attest is not None and not isinstance(attest, Probe):
+        raise InvalidArgument("a sharded trainer's attest takes a Probe computed before the call, on every rank "
+                              "(a collective forward: Probe.from_model on each), not a function rank 0 would "
+                              "call alone")
+
+
 class _ShardedDriver(TrainerClient):
     """Rank 0's TrainerClient: plans from every rank's holdings, sends its own parts,
     and hands the other ranks their lanes through the store."""
@@ -185,20 +219,36 @@ class _ShardedDriver(TrainerClient):
         self.holdings: dict[str, Holding] = {}
         self.prefix = ""
         self.common_host = ""
+        self.rank_hosts: dict[int, str] = {}  # each rank's host id, as it said this round
 
     def _trainer_host_id(self) -> str:
         return self.common_host  # "" when the ranks are on different hosts: auto means gloo
 
     def _prepare(self, named_tensors, with_digest: bool, attest=None, *, addresses: bool = False) -> _Prepared:
-        if attest is not None and not isinstance(attest, Probe):
-            raise InvalidArgument("a sharded trainer's attest takes a Probe computed before the call, on every rank "
-                                  "(a collective forward: Probe.from_model on each), not a function rank 0 would "
-                                  "call alone")
+        _refuse_a_function_as_probe(attest)
+        if self.owner.gathers:  # the full tensors, gathered into this rank: a plain round
+            return super()._prepare(named_tensors, with_digest, attest, addresses=addresses)
+        plan, owners, hashes = self.assigned(named_tensors, with_digest)
+        sources: list[torch.Tensor] = []
+        if 0 in owners.sender_ranks:  # the same list while the owners and the holdings stay
+            if self._sources is None or self._sources[0] is not owners or self._sources[1] is not self.holdings:
+                self._sources = (owners, self.holdings, sources_for(owners, 0, self.holdings))
+            sources = self._sources[2]
+        digest = ""
+        if with_digest:  # the parts' digest (weightsync/parts_digest.py): engines hash the same slices
+            digest = combine(plan, owners, {s: sender_hashes(owners, s, hashes[s]) for s in owners.sender_ranks})
+        return _Prepared(plan, sources, digest, attest, owners)
+
+    def assigned(self, named_tensors, with_digest: bool) -> tuple[BucketPlan, Owners, list]:
+        """This rank's holdings and every other rank's (each waited for in the store),
+        planned: the plan of the full tensors, who sends which part, and (``with_digest``)
+        each rank's hashes of what it holds, by rank."""
         replay = self.owner.hold(named_tensors)
         self.holdings, mine = replay.holdings, replay.described
         described = [mine]
         hashes = [holding_hashes(self.holdings.values(), self.wire_dtype)] if with_digest else []
         hosts = {host_id()}
+        self.rank_hosts = {0: host_id()}
         store = self._store_host
         for rank in range(1, self.owner.world_size):
             record = self.owner.wait_key(f"{self.prefix}/holding/{rank}", operation="the ranks' holdings")
@@ -207,6 +257,7 @@ class _ShardedDriver(TrainerClient):
                 raise outcome_error(held["error"]["reason"], f"trainer rank {rank}: {held['error']['message']}",
                                     operation="broadcast", code=held["error"].get("code", 0))
             hosts.add(held["host"])
+            self.rank_hosts[rank] = held["host"]
             if with_digest:
                 if "hashes" not in held:
                     raise InvalidArgument(f"trainer rank {rank} did not hash its holdings: every rank passes the "
@@ -230,26 +281,26 @@ class _ShardedDriver(TrainerClient):
             plan, owners = assign(described, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype)
             self._assigned = (key, plan, owners)
         _, plan, owners = self._assigned
-        sources: list[torch.Tensor] = []
-        if 0 in owners.sender_ranks:  # the same list while the owners and the holdings stay
-            if self._sources is None or self._sources[0] is not owners or self._sources[1] is not self.holdings:
-                self._sources = (owners, self.holdings, sources_for(owners, 0, self.holdings))
-            sources = self._sources[2]
-        digest = ""
-        if with_digest:  # the parts' digest (weightsync/parts_digest.py): engines hash the same slices
-            digest = combine(plan, owners, {s: sender_hashes(owners, s, hashes[s]) for s in owners.sender_ranks})
-        return _Prepared(plan, sources, digest, attest, owners)
+        return plan, owners, hashes
 
     def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
         """Hands rank ``rendezvous.sender`` its lane and part layout; the lane's future
         ends when that rank says its send ended (or it goes silent, or the deadline)."""
-        rank, store, abort = rendezvous.sender, self._store_host, threading.Event()
+        abort = threading.Event()
+        # On the send pool, not the event loop: a rank's part plan may list 20k parts.
+        return _Lane(rendezvous, run_in(self._send_pool, self.follow_rank(rendezvous, prepared.owners, abort)), abort)
+
+    def follow_rank(self, rendezvous, owners: Owners, abort: threading.Event) -> Callable[[], TransferStats]:
+        """The follower of rank ``rendezvous.sender``'s lane, to run on a thread: it hands
+        the rank its lane and part layout and returns when the rank says its send ended;
+        it raises when the rank failed, went silent or let the deadline pass (then the
+        lane's receivers are told to stop), and ``abort`` tells the rank to stop."""
+        rank, store = rendezvous.sender, self._store_host
         deadline_at = time.monotonic() + (deadlines.remaining(self.default_timeout_s) or 0.0)
         prefix = self.prefix
 
         def follow() -> TransferStats:
-            # On the send pool, not the event loop: a rank's part plan may list 20k parts.
-            plan = prepared.owners.part_plan(rank)
+            plan = owners.part_plan(rank)
             store.set(f"{prefix}/plan/{rank}", plan.to_proto().SerializeToString().hex())
             store.set(f"{prefix}/lane/{rank}", rendezvous.SerializeToString().hex())
             done_key, alive_key = f"{prefix}/done/{rank}", f"{prefix}/alive/{rank}"
@@ -278,7 +329,7 @@ class _ShardedDriver(TrainerClient):
                     raise TransferError(f"trainer rank {rank} did not say its send ended")
                 time.sleep(0.02)
 
-        return _Lane(rendezvous, run_in(self._send_pool, follow), abort)
+        return follow
 
 
 class DistributedTrainerClient(AsyncClient):
@@ -290,7 +341,8 @@ class DistributedTrainerClient(AsyncClient):
             Used once, at ``start``, to share rank 0's store address; never during a
             round.
         transport: ``"auto"`` (shm when every rank and engine share one host, else
-            gloo), ``"gloo"`` or ``"shm"``.
+            gloo), ``"gloo"``, ``"shm"``, or ``"group"`` (one sender, for SGLang: the
+            ranks' parts are gathered into rank 0 first; see the module's docstring).
         host: address engines (and the other ranks) reach this rank at: its end of
             each lane listens there; rank 0's rendezvous store too.
         bucket_bytes, wire_dtype, default_timeout_s, resume_grace_s, retry, security:
@@ -306,8 +358,11 @@ class DistributedTrainerClient(AsyncClient):
             raise InvalidArgument("DistributedTrainerClient needs torch.distributed initialised on every rank")
         kind = transports.kind_from_name(transport)
         if kind not in (common_pb2.TRANSPORT_KIND_AUTO, common_pb2.TRANSPORT_KIND_GLOO,
-                        common_pb2.TRANSPORT_KIND_SHM):
-            raise InvalidArgument("a sharded trainer sends over auto, gloo or shm")
+                        common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_GROUP):
+            raise InvalidArgument("a sharded trainer sends over auto, gloo, shm or group")
+        # The group transport has one sender (SGLang's update group): the ranks' parts are
+        # gathered into rank 0 first, which then sends the full tensors.
+        self.gathers = kind == common_pb2.TRANSPORT_KIND_GROUP
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -330,6 +385,12 @@ class DistributedTrainerClient(AsyncClient):
         self._round = 0
         self._forgotten = 0  # rank 0: rounds whose store keys are gone
         self._closed = False
+        # Rank 0 of a gathering client: its receivers of the other ranks' lanes (kept
+        # while their groups stay good), the epoch of those groups, and the full tensors
+        # the parts are gathered into (kept while the plan stays).
+        self._gather_receivers: dict[tuple[int, int], Receiver] = {}
+        self._gather_epoch = 0
+        self._gathered: tuple[BucketPlan, list[torch.Tensor]] | None = None
 
     # ----- lifecycle --------------------------------------------------------------------
 
@@ -362,6 +423,8 @@ class DistributedTrainerClient(AsyncClient):
             for sender in self._senders.values():
                 sender.close()
             self._senders.clear()
+            self._close_gather_receivers()
+            self._gathered = None
             self.held.forget()  # the tensors last replayed, and the lists made of them
             self._lane_sources = None
             if self._driver is not None:
@@ -437,6 +500,16 @@ class DistributedTrainerClient(AsyncClient):
         driver.prefix = prefix
         store = driver._store_host
         try:
+            if self.gathers:
+                _refuse_a_function_as_probe(attest)
+                deadline_at = time.monotonic() + timeout_s
+                with deadlines.scope(timeout_s, operation="gather"):
+                    cancel = threading.Event()
+                    work = run_in(self._thread, self._gather, named_tensors, cancel, verify_digest)
+                    if await wait_through_cancellation(work, on_cancel=cancel.set):
+                        raise asyncio.CancelledError("update_weights cancelled") from work.exception()
+                named_tensors = work.result()
+                timeout_s = max(0.001, deadline_at - time.monotonic())
             result = await driver.update_weights(named_tensors, version=version, key=key and validate_key(key),
                                                  timeout_s=timeout_s, mode=mode, offload_kv=offload_kv,
                                                  required_engines=required_engines, attest=attest,
@@ -450,6 +523,89 @@ class DistributedTrainerClient(AsyncClient):
             raise
         store.set(f"{prefix}/result", json.dumps({"result": _result_record(result)}))
         return result
+
+    # ----- rank 0 of a gathering client: every rank's parts into full tensors here -------------
+
+    def _gather(self, named_tensors, cancel: threading.Event, verify_digest: bool) -> list[tuple[str, torch.Tensor]]:
+        """Rank 0 (its thread), for the group transport: the full tensors, gathered
+        before the round starts (the engines serve on meanwhile, and a gather that fails
+        changes nothing in them). Each rank sends its parts on a lane of its own to this
+        rank (shm from a rank on this host, else gloo), received into full tensors kept
+        here while the plan stays; this rank's own parts are copied in. With
+        ``verify_digest``, the parts gathered are checked against the hashes each rank
+        took of what it holds (``weightsync/parts_digest.py``) before anything is sent."""
+        driver = self._driver
+        plan, owners, hashes = driver.assigned(named_tensors, verify_digest)
+        if self._gathered is None or self._gathered[0] is not plan:
+            self._gathered = None  # the old ones go before the new ones are made
+            self._gathered = (plan, [torch.empty(shape, dtype=dtype) for dtype, shape in zip(plan.dtypes, plan.shapes,
+                                                                                             strict=True)])
+        targets = self._gathered[1]
+        if 0 in owners.sender_ranks:
+            views = owners.part_views(0, targets)
+            with torch.no_grad():
+                for i, source in enumerate(sources_for(owners, 0, driver.holdings)):
+                    views[i].copy_(source)
+                    views.done(i)
+        others = [s for s in owners.sender_ranks if s != 0]
+        if others:
+            self._receive_parts(owners, others, targets, cancel)
+        if verify_digest:
+            sent = combine(plan, owners, {s: sender_hashes(owners, s, hashes[s]) for s in owners.sender_ranks})
+            if parts_digest(plan, owners, zip(plan.names, targets, strict=True)) != sent:
+                raise TransferError("the parts gathered into trainer rank 0 differ from what the ranks hold (their "
+                                    "hashes): nothing was sent to the engines")
+        return list(zip(plan.names, targets, strict=True))
+
+    def _receive_parts(self, owners: Owners, senders: list[int], targets: list[torch.Tensor],
+                       cancel: threading.Event) -> None:
+        """Every rank in ``senders`` sends its parts to this rank, each on its own lane, at
+        once; each lane is followed as a round's lane is (the rank's heartbeat, its
+        report). The first failure stops the others; all end before this returns or
+        raises (bounded by the deadline)."""
+        driver, store = self._driver, self._driver._store_host
+        here = host_id()
+        lanes, aborts = [], []
+        for s in senders:
+            kind = common_pb2.TRANSPORT_KIND_SHM if driver.rank_hosts.get(s) == here else \
+                common_pb2.TRANSPORT_KIND_GLOO
+            rendezvous = common_pb2.Rendezvous(
+                group_id=f"ws-gather-{self.session}-{s}-{self._gather_epoch}", transport=kind, store_host=store.host,
+                store_port=store.port, world_size=2, session_id=f"{self.session}-{self._round}",
+                store_secret=store.owner_secret, lane=f"gather/sender{s}", engine_ids=["trainer-rank-0"], sender=s)
+            receiver = self._gather_receivers.get((kind, s))
+            if receiver is None:
+                receiver = self._gather_receivers[(kind, s)] = transports.make_receiver(kind, data_host=self.host)
+            lanes.append(SenderLane(rendezvous, owners.part_plan(s), receiver, s))
+            aborts.append(threading.Event())
+        deadline_at = time.monotonic() + (deadlines.remaining(self.default_timeout_s) or 0.0)
+        with ThreadPoolExecutor(len(lanes), thread_name_prefix="weightsync-gather-follow") as pool:
+            followers = [pool.submit(driver.follow_rank(lane.rendezvous, owners, abort))
+                         for lane, abort in zip(lanes, aborts, strict=True)]
+            failed = _FirstFailure(cancel, followers)  # a rank that failed or went silent stops every lane
+            try:
+                receive_from_senders(lanes, 1, part_targets(owners, targets), deadline_at=deadline_at, abort=failed)
+                for follower in followers:  # each rank says its send ended
+                    follower.result(timeout=max(0.0, deadline_at - time.monotonic()) + STOP_GRACE_S)
+            except BaseException as exc:
+                for abort in aborts:  # the ranks still sending stop
+                    abort.set()
+                futures.wait(followers, timeout=STOP_GRACE_S + 1.0)
+                # A rank's own account (it failed, was cancelled, went silent) says more
+                # than the lane that saw its sender stop; a deadline is the deadline.
+                first = exc if isinstance(exc, StepTimeoutError) else failed.first() or exc
+                self._gather_epoch += 1  # the groups may be broken: the next gather makes new ones
+                self._close_gather_receivers()
+                if cancel.is_set():
+                    raise TransferError("the gather into trainer rank 0 was cancelled") from exc
+                if isinstance(first, WeightSyncError):
+                    raise first from exc if first is not exc else None
+                raise TransferError(f"the gather into trainer rank 0 failed: {first}") from exc
+
+    def _close_gather_receivers(self) -> None:
+        for receiver in self._gather_receivers.values():
+            receiver.close()
+        self._gather_receivers.clear()
 
     def forget_rounds_before(self, prefix: str) -> None:
         """Rank 0: drops the store keys of every round before this one."""

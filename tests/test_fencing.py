@@ -204,6 +204,10 @@ async def _unavailable(client: TrainerClient, engine_id: str) -> bool:
     return not engines_by_id(await client.get_state())[engine_id].available
 
 
+async def _ready(client: TrainerClient, engine_id: str) -> bool:
+    return engines_by_id(await client.get_state())[engine_id].ready
+
+
 async def _fenced(client: TrainerClient, engine_id: str) -> bool:
     engine = engines_by_id(await client.get_state())[engine_id]
     return engine.available and engine.fenced
@@ -257,7 +261,9 @@ async def test_a_relaunched_engine_is_fenced_until_it_holds_the_fleets_weights(t
             assert (await client.update_weights(tiny_weights(seed=2), version=2, timeout_s=60)).ok
             await until(lambda: _http_status(ready_port, 200), what="/ready 200 after the broadcast")
             assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(tiny_weights(seed=2)))
-            assert engines_by_id(await client.get_state())["sglang-0"].ready
+            # the coordinator says so too (an engine whose heartbeat is late under load
+            # counts unavailable, and so not ready, until the next one arrives)
+            await until(lambda: _ready(client, "sglang-0"), what="GetState: sglang-0 ready")
         kinds = [e.kind for e in await agent_events(agent_address)]
         assert kinds.index("engine_relaunched") < len(kinds) - 1 - kinds[::-1].index("fenced"), kinds
     finally:

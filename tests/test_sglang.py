@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from tests.conftest import start_agent, start_coordinator, wait_available
 from tests.test_rounds_end import coordinator_events
 from weightsync import metrics
+from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.client import EngineClient, Probe, SyncFailed, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import (
@@ -648,3 +649,37 @@ async def test_a_pause_sglang_takes_after_its_round_gave_up_is_undone(sglang):
         weights = tiny_weights(seed=3)
         assert (await client.update_weights(weights, version=3, timeout_s=60)).ok
         assert get(url, "/standin/weights")["digest"] == weights_digest(sorted(weights))
+
+
+def test_a_sharded_trainers_parts_are_gathered_into_rank_0_which_sends_sglang_the_full_tensors(sglang, tmp_path):
+    """SGLang's update group has one sender, so a ``DistributedTrainerClient`` with the
+    group transport gathers every rank's parts into rank 0 over weightsync's own lanes
+    (shm here) before the round starts, and rank 0 broadcasts the full tensors in the
+    group. Tensor parallel over two real rank processes (column and row slices, staged
+    and copied into place in rank 0). SGLang ends bitwise equal to the trainer's full
+    model as torch itself gathers it (for the check only). A rank that leaves a shard
+    out (FSDP2): the same typed error on both ranks, and no call reaches SGLang. (The gather's
+    own check, ``verify_digest``, is tested into reference engines: SGLang gives no
+    digest, so it refuses such rounds.)"""
+    address, _, url, calls, standin = sglang
+    common = ["--model", PRESETS["tiny"].to_json(), "--timeout", "60", "--transport", "group"]
+    with TrainerRanks(str(tmp_path / "ranks"), address, 2,
+                      [*common, "--parallel", "tp", "--rounds", "2", "--check-digests"]) as ranks:
+        assert ranks.wait(240) == [0, 0], ranks.tail()
+        rounds = [ranks.rounds(rank) for rank in (0, 1)]
+        assert all(r[v]["ok"] for r in rounds for v in (1, 2)), ranks.tail()
+    assert rounds[0][1]["full_digest"] != rounds[0][2]["full_digest"]
+    assert get(url, "/standin/weights")["digest"] == rounds[0][2]["full_digest"]
+    lanes = [e.fields["lanes"] for e in asyncio.run(coordinator_events(address)) if e.kind == "broadcast_started"]
+    assert lanes == ["group:sglang-0"] * 2, lanes  # one sender: rank 0, with the full tensors
+    assert [p for p, _ in calls_of(calls)].count("/update_weights_from_distributed") == 2
+
+    before = calls_of(calls)
+    with TrainerRanks(str(tmp_path / "dropped"), address, 2,
+                      [*common, "--parallel", "fsdp", "--rounds", "1", "--first-version", "3", "--drop-on-rank", "1"]) as ranks:
+        assert ranks.wait(120) == [0, 0], ranks.tail()
+        lines = [ranks.rounds(rank)[3] for rank in (0, 1)]
+        assert [line["error_type"] for line in lines] == ["InvalidArgument"] * 2, ranks.tail()
+        assert lines[0]["error"] == lines[1]["error"] and "do not cover" in lines[0]["error"], ranks.tail()
+    assert calls_of(calls) == before  # not even a pause
+    assert standin.poll() is None

@@ -65,17 +65,21 @@ def wait_until_bytes_move(address: str, timeout_s: float = 60.0) -> None:
     assert asyncio.run(poll()), "no engine started receiving"
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("transport", ["shm", "group"])
 def test_tensor_parallel_ranks_send_their_column_and_row_slices_and_engines_match_the_full_model(
         cluster_factory, tmp_path, transport):
     """torch's tensor parallel over two ranks: column-wise layers hold Shard(0) slices,
     row-wise layers Shard(1) slices (no view of the full tensor lays those out end to
     end), the rest whole on every rank. Each rank sends what it holds; every engine
-    ends bitwise equal to the full model the trainer gathers for the check only."""
+    ends bitwise equal to the full model the trainer gathers for the check only.
+    ``group`` (one sender, as SGLang's update group): the parts are gathered into rank
+    0 first, and with ``verify_digest`` checked there against each rank's hashes of
+    what it holds, then the engines check the full tensors' digest."""
     cluster = cluster_factory(2, agent_args=("--model", MODEL))
+    verify = ["--verify-digest"] if transport == "group" else []
     with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 2,
                       rank_args("--rounds", "2", "--check-digests", "--transport", transport,
-                                "--parallel", "tp")) as ranks:
+                                "--parallel", "tp", *verify)) as ranks:
         assert ranks.wait(240) == [0, 0], ranks.tail()
         for rank in (0, 1):
             assert all(r["ok"] for r in ranks.rounds(rank).values()) and len(ranks.rounds(rank)) == 2, ranks.tail()

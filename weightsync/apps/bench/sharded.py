@@ -36,8 +36,8 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
     parameter, which at tens of thousands of tensors takes 20-30 s a round here."""
     if not 2 <= ranks <= 64 or engines < 1 or rounds < 1:
         raise ValueError("--trainer-ranks takes 2 to 64 ranks, with at least 1 engine and 1 round")
-    if transport not in ("auto", "gloo", "shm"):
-        raise ValueError("--trainer-ranks measures auto, gloo or shm")
+    if transport not in ("auto", "gloo", "shm", "group"):
+        raise ValueError("--trainer-ranks measures auto, gloo, shm or group (gathered into rank 0, which sends)")
     if parallel not in PARALLEL:
         raise ValueError(f"--trainer-parallel is one of {', '.join(PARALLEL)}")
     if parallel == "hsdp" and ranks % 2:

@@ -15,7 +15,8 @@ gathers), moves every rank's own shard
 by seeded noise each round (so rounds differ; replicated tensors alike on every rank),
 and syncs it for ``--rounds`` rounds:
 
-- ``--mode sharded``: every rank sends its own shards (``DistributedTrainerClient``);
+- ``--mode sharded``: every rank sends its own shards (``DistributedTrainerClient``;
+  with ``--transport group`` they are gathered into rank 0, which sends them whole);
 - ``--mode gather``: the baseline: all-gather every parameter to rank 0, which sends
   the full tensors (``TrainerClient``); the others wait at a barrier.
 
@@ -31,7 +32,8 @@ Each rank prints one JSON line per round:
 (``gather`` adds ``gather_s``: the all-gather's share of ``seconds``)
 ``digest_ok`` (rank 0; after a good round, not timed): every engine's digest equals the
 digest of the full, unsharded state dict (gathered for the check only; ``digest_check``
-says what the engines hold where it is false). SIGINT cancels the running round on that
+says what the engines hold where it is false; ``full_digest``: that state dict's digest
+by name, for engines that give none, such as SGLang). SIGINT cancels the running round on that
 rank: it prints the round's line and stops.
 Before each round a rank prints ``{"rank", "starting": VERSION}`` (a test that kills or
 signals a rank mid-round waits for it; its engines are slowed by fault injection).
@@ -253,6 +255,7 @@ async def run(args: argparse.Namespace) -> None:
                 full = full_state(model)
                 if rank == 0:
                     local = await asyncio.to_thread(weights_digest, full)
+                    line["full_digest"] = await asyncio.to_thread(weights_digest, sorted(full))  # by name
                     check = await client.check_engines(digest=local, version=r)
                     line["digest_ok"] = check.ok
                     if not check.ok:
