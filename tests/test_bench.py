@@ -193,14 +193,16 @@ def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("baselines", [True, False], ids=["with-gather", "no-baselines"])
-def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked(tmp_path, baselines):
+@pytest.mark.parametrize("baselines, transport", [(True, "shm"), (False, "group")],
+                         ids=["with-gather", "no-baselines-group"])
+def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked(tmp_path, baselines, transport):
     """``weightsync bench --trainer-ranks 2`` end to end at a toy size: two FSDP2 rank
     processes, one engine; the bench itself fails unless the engine ends bitwise equal
-    to the trainer's full state dict. ``--no-baselines`` leaves the all-gather out."""
+    to the trainer's full state dict. ``--no-baselines`` leaves the all-gather out;
+    ``group``: the ranks' parts gathered into rank 0, which sends them whole."""
     out = tmp_path / "ranks.json"
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--trainer-ranks", "2", "--size", "1MiB",
-                           "--tensors", "12", "--engines", "1", "--steps", "1", "--transport", "shm",
+                           "--tensors", "12", "--engines", "1", "--steps", "1", "--transport", transport,
                            "--json", str(out), *([] if baselines else ["--no-baselines"])],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -209,6 +211,7 @@ def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked
     assert all(r["median_s"] > 0 and len(r["rounds_s"]) == 1 for r in report["results"])
     assert ("gather / sharded" in proc.stdout) == baselines
     assert ("gather_over_sharded" in report) == baselines
+    assert report["transport"] == transport
 
 
 @pytest.mark.parametrize("value", ["0", "12,x", ""])
