@@ -222,7 +222,15 @@ class _ShardedDriver(TrainerClient):
         self.rank_hosts: dict[int, str] = {}  # each rank's host id, as it said this round
 
     def _trainer_host_id(self) -> str:
-        return self.common_host  # "" when the ranks are on different hosts: auto means gloo
+        return self.common_host
+
+    def _resolved(self, kind):
+        """``auto`` from ranks on different hosts is gloo: no host holds every rank's
+        memory, so no engine can read all of them over shm (and the coordinator plans
+        ``auto`` from the one host id a trainer gives)."""
+        if kind == common_pb2.TRANSPORT_KIND_AUTO and not self.common_host:
+            return common_pb2.TRANSPORT_KIND_GLOO
+        return kind
 
     def _prepare(self, named_tensors, with_digest: bool, attest=None, *, addresses: bool = False) -> _Prepared:
         _refuse_a_function_as_probe(attest)

@@ -449,6 +449,7 @@ class TrainerClient(AsyncClient):
             addresses = kind in _ADDRESSED_KINDS
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest,
                                              addresses=addresses)
+            kind = self._resolved(kind)
             trainer_host = self._trainer_host_id() if kind == common_pb2.TRANSPORT_KIND_AUTO else ""
             # Built on the worker thread too: a request with the whole plan lists every tensor.
             by_reference = prepared.plan.plan_id in self._plans_sent
@@ -541,6 +542,11 @@ class TrainerClient(AsyncClient):
         """Sets a relayed lane's abort key in this trainer's store (in process: no I/O)."""
         if self._store_host is not None:
             self._store_host.set(session_key(rendezvous, "abort"), why)
+
+    def _resolved(self, kind: common_pb2.TransportKind.ValueType) -> common_pb2.TransportKind.ValueType:
+        """The transport the round asks for, once its tensors are prepared (a sharded
+        trainer's ranks have then said where they run)."""
+        return kind
 
     def _trainer_host_id(self) -> str:
         """The host id ``auto`` compares engines' with (shm for engines on this host)."""

@@ -20,6 +20,7 @@ import pytest
 
 from weightsync.apps.host_fleet import HostFleet
 from weightsync.apps.topology import SimulatedHosts, unavailable_reason
+from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.engine.model import config_for_size
 
 REASON = unavailable_reason()
@@ -149,3 +150,40 @@ def test_a_relay_killed_mid_round_fails_its_hosts_engines_promptly_and_no_other(
     assert ended_after < 20, f"the round ended {ended_after:.1f} s after the relay died\n{fleet.logs()}"
     with open(os.path.join(fleet.folder, "b-1.log")) as f:
         assert "transfer_failed" in f.read()  # b-1's receive ended (torn), not still waiting
+
+
+def test_a_sharded_trainers_ranks_on_two_hosts_each_send_from_their_own_host_and_gather_for_one_sender(tmp_path):
+    """FSDP2 over two ranks on two hosts: rank 0 on host a (with the coordinator and
+    engine a-0), rank 1 on host b (with engine b-0), each rank started with its host's
+    address. ``auto`` is gloo (the ranks share no host), and each rank sends its own
+    half of every tensor from its own host: host b's link carries rank 1's half out (to
+    a-0) and rank 0's half in (to b-0), half the payload each way a round. Then the
+    gathering client (``group``, one sender): rank 1's half goes to rank 0 over gloo,
+    and rank 0 sends the full tensors, so host b's link carries half the payload out
+    and the whole payload in. After every round both engines equal the trainer's full
+    model as torch gathers it for the check, whose all-gather adds half the payload
+    each way to host b's link."""
+    layout = {"a": 1, "b": 1}
+    model = config_for_size(8 * 2**20, 24).to_json()
+    # The trainer's own process group: gloo finds its address from the hostname, which
+    # means loopback on these hosts, unless told the interface (as on such real hosts).
+    trainer_gloo = {"GLOO_SOCKET_IFNAME": "eth0"}
+    with SimulatedHosts(list(layout)) as hosts:
+        fleet = HostFleet(hosts, str(tmp_path), layout, model=model)
+        b = hosts["b"]
+        common = ["--model", model, "--timeout", "60", "--rounds", "2", "--check-digests"]
+        check = 0.5  # the trainer's all-gather for the check: each rank sends the other its half
+        for transport, first, out_per_round, in_per_round in (("auto", 1, 0.5 + check, 0.5 + check),
+                                                              ("group", 3, 0.5 + check, 1.0 + check)):
+            sent, received = b.sent_bytes(), b.received_bytes()
+            with TrainerRanks(str(tmp_path / transport), fleet.coordinator, 2,
+                              [*common, "--transport", transport, "--first-version", str(first)],
+                              hosts=[hosts["a"], b], env=trainer_gloo) as ranks:
+                assert ranks.wait(90) == [0, 0], ranks.tail() + fleet.logs()
+                lines = [ranks.rounds(0)[v] for v in (first, first + 1)]
+            assert all(line["ok"] and line["digest_ok"] for line in lines), (transport, lines)
+            payload = lines[0]["bytes"]
+            out, into = (b.sent_bytes() - sent) / payload / 2, (b.received_bytes() - received) / payload / 2
+            # per round, in payloads (headers and control traffic on top)
+            assert out_per_round * 0.95 <= out <= out_per_round * 1.3, (transport, out, into)
+            assert in_per_round * 0.95 <= into <= in_per_round * 1.3, (transport, out, into)

@@ -31,26 +31,37 @@ class TrainerRanks:
         folder: where each rank's output goes (``rank-N.log``, JSON lines and warnings).
         args: the rank script's options after the coordinator (``--model``, ...).
         module: the rank script (run with ``python -m``; it prints JSON lines).
+        hosts: where each rank runs, one per rank (simulated hosts,
+            ``weightsync.apps.topology.Host``): rank r runs on ``hosts[r]`` with
+            ``--host`` its address, and rank 0's host is the torch.distributed master.
+            None: every rank here, on loopback.
     """
 
     def __init__(self, folder: str, coordinator: str, world: int, args: Sequence[str], *,
-                 env: dict[str, str] | None = None, module: str = "weightsync.apps.bench.sharded_trainer") -> None:
+                 env: dict[str, str] | None = None, module: str = "weightsync.apps.bench.sharded_trainer",
+                 hosts: Sequence | None = None) -> None:
+        if hosts is not None and len(hosts) != world:
+            raise ValueError(f"hosts names one host per rank: {len(hosts)} for {world} ranks")
         self.folder, self.coordinator, self.world = folder, coordinator, world
         self.args = list(args)
         self.module = module
         self.env = env or {}
+        self.hosts = hosts
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> TrainerRanks:
         port = str(free_port())
+        master = self.hosts[0].address if self.hosts is not None else "127.0.0.1"
         os.makedirs(self.folder, exist_ok=True)
         for rank in range(self.world):
-            env = dict(os.environ, **self.env, RANK=str(rank), WORLD_SIZE=str(self.world), MASTER_ADDR="127.0.0.1",
+            env = dict(os.environ, **self.env, RANK=str(rank), WORLD_SIZE=str(self.world), MASTER_ADDR=master,
                        MASTER_PORT=port, LOCAL_RANK=str(rank))
+            argv = [sys.executable, "-m", self.module, self.coordinator, *self.args]
+            if self.hosts is not None:
+                argv = self.hosts[rank].command([*argv, "--host", self.hosts[rank].address])
             with open(self.log(rank), "w") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", self.module, self.coordinator, *self.args],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0,  # not a session: see spawn()
+                    argv, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0,  # not a session: see spawn()
                     preexec_fn=_interruptible))
         return self
 
