@@ -485,7 +485,7 @@ async def test_a_slow_engine_does_not_block_the_agents_loop(sglang):
     # and the coordinator (heartbeat timeout 1.5 s) marked the engine unavailable.
     address, agent_address, url, calls, standin = sglang
     async with TrainerClient(address, transport="group") as client:
-        end = time.monotonic() + 10
+        end = time.monotonic() + 6  # two /health calls and two /model_info calls at least
         rounds = 0
         while time.monotonic() < end:
             await client.pause(timeout_s=20)
@@ -496,7 +496,7 @@ async def test_a_slow_engine_does_not_block_the_agents_loop(sglang):
             assert state.engines[0].heartbeat_age_s < 1.5, state
         lag_ms = metrics.sample(METRICS_PORT, "weightsync_loop_lag_ms", process="agent", window="all")
         assert lag_ms < 50, f"the agent's loop stalled {lag_ms:.0f} ms"
-        assert rounds >= 3, f"only {rounds} pause/resume rounds in 10 s"
+        assert rounds >= 3, f"only {rounds} pause/resume rounds in 6 s"
         result = await client.update_weights(tiny_weights(1), version=1, timeout_s=120)
         assert result.ok
     assert standin.poll() is None
