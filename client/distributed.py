@@ -596,12 +596,16 @@ class DistributedTrainerClient(AsyncClient):
                 for follower in followers:  # each rank says its send ended
                     follower.result(timeout=max(0.0, deadline_at - time.monotonic()) + STOP_GRACE_S)
             except BaseException as exc:
+                # A rank's own account (it failed, was cancelled, went silent) says more
+                # than the lane that saw its sender stop: its report is given a moment
+                # to arrive, before the stop from here makes every rank report one.
+                futures.wait(followers, timeout=1.0, return_when=futures.FIRST_EXCEPTION)
+                first = failed.first()
                 for abort in aborts:  # the ranks still sending stop
                     abort.set()
                 futures.wait(followers, timeout=STOP_GRACE_S + 1.0)
-                # A rank's own account (it failed, was cancelled, went silent) says more
-                # than the lane that saw its sender stop; a deadline is the deadline.
-                first = exc if isinstance(exc, StepTimeoutError) else failed.first() or exc
+                if first is None or isinstance(exc, StepTimeoutError):  # a deadline is the deadline
+                    first = exc
                 self._gather_epoch += 1  # the groups may be broken: the next gather makes new ones
                 self._close_gather_receivers()
                 if cancel.is_set():
