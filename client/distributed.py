@@ -94,6 +94,7 @@ from weightsync.sharding import (
     sources_for,
 )
 from weightsync.threads import run_in
+from weightsync.transport import AUTO_LAYOUT, LAYOUTS
 from weightsync.transport.base import Receiver, Sender, TransferStats
 from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
 from weightsync.transport.secure_store import SecureStore, StoreHost
@@ -353,21 +354,24 @@ class DistributedTrainerClient(AsyncClient):
             ranks' parts are gathered into rank 0 first; see the module's docstring).
         host: address engines (and the other ranks) reach this rank at: its end of
             each lane listens there; rank 0's rendezvous store too.
-        bucket_bytes, wire_dtype, default_timeout_s, resume_grace_s, retry, security:
-            as for ``TrainerClient``.
+        bucket_bytes, wire_dtype, default_timeout_s, resume_grace_s, retry, security,
+            group_layout: as for ``TrainerClient`` (``group_layout``: the group
+            transport's, rank 0's round after the gather).
     """
 
     def __init__(self, coordinator: str, *, group: dist.ProcessGroup | None = None, transport: str = "auto",
                  host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  wire_dtype: torch.dtype | None = None, default_timeout_s: float = 300.0,
                  resume_grace_s: float = 30.0, retry: RetryPolicy | None = None,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, group_layout: str = AUTO_LAYOUT) -> None:
         if not dist.is_initialized():
             raise InvalidArgument("DistributedTrainerClient needs torch.distributed initialised on every rank")
         kind = transports.kind_from_name(transport)
         if kind not in (common_pb2.TRANSPORT_KIND_AUTO, common_pb2.TRANSPORT_KIND_GLOO,
                         common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_GROUP):
             raise InvalidArgument("a sharded trainer sends over auto, gloo, shm or group")
+        if group_layout not in (AUTO_LAYOUT, *LAYOUTS):
+            raise InvalidArgument(f"group_layout must be one of {(AUTO_LAYOUT, *LAYOUTS)}, got {group_layout!r}")
         # The group transport has one sender (SGLang's update group): the ranks' parts are
         # gathered into rank 0 first, which then sends the full tensors.
         self.gathers = kind == common_pb2.TRANSPORT_KIND_GROUP
@@ -382,7 +386,8 @@ class DistributedTrainerClient(AsyncClient):
         if self.rank == 0:
             self._driver = _ShardedDriver(coordinator, self, transport=transport, host=host, bucket_bytes=bucket_bytes,
                                           wire_dtype=wire_dtype, default_timeout_s=default_timeout_s,
-                                          resume_grace_s=resume_grace_s, retry=retry, security=security)
+                                          resume_grace_s=resume_grace_s, retry=retry, security=security,
+                                          group_layout=group_layout)
         self._store: SecureStore | None = None       # ranks > 0: their connection to rank 0's store
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank")
         self._send_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank-send")

@@ -839,3 +839,23 @@ def test_a_rank_whose_read_ack_loses_its_answer_to_rank_0_closing_still_has_the_
     with pytest.raises(RuntimeError):  # the store call itself fails ...
         ack_with(lambda store, key: store.set(key, "1"))
     assert ack_with(acknowledge_read) == b"1"  # ... the ack does not, and rank 0 has it
+
+
+def test_a_sharded_trainers_client_refuses_what_it_cannot_send_on_every_rank(tmp_path):
+    """Bad options are typed errors at construction, before any store or channel: a
+    transport a sharded trainer has no lane for, a group layout that does not exist.
+    (A one-rank gloo group stands for the trainer's.)"""
+    import torch.distributed as dist
+
+    from weightsync.client.distributed import DistributedTrainerClient
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(InvalidArgument, match="auto, gloo, shm or group"):
+            DistributedTrainerClient("127.0.0.1:1", transport="nccl")
+        with pytest.raises(InvalidArgument, match="group_layout"):
+            DistributedTrainerClient("127.0.0.1:1", transport="group", group_layout="diagonal")
+        client = DistributedTrainerClient("127.0.0.1:1", transport="group", group_layout="tensors")
+        assert client.gathers and client._driver.group_layout == "tensors"
+    finally:
+        dist.destroy_process_group()
