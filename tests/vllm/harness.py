@@ -32,6 +32,7 @@ import torch
 from tests.conftest import start_coordinator, wait_available
 from tests.vllm.make_tiny_model import MAX_POSITIONS
 from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file, weightsync_command
+from weightsync.reaper import remove_orphaned_shm, shm_mapped_by
 
 HERE = Path(__file__).parent
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
@@ -69,7 +70,13 @@ def vllm_server(model: str, port: int, *extra: str, tensor_parallel: int = 1) ->
 def kill_vllm(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     """SIGKILLs a vLLM started with ``spawn`` and every process it started (its process
     group: a container's restart takes all of it), and waits until none is left. Killing
-    the API server alone left its engine core and worker running, 1.9 GB each time."""
+    the API server alone left its engine core and worker running, 1.9 GB each time.
+    Then removes what the killed processes left in /dev/shm, as a container's restart
+    drops its /dev/shm and the agent's reaper does for a vLLM it launched: every suite
+    run left this vLLM's message queues there (a 240 and a 160 MiB file)."""
+    server = psutil.Process(proc.pid)
+    started = server.create_time()
+    mapped = shm_mapped_by([proc.pid, *(p.pid for p in server.children(recursive=True))])
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=timeout_s)
     end = time.monotonic() + timeout_s
@@ -77,10 +84,11 @@ def kill_vllm(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         try:
             os.killpg(proc.pid, 0)
         except ProcessLookupError:
-            return
+            break
         if time.monotonic() > end:
             raise AssertionError(f"processes of vLLM's group {proc.pid} outlived SIGKILL")
         time.sleep(0.05)
+    remove_orphaned_shm(mapped, made_since=started)
 
 
 def wait_healthy(url: str, proc, timeout_s: float) -> None:
