@@ -256,7 +256,6 @@ class _ShardedDriver(TrainerClient):
         self.holdings, mine = replay.holdings, replay.described
         described = [mine]
         hashes = [holding_hashes(self.holdings.values(), self.wire_dtype)] if with_digest else []
-        hosts = {host_id()}
         self.rank_hosts = {0: host_id()}
         store = self._store_host
         for rank in range(1, self.owner.world_size):
@@ -265,7 +264,6 @@ class _ShardedDriver(TrainerClient):
             if held.get("error"):
                 raise outcome_error(held["error"]["reason"], f"trainer rank {rank}: {held['error']['message']}",
                                     operation="broadcast", code=held["error"].get("code", 0))
-            hosts.add(held["host"])
             self.rank_hosts[rank] = held["host"]
             if with_digest:
                 if "hashes" not in held:
@@ -283,6 +281,7 @@ class _ShardedDriver(TrainerClient):
         # the rounds before: their keys can go (not sooner: a slow rank may still be
         # reading the last round's result when this one starts).
         self.owner.forget_rounds_before(self.prefix)
+        hosts = set(self.rank_hosts.values())
         self.common_host = next(iter(hosts)) if len(hosts) == 1 else ""
         sigs = (replay.signature, *(self._described[r][0] for r in range(1, self.owner.world_size)))
         key = (sigs, self.bucket_bytes, str(self.wire_dtype))
@@ -577,7 +576,7 @@ class DistributedTrainerClient(AsyncClient):
         report). The first failure stops the others; all end before this returns or
         raises (bounded by the deadline)."""
         driver, store = self._driver, self._driver._store_host
-        here = host_id()
+        here = driver.rank_hosts[0]
         lanes, aborts = [], []
         for s in senders:
             kind = common_pb2.TRANSPORT_KIND_SHM if driver.rank_hosts.get(s) == here else \

@@ -65,6 +65,20 @@ def wait_until_bytes_move(address: str, timeout_s: float = 60.0) -> None:
     assert asyncio.run(poll()), "no engine started receiving"
 
 
+def assert_two_good_rounds(ranks: TrainerRanks, world: int) -> None:
+    """Every rank ended two rounds, both good, and after each every engine held the
+    trainer's full model (rank 0's check of the digests)."""
+    for rank in range(world):
+        assert all(r["ok"] for r in ranks.rounds(rank).values()) and len(ranks.rounds(rank)) == 2, ranks.tail()
+    assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2)] == [True, True], ranks.tail()
+
+
+def last_rounds_lanes(address: str) -> list[str]:
+    """The lanes (``name:engines``) of the last round the coordinator started."""
+    events = asyncio.run(coordinator_events(address))
+    return [e for e in events if e.kind == "broadcast_started"][-1].fields["lanes"].split(";")
+
+
 @pytest.mark.parametrize("transport", ["shm", "group"])
 def test_tensor_parallel_ranks_send_their_column_and_row_slices_and_engines_match_the_full_model(
         cluster_factory, tmp_path, transport):
@@ -81,9 +95,7 @@ def test_tensor_parallel_ranks_send_their_column_and_row_slices_and_engines_matc
                       rank_args("--rounds", "2", "--check-digests", "--transport", transport,
                                 "--parallel", "tp", *verify)) as ranks:
         assert ranks.wait(240) == [0, 0], ranks.tail()
-        for rank in (0, 1):
-            assert all(r["ok"] for r in ranks.rounds(rank).values()) and len(ranks.rounds(rank)) == 2, ranks.tail()
-        assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2)] == [True, True], ranks.tail()
+        assert_two_good_rounds(ranks, 2)
 
 
 @pytest.mark.parametrize("parallel", ["hsdp", "fsdp-tp"])
@@ -104,11 +116,8 @@ def test_four_ranks_on_a_2d_mesh_send_each_slice_once_and_engines_match_the_full
                       rank_args("--rounds", "2", "--check-digests", "--transport", "shm",
                                 "--parallel", parallel)) as ranks:
         assert ranks.wait(240) == [0] * 4, ranks.tail()
-        for rank in range(4):
-            assert all(r["ok"] for r in ranks.rounds(rank).values()) and len(ranks.rounds(rank)) == 2, ranks.tail()
-        assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2)] == [True, True], ranks.tail()
-    events = asyncio.run(coordinator_events(cluster.address))
-    lanes = [e for e in events if e.kind == "broadcast_started"][-1].fields["lanes"].split(";")
+        assert_two_good_rounds(ranks, 4)
+    lanes = last_rounds_lanes(cluster.address)
     assert sorted(lane.split(":")[0] for lane in lanes) == [f"shm/sender{r}" for r in range(4)], lanes
 
 
@@ -124,11 +133,8 @@ def test_expert_parallel_ranks_each_send_their_own_experts_and_the_shared_tensor
                       ["--model", moe, "--timeout", "60", "--rounds", "2", "--check-digests", "--transport", "shm",
                        "--parallel", "ep"]) as ranks:
         assert ranks.wait(240) == [0, 0], ranks.tail()
-        for rank in range(2):
-            assert all(r["ok"] for r in ranks.rounds(rank).values()) and len(ranks.rounds(rank)) == 2, ranks.tail()
-        assert [ranks.rounds(0)[v]["digest_ok"] for v in (1, 2)] == [True, True], ranks.tail()
-    events = asyncio.run(coordinator_events(cluster.address))
-    lanes = [e for e in events if e.kind == "broadcast_started"][-1].fields["lanes"].split(";")
+        assert_two_good_rounds(ranks, 2)
+    lanes = last_rounds_lanes(cluster.address)
     assert sorted(lane.split(":")[0] for lane in lanes) == [f"shm/sender{r}" for r in range(2)], lanes
 
 
