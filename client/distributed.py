@@ -37,6 +37,10 @@ meanwhile), every rank sends its parts to rank 0 on a lane of its own (shm from 
 on rank 0's host, else gloo; followed like a round's lanes: heartbeats, reports,
 deadline), received into full tensors rank 0 keeps while the plan stays -- a full copy
 of the model in rank 0's host memory -- and rank 0 then runs a plain round with them.
+``gather=True`` does the same for the other transports: rank 0's round is then a
+single trainer's, with ``auto``'s host relays (one network copy per remote host,
+re-shared there over shm) where a sharded round would send every part to every
+remote engine.
 A gather that fails ends the call on every rank with the same typed error and changes
 nothing in any engine. ``verify_digest`` checks the gathered parts against the hashes
 each rank took of what it holds, then has the engines check the full tensors' digest.
@@ -223,13 +227,16 @@ class _ShardedDriver(TrainerClient):
         self.rank_hosts: dict[int, str] = {}  # each rank's host id, as it said this round
 
     def _trainer_host_id(self) -> str:
+        if self.owner.gathers:  # one sender, this rank: engines on its host read it over shm
+            return super()._trainer_host_id()
         return self.common_host
 
     def _resolved(self, kind):
         """``auto`` from ranks on different hosts is gloo: no host holds every rank's
         memory, so no engine can read all of them over shm (and the coordinator plans
-        ``auto`` from the one host id a trainer gives)."""
-        if kind == common_pb2.TRANSPORT_KIND_AUTO and not self.common_host:
+        ``auto`` from the one host id a trainer gives). Gathered, this rank alone sends:
+        ``auto`` as for one trainer."""
+        if kind == common_pb2.TRANSPORT_KIND_AUTO and not self.common_host and not self.owner.gathers:
             return common_pb2.TRANSPORT_KIND_GLOO
         return kind
 
@@ -351,6 +358,13 @@ class DistributedTrainerClient(AsyncClient):
         transport: ``"auto"`` (shm when every rank and engine share one host, else
             gloo), ``"gloo"``, ``"shm"``, or ``"group"`` (one sender, for SGLang: the
             ranks' parts are gathered into rank 0 first; see the module's docstring).
+        gather: gather the ranks' parts into rank 0 before each round, which then
+            sends the full tensors as one trainer does (default: only for
+            ``"group"``, which needs it). With ``"auto"``: shm to the engines on rank
+            0's host and a relay on every other host with several engines, so the
+            bytes cross each remote host's link once, not once per engine there; it
+            costs a full copy of the model in rank 0's host memory and the gather's
+            time. Give every rank the same.
         host: address engines (and the other ranks) reach this rank at: its end of
             each lane listens there; rank 0's rendezvous store too.
         bucket_bytes, wire_dtype, default_timeout_s, resume_grace_s, retry, security,
@@ -362,7 +376,8 @@ class DistributedTrainerClient(AsyncClient):
                  host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  wire_dtype: torch.dtype | None = None, default_timeout_s: float = 300.0,
                  resume_grace_s: float = 30.0, retry: RetryPolicy | None = None,
-                 security: Security | None = None, group_layout: str = AUTO_LAYOUT) -> None:
+                 security: Security | None = None, group_layout: str = AUTO_LAYOUT,
+                 gather: bool | None = None) -> None:
         if not dist.is_initialized():
             raise InvalidArgument("DistributedTrainerClient needs torch.distributed initialised on every rank")
         kind = transports.kind_from_name(transport)
@@ -371,9 +386,14 @@ class DistributedTrainerClient(AsyncClient):
             raise InvalidArgument("a sharded trainer sends over auto, gloo, shm or group")
         if group_layout not in (AUTO_LAYOUT, *LAYOUTS):
             raise InvalidArgument(f"group_layout must be one of {(AUTO_LAYOUT, *LAYOUTS)}, got {group_layout!r}")
+        if gather is not None and not isinstance(gather, bool):
+            raise InvalidArgument(f"gather must be True, False or None, got {gather!r}")
         # The group transport has one sender (SGLang's update group): the ranks' parts are
         # gathered into rank 0 first, which then sends the full tensors.
-        self.gathers = kind == common_pb2.TRANSPORT_KIND_GROUP
+        if gather is False and kind == common_pb2.TRANSPORT_KIND_GROUP:
+            raise InvalidArgument("the group transport has one sender: a sharded trainer gathers its parts into "
+                                  "rank 0 for it (gather=False cannot be)")
+        self.gathers = kind == common_pb2.TRANSPORT_KIND_GROUP if gather is None else gather
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -539,7 +559,7 @@ class DistributedTrainerClient(AsyncClient):
     # ----- rank 0 of a gathering client: every rank's parts into full tensors here -------------
 
     def _gather(self, named_tensors, cancel: threading.Event, verify_digest: bool) -> list[tuple[str, torch.Tensor]]:
-        """Rank 0 (its thread), for the group transport: the full tensors, gathered
+        """Rank 0 (its thread), of a gathering client: the full tensors, gathered
         before the round starts (the engines serve on meanwhile, and a gather that fails
         changes nothing in them). Each rank sends its parts on a lane of its own to this
         rank (shm from a rank on this host, else gloo), received into full tensors kept

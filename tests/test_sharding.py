@@ -843,7 +843,8 @@ def test_a_rank_whose_read_ack_loses_its_answer_to_rank_0_closing_still_has_the_
 
 def test_a_sharded_trainers_client_refuses_what_it_cannot_send_on_every_rank(tmp_path):
     """Bad options are typed errors at construction, before any store or channel: a
-    transport a sharded trainer has no lane for, a group layout that does not exist.
+    transport a sharded trainer has no lane for, a group layout that does not exist, a
+    group transport told not to gather (it has one sender), a gather that is no bool.
     (A one-rank gloo group stands for the trainer's.)"""
     import torch.distributed as dist
 
@@ -855,7 +856,14 @@ def test_a_sharded_trainers_client_refuses_what_it_cannot_send_on_every_rank(tmp
             DistributedTrainerClient("127.0.0.1:1", transport="nccl")
         with pytest.raises(InvalidArgument, match="group_layout"):
             DistributedTrainerClient("127.0.0.1:1", transport="group", group_layout="diagonal")
+        with pytest.raises(InvalidArgument, match="one sender"):
+            DistributedTrainerClient("127.0.0.1:1", transport="group", gather=False)
+        with pytest.raises(InvalidArgument, match="gather must be"):
+            DistributedTrainerClient("127.0.0.1:1", gather="yes")
         client = DistributedTrainerClient("127.0.0.1:1", transport="group", group_layout="tensors")
         assert client.gathers and client._driver.group_layout == "tensors"
+        # the other transports gather only when asked to
+        assert not DistributedTrainerClient("127.0.0.1:1").gathers
+        assert DistributedTrainerClient("127.0.0.1:1", transport="auto", gather=True).gathers
     finally:
         dist.destroy_process_group()

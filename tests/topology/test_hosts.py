@@ -78,6 +78,26 @@ def test_bench_hosts_measures_auto_against_gloo_to_every_engine(tmp_path):
     assert results["auto"]["engine_transports"]["b-1"] == "gloo via b-0"
 
 
+def test_bench_hosts_with_a_sharded_trainer_measures_its_ranks_sharded_and_gathered_into_rank_0(tmp_path):
+    """Two FSDP2 ranks on host a, two engines on host b. Sharded, every rank's half
+    crosses b's link once per engine there (the whole payload twice); gathered into
+    rank 0 (``gather=True``), rank 0's round is one trainer's: the whole payload once,
+    to b's relay, which re-shares it over b's shm. The bench fails unless every round
+    leaves every engine equal to the digest of the trainer's full model."""
+    report_path = tmp_path / "hosts.json"
+    done = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--hosts", "2", "--trainer-ranks", "2",
+                           "--size", "8MiB", "--tensors", "24", "--steps", "1", "--transport", "auto",
+                           "--json", str(report_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["transport"]: r for r in json.loads(report_path.read_text())["results"]}
+    assert set(results) == {"auto", "auto gathered"} and "auto gathered" in done.stdout, done.stdout
+    assert 1.9 <= results["auto"]["received_x"]["b"] <= 2.6, results["auto"]  # each half, to each engine
+    assert results["auto"]["engine_transports"]["b-1"] == "gloo", results["auto"]
+    gathered = results["auto gathered"]
+    assert 0.95 <= gathered["received_x"]["b"] <= 1.3, gathered  # one copy, to the relay
+    assert gathered["engine_transports"]["a-0"] == "shm" and gathered["engine_transports"]["b-1"] == "gloo via b-0", gathered
+
+
 def _wait_for_text(path: str, needle: str, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -153,37 +173,45 @@ def test_a_relay_killed_mid_round_fails_its_hosts_engines_promptly_and_no_other(
 
 
 def test_a_sharded_trainers_ranks_on_two_hosts_each_send_from_their_own_host_and_gather_for_one_sender(tmp_path):
-    """FSDP2 over two ranks on two hosts: rank 0 on host a (with the coordinator and
-    engine a-0), rank 1 on host b (with engine b-0), each rank started with its host's
-    address. ``auto`` is gloo (the ranks share no host), and each rank sends its own
-    half of every tensor from its own host: host b's link carries rank 1's half out (to
-    a-0) and rank 0's half in (to b-0), half the payload each way a round. Then the
-    gathering client (``group``, one sender): rank 1's half goes to rank 0 over gloo,
-    and rank 0 sends the full tensors, so host b's link carries half the payload out
-    and the whole payload in. After every round both engines equal the trainer's full
-    model as torch gathers it for the check, whose all-gather adds half the payload
-    each way to host b's link."""
-    layout = {"a": 1, "b": 1}
+    """FSDP2 over two ranks; host a runs the coordinator and engine a-0, host b engines
+    b-0 and b-1. One round each; host b's link bytes, in payloads:
+
+    - ranks on a and b (each started with its host's address), ``auto``: gloo (the
+      ranks share no host), each rank sending its own half of every tensor from its
+      own host: rank 1's half goes out (to a-0), rank 0's half comes in to each of b's
+      two engines; and as gloo's broadcast is a binomial tree over a lane's ranks
+      (sender, a-0, b-0, b-1: the sender sends to a-0 and b-0, and a-0 forwards to
+      b-1), rank 1's half comes back into b once more;
+    - the same ranks, ``group`` (one sender): rank 1's half goes to rank 0 over gloo
+      and rank 0 sends the full tensors into the group, once for each of b's engines
+      (a-0 forwards to b-1, as above).
+
+    After each round all engines equal the trainer's full model as torch gathers it
+    for the check, whose all-gather adds half the payload each way to b's link. (Both
+    ranks on host a, sharded and gathered into rank 0: the bench test above.)"""
+    layout = {"a": 1, "b": 2}
     model = config_for_size(8 * 2**20, 24).to_json()
     # The trainer's own process group: gloo finds its address from the hostname, which
     # means loopback on these hosts, unless told the interface (as on such real hosts).
     trainer_gloo = {"GLOO_SOCKET_IFNAME": "eth0"}
     with SimulatedHosts(list(layout)) as hosts:
         fleet = HostFleet(hosts, str(tmp_path), layout, model=model)
-        b = hosts["b"]
-        common = ["--model", model, "--timeout", "60", "--rounds", "2", "--check-digests"]
-        check = 0.5  # the trainer's all-gather for the check: each rank sends the other its half
-        for transport, first, out_per_round, in_per_round in (("auto", 1, 0.5 + check, 0.5 + check),
-                                                              ("group", 3, 0.5 + check, 1.0 + check)):
+        a, b = hosts["a"], hosts["b"]
+        common = ["--model", model, "--timeout", "60", "--rounds", "1", "--check-digests"]
+        check = 0.5  # the trainer's all-gather for the check, with a rank on b: each rank sends the other its half
+        for i, (name, ranks_on, args, out_per_round, in_per_round) in enumerate((
+                ("two hosts, auto", [a, b], ["--transport", "auto"], 0.5 + check, 3 * 0.5 + check),
+                ("two hosts, group", [a, b], ["--transport", "group"], 0.5 + check, 2 * 1.0 + check))):
+            first = 1 + i
             sent, received = b.sent_bytes(), b.received_bytes()
-            with TrainerRanks(str(tmp_path / transport), fleet.coordinator, 2,
-                              [*common, "--transport", transport, "--first-version", str(first)],
-                              hosts=[hosts["a"], b], env=trainer_gloo) as ranks:
+            with TrainerRanks(str(tmp_path / name.replace(" ", "-").replace(",", "")), fleet.coordinator, 2,
+                              [*common, *args, "--first-version", str(first)],
+                              hosts=ranks_on, env=trainer_gloo) as ranks:
                 assert ranks.wait(90) == [0, 0], ranks.tail() + fleet.logs()
-                lines = [ranks.rounds(0)[v] for v in (first, first + 1)]
-            assert all(line["ok"] and line["digest_ok"] for line in lines), (transport, lines)
-            payload = lines[0]["bytes"]
-            out, into = (b.sent_bytes() - sent) / payload / 2, (b.received_bytes() - received) / payload / 2
-            # per round, in payloads (headers and control traffic on top)
-            assert out_per_round * 0.95 <= out <= out_per_round * 1.3, (transport, out, into)
-            assert in_per_round * 0.95 <= into <= in_per_round * 1.3, (transport, out, into)
+                line = ranks.rounds(0)[first]
+            assert line["ok"] and line["digest_ok"], (name, line)
+            payload = line["bytes"]
+            out, into = (b.sent_bytes() - sent) / payload, (b.received_bytes() - received) / payload
+            # in payloads (headers and control traffic on top)
+            assert out_per_round * 0.95 <= out <= out_per_round * 1.3 + 0.05, (name, out, into)
+            assert in_per_round * 0.95 <= into <= in_per_round * 1.3 + 0.05, (name, out, into)

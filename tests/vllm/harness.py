@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import getpass
 import json
 import os
 import shutil
@@ -35,14 +36,30 @@ from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file, 
 from weightsync.reaper import remove_orphaned_shm, shm_mapped_by
 
 HERE = Path(__file__).parent
-VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_CI_ENV": "1"}
-# vLLM puts its ZeroMQ sockets in VLLM_RPC_BASE_PATH (default: the system temp dir) and
-# leaves them there when it stops; give them one short directory of this test run's
-# own, removed at exit (a socket path must stay under 108 bytes, so not tmp_path).
-RPC_DIR = tempfile.mkdtemp(prefix="ws-vllm-rpc-")
-atexit.register(shutil.rmtree, RPC_DIR, ignore_errors=True)
-VLLM_ENV["VLLM_RPC_BASE_PATH"] = RPC_DIR
+_VLLM_SETTINGS = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+                  "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_CI_ENV": "1"}
+_scratch: str | None = None
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment a test's vLLM runs in: this process's, the settings above, and a
+    scratch directory of this process's own for what vLLM leaves behind when it stops
+    (its ZeroMQ sockets in VLLM_RPC_BASE_PATH, and a ``vllm_dist_*`` file store in the
+    temp dir at every boot: hundreds a day of suite runs), removed at exit. Made on
+    first use: rank processes that import this module but start no vLLM, and are
+    stopped by a signal (no atexit), must leave nothing. Short path: a socket path must
+    stay under 108 bytes, so not tmp_path. Inductor keeps its cache where it would be
+    without the new temp dir, so compiled kernels still serve every later boot."""
+    global _scratch
+    if _scratch is None:
+        inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+        _scratch = tempfile.mkdtemp(prefix="ws-vllm-")
+        atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
+        _VLLM_SETTINGS.update(VLLM_RPC_BASE_PATH=_scratch, TMPDIR=_scratch, TORCHINDUCTOR_CACHE_DIR=inductor_cache)
+    return {**os.environ, **_VLLM_SETTINGS}
+
+
 EXTENSION = ["--worker-extension-cls", "weightsync.engine.vllm_worker.WeightsyncWorkerExtension"]
 PROMPTS = [(5, 6, 7), (11, 3, 8, 1), (42,)]
 # Teacher-forced probe sequences (token ids inside every tiny model's vocabulary).
@@ -123,7 +140,7 @@ def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vl
     stops the agent (which stops vLLM). ``agent_args``: more of the agent's options."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, **VLLM_ENV}
+    env = vllm_env()
     if tensor_parallel > 1:
         # vLLM's CPU workers bind their OpenMP threads to NUMA nodes, one node each; a
         # one-node machine must say which cores each worker takes (here: one core each,
@@ -203,7 +220,7 @@ class FreshVllms:
     """Plain vLLM servers (no weightsync), each booted on its own model directory."""
 
     def __init__(self, models: list[str], tmp: str) -> None:
-        env = {**os.environ, **VLLM_ENV}
+        env = vllm_env()
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         for i, model in enumerate(models):

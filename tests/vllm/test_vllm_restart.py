@@ -36,7 +36,6 @@ from tests.conftest import start_agent, start_coordinator, wait_available
 from tests.vllm.harness import (
     EXTENSION,
     PROMPTS,
-    VLLM_ENV,
     agent_events,
     assert_same_outputs,
     checkpoint,
@@ -50,6 +49,7 @@ from tests.vllm.harness import (
     stop_vllm_agent,
     trainer_greedy,
     trainer_model,
+    vllm_env,
     vllm_server,
     vllm_server_process,
     vllm_workers,
@@ -262,7 +262,7 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
 
     def boot_vllm(name: str):
         with open(os.path.join(tmp, name), "w") as log:
-            return spawn(vllm_server(model_dir, port, *EXTENSION), env={**os.environ, **VLLM_ENV},
+            return spawn(vllm_server(model_dir, port, *EXTENSION), env=vllm_env(),
                          stdout=log, stderr=log)
 
     vllm = boot_vllm("vllm.log")

@@ -164,7 +164,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--engines-per-host", type=int, default=2, help="with --hosts: engines on every other host")
     p.add_argument("--trainer-ranks", type=int, default=0,
                    help="a sharded trainer of N FSDP2 ranks: every rank sends its shards, against all-gather to "
-                        "rank 0 then send (transport: the first --transport, default auto)")
+                        "rank 0 then send (transport: the first --transport, default auto); with --hosts: the "
+                        "ranks on host a, each transport measured sharded and gathered into rank 0")
     p.add_argument("--trainer-parallel", choices=("fsdp", "hsdp", "tp", "fsdp-tp"), default="fsdp",
                    help="with --trainer-ranks: how the trainer shards its model: FSDP2 (rows), HSDP (FSDP2 over two "
                         "replica groups: an even number of ranks), tensor parallel (row-wise layers' weights by "
@@ -307,7 +308,8 @@ def _bench_hosts(args) -> int:
     try:
         report = run_hosts_bench(hosts=args.hosts, engines_per_host=args.engines_per_host, size=args.size,
                                  tensors=args.tensors[0], rounds=args.steps, transports=args.transport or ["auto", "gloo"],
-                                 json_path=args.json)
+                                 json_path=args.json, trainer_ranks=args.trainer_ranks,
+                                 trainer_parallel=args.trainer_parallel)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
@@ -337,9 +339,6 @@ def _bench(args) -> int:
     from weightsync.apps.bench.returned_memory import QUIET_S
     from weightsync.apps.bench.runner import against_baselines, parse_size, ratios, run_bench, table
 
-    if args.hosts and args.trainer_ranks:
-        print("weightsync bench: --hosts and --trainer-ranks are separate benchmarks; choose one", file=sys.stderr)
-        return 2
     if (args.hosts or args.trainer_ranks) and args.passes != 1:
         print("weightsync bench: --passes is for the single-trainer benchmark", file=sys.stderr)
         return 2

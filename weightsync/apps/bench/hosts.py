@@ -8,6 +8,12 @@ median round time (pause, broadcast, resume), and the bytes each host's link car
 per round as a multiple of the payload (what the trainer's host sent; what each other
 host received). Every round must end with every engine bitwise equal to the trainer's
 tensors, or the bench fails. Needs root.
+
+``trainer_ranks`` (``--hosts N --trainer-ranks R``): the trainer is a sharded one, R
+ranks on host a (FSDP2, or ``trainer_parallel``) (``weightsync.apps.bench.sharded_trainer``), and every transport
+is measured twice: every rank sending its own shards, and gathered into rank 0 first
+(``DistributedTrainerClient(gather=True)``), which sends as one trainer does. The
+check is then the digest of the trainer's full model (gathered for it, not timed).
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import tempfile
 from weightsync.apps.bench.runner import parse_size
 from weightsync.apps.host_fleet import HostFleet
 from weightsync.apps.topology import SimulatedHosts, unavailable_reason
+from weightsync.apps.trainer_ranks import TrainerRanks
 from weightsync.engine.model import config_for_size
 
 
 def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: int, rounds: int,
-                    transports: list[str], json_path: str = "") -> dict:
+                    transports: list[str], json_path: str = "", trainer_ranks: int = 0,
+                    trainer_parallel: str = "fsdp") -> dict:
     """Runs it; returns (and optionally writes) the report. ValueError for bad options or
     where simulated hosts cannot be made (with the reason)."""
     reason = unavailable_reason()
@@ -32,25 +40,40 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
         raise ValueError(f"--hosts needs simulated hosts: {reason}")
     if not 2 <= hosts <= 26 or engines_per_host < 1 or rounds < 1:
         raise ValueError("--hosts takes 2 to 26 hosts, with at least 1 engine per host and 1 round")
+    if trainer_ranks == 1 or trainer_ranks < 0:
+        raise ValueError("--trainer-ranks takes 2 ranks or more")
+    if trainer_ranks and set(transports) - {"auto", "gloo", "shm", "group"}:
+        raise ValueError("a sharded trainer sends over auto, gloo, shm or group")
     names = list(string.ascii_lowercase[:hosts])
     layout = {name: (1 if i == 0 else engines_per_host) for i, name in enumerate(names)}
     model = config_for_size(parse_size(size), tensors).to_json()
-    report: dict = {"hosts": layout, "size": size, "tensors": tensors, "rounds": rounds, "results": []}
+    report: dict = {"hosts": layout, "size": size, "tensors": tensors, "rounds": rounds,
+                    "trainer_ranks": trainer_ranks, "results": []}
+    # (the group transport always gathers: it has one sender)
+    variants = [(t, gathered) for t in transports
+                for gathered in (((False, True) if t != "group" else (True,)) if trainer_ranks else (False,))]
     with tempfile.TemporaryDirectory(prefix="ws-bench-hosts-") as folder, SimulatedHosts(names) as sim:
         fleet = HostFleet(sim, folder, layout, model=model)
         version = 1
-        for transport in transports:
-            fleet.sync("--rounds", "1", "--first-version", str(version), "--transport", transport)  # warm-up
+        for transport, gathered in variants:
+            name = transport + (" gathered" if gathered and transport != "group" else "")
+            if trainer_ranks:
+                sync = lambda *args, t=transport, g=gathered: _sync_ranks(  # noqa: E731
+                    fleet, folder, trainer_ranks, model, "--transport", t, "--parallel", trainer_parallel,
+                    *(["--gather"] if g else []), *args)
+            else:
+                sync = lambda *args, t=transport: fleet.sync("--transport", t, *args)  # noqa: E731
+            sync("--rounds", "1", "--first-version", str(version))  # warm-up
             version += 1
             sent, received = fleet.home.sent_bytes(), {n: sim[n].received_bytes() for n in names[1:]}
-            lines = fleet.sync("--rounds", str(rounds), "--first-version", str(version), "--transport", transport)
+            lines = sync("--rounds", str(rounds), "--first-version", str(version))
             version += rounds
             bad = [line for line in lines if not line["ok"] or not all(e["digest_ok"] for e in line["engines"].values())]
             if bad:
-                raise RuntimeError(f"{transport}: a round failed or left an engine unequal: {bad[0]}")
+                raise RuntimeError(f"{name}: a round failed or left an engine unequal: {bad[0]}")
             payload = lines[0]["bytes"] * rounds
             report["results"].append({
-                "transport": transport, "payload_bytes": lines[0]["bytes"],
+                "transport": name, "payload_bytes": lines[0]["bytes"],
                 "median_s": statistics.median(line["seconds"] for line in lines),
                 "trainer_host_sent_x": (fleet.home.sent_bytes() - sent) / payload,
                 "received_x": {n: (sim[n].received_bytes() - received[n]) / payload for n in names[1:]},
@@ -63,13 +86,32 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
     return report
 
 
+def _sync_ranks(fleet: HostFleet, folder: str, world: int, model: str, *args: str) -> list[dict]:
+    """A sharded trainer's ranks on the home host, to the end; rank 0's per-round lines,
+    each engine's ``digest_ok`` that of the trainer's full model. RuntimeError (with
+    the ranks' output and the fleet's logs) if a rank fails."""
+    out = tempfile.mkdtemp(prefix="ranks-", dir=folder)
+    home = fleet.home
+    # The ranks' own process group finds its address from the hostname, which means
+    # loopback on a simulated host, unless told the interface.
+    with TrainerRanks(out, fleet.coordinator, world, ["--model", model, "--check-digests", "--timeout", "300", *args],
+                      hosts=[home] * world, env={"GLOO_SOCKET_IFNAME": "eth0"}) as ranks:
+        codes = ranks.wait(600)
+        if codes != [0] * world:
+            raise RuntimeError(f"trainer ranks ended {codes}:\n{ranks.tail()}\n{fleet.logs()}")
+        lines = sorted(ranks.rounds(0).values(), key=lambda line: line["round"])
+    for line in lines:
+        line["engines"] = {e: {**o, "digest_ok": line["digest_ok"]} for e, o in line.get("engines", {}).items()}
+    return lines
+
+
 def hosts_table(report: dict) -> str:
     """The report as a fixed-width table."""
     remote = list(report["hosts"])[1:]
-    rows = [f"{'transport':<10} {'median s':>9} {'host a sent':>12} " + " ".join(f"{'host ' + n + ' got':>11}"
+    rows = [f"{'transport':<14} {'median s':>9} {'host a sent':>12} " + " ".join(f"{'host ' + n + ' got':>11}"
                                                                              for n in remote)]
     for r in report["results"]:
-        rows.append(f"{r['transport']:<10} {r['median_s']:>9.3f} {r['trainer_host_sent_x']:>11.2f}x "
+        rows.append(f"{r['transport']:<14} {r['median_s']:>9.3f} {r['trainer_host_sent_x']:>11.2f}x "
                     + " ".join(f"{r['received_x'][n]:>10.2f}x" for n in remote))
     return "\n".join(rows)
 

@@ -16,7 +16,8 @@ by seeded noise each round (so rounds differ; replicated tensors alike on every 
 and syncs it for ``--rounds`` rounds:
 
 - ``--mode sharded``: every rank sends its own shards (``DistributedTrainerClient``;
-  with ``--transport group`` they are gathered into rank 0, which sends them whole);
+  with ``--transport group`` or ``--gather`` they are gathered into rank 0, which sends
+  them whole);
 - ``--mode gather``: the baseline: all-gather every parameter to rank 0, which sends
   the full tensors (``TrainerClient``); the others wait at a barrier.
 
@@ -28,7 +29,8 @@ each engine checks against what it loaded before committing.
 then refuse the round).
 Each rank prints one JSON line per round:
     {"rank", "round", "ok", "error_type", "error", "seconds", "ended", "bytes", "digest_ok"}
-(``attest_max_diff`` too with ``--attest``: the engines' largest difference)
+(``attest_max_diff`` too with ``--attest``: the engines' largest difference; ``--mode
+sharded`` adds ``engines``: {id: {"transport", "relayed_by"}}, what each received over)
 (``gather`` adds ``gather_s``: the all-gather's share of ``seconds``)
 ``digest_ok`` (rank 0; after a good round, not timed): every engine's digest equals the
 digest of the full, unsharded state dict (gathered for the check only; ``digest_check``
@@ -207,7 +209,7 @@ async def run(args: argparse.Namespace) -> None:
     common = dict(host=args.host, transport=args.transport, bucket_bytes=args.bucket_bytes,
                   default_timeout_s=args.timeout)
     if args.mode == "sharded":
-        client = DistributedTrainerClient(args.coordinator, **common)
+        client = DistributedTrainerClient(args.coordinator, gather=args.gather or None, **common)
     else:
         client = TrainerClient(args.coordinator, **common) if rank == 0 else None
     if client is not None:
@@ -231,6 +233,8 @@ async def run(args: argparse.Namespace) -> None:
                                                          key=f"{args.key}-{r}" if args.key else None, attest=probe,
                                                          verify_digest=args.verify_digest)
                     line["ok"] = result.ok
+                    line["engines"] = {e.engine_id: {"transport": e.transport, "relayed_by": e.relayed_by}
+                                       for e in result.engines}
                     if probe is not None:
                         line["attest_max_diff"] = max(e.attest_max_diff or 0.0 for e in result.engines)
                 else:
@@ -280,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--first-version", type=int, default=1)
     parser.add_argument("--transport", default="auto")
+    parser.add_argument("--gather", action="store_true",
+                        help="--mode sharded: gather the parts into rank 0, which sends them as one trainer")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     parser.add_argument("--key", default="", help="idempotency key prefix (KEY-VERSION per round)")
