@@ -302,3 +302,31 @@ def test_a_sharded_trainers_probe_attests_every_engine_and_a_stale_one_is_refuse
             assert not line["ok"] and line["error_type"] == "EngineOutputMismatch", ranks.tail()
     states = settled_states(cluster.address)
     assert all(s.torn and s.paused and not s.ready for s in states.values()), states
+
+
+def test_a_rank_killed_mid_gather_fails_the_call_and_changes_no_engine(cluster_factory, tmp_path):
+    """Two ranks gathering into rank 0 (``gather=True``) before each round. Round 1
+    lands: rank 0 sends the full tensors as one trainer, over shm (every rank and engine
+    on this host), and both engines equal the trainer's full model. In round 2 rank 1,
+    handed its gather lane, stalls (its heartbeat going on) and is killed there: rank 0
+    hears its silence and fails the call with a TransferError within seconds, before
+    any Pause: both engines still serve version 1, unpaused and untorn."""
+    cluster = cluster_factory(2, agent_args=("--model", MODEL))
+    with TrainerRanks(str(tmp_path / "ranks"), cluster.address, 2,
+                      rank_args("--rounds", "2", "--transport", "auto", "--gather", "--check-digests",
+                                "--stall-send", "1:2")) as ranks:
+        ranks.wait_for(1, lambda line: line.get("stalling") == 2, 120)
+        first = ranks.rounds(0)[1]
+        assert first["ok"] and first["digest_ok"], ranks.tail()
+        assert {e["transport"] for e in first["engines"].values()} == {"shm"}, first
+        killed_at = time.monotonic()
+        ranks.signal(1, signal.SIGKILL)
+        assert ranks.wait(60, ranks=[0]) == [0], ranks.tail()
+        line = ranks.rounds(0)[2]
+        assert not line["ok"] and line["error_type"] == "TransferError", ranks.tail()
+        assert "trainer rank 1 stopped answering" in line["error"], ranks.tail()
+        assert time.monotonic() - killed_at < 20, ranks.tail()
+    states = asyncio.run(engine_states(cluster.address))
+    assert all(s.weight_version == 1 and not s.paused and not s.torn for s in states.values()), states
+    started = [e for e in asyncio.run(coordinator_events(cluster.address)) if e.kind == "broadcast_started"]
+    assert len(started) == 1, started  # round 1's only

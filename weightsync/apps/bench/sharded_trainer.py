@@ -198,6 +198,24 @@ def offered(model, parallel: str, rank: int, world: int) -> list[tuple[str, torc
     return [(n, p) for n, p in named if mine(n)]
 
 
+class _StallingClient(DistributedTrainerClient):
+    """Tests (``--stall-send RANK:VERSION``): in round ``stall_version`` this rank, once
+    rank 0 hands it its lane (a gather's or a round's), prints ``{"rank", "stalling"}``
+    and waits before sending, its heartbeat going on, so a test can kill it there."""
+
+    def __init__(self, *args, stall_version: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stall_version = stall_version
+        self.version = 0  # the round under way, set by the caller
+
+    def _send_lane(self, *args, **kwargs):
+        if self.version == self.stall_version:
+            print(json.dumps({"rank": self.rank, "stalling": self.version}), flush=True)
+            time.sleep(STALL_S)
+        return super()._send_lane(*args, **kwargs)
+
+
+STALL_S = 120.0
 PARALLEL = {"fsdp": sharded_model, "hsdp": hsdp_model, "tp": tensor_parallel_model, "fsdp-tp": fsdp_over_tp_model,
             "ep": expert_parallel_model}
 
@@ -209,7 +227,12 @@ async def run(args: argparse.Namespace) -> None:
     common = dict(host=args.host, transport=args.transport, bucket_bytes=args.bucket_bytes,
                   default_timeout_s=args.timeout)
     if args.mode == "sharded":
-        client = DistributedTrainerClient(args.coordinator, gather=args.gather or None, **common)
+        stall_rank, _, stall_version = args.stall_send.partition(":")
+        if stall_rank and int(stall_rank) == rank:
+            client = _StallingClient(args.coordinator, gather=args.gather or None, stall_version=int(stall_version),
+                                     **common)
+        else:
+            client = DistributedTrainerClient(args.coordinator, gather=args.gather or None, **common)
     else:
         client = TrainerClient(args.coordinator, **common) if rank == 0 else None
     if client is not None:
@@ -226,6 +249,8 @@ async def run(args: argparse.Namespace) -> None:
             started = time.monotonic()
             try:
                 if args.mode == "sharded":
+                    if isinstance(client, _StallingClient):
+                        client.version = r
                     named = offered(model, args.parallel, rank, dist.get_world_size())
                     if rank == args.drop_on_rank:  # tests: this rank fails to offer one of its shards
                         named = named[1:]
@@ -289,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     parser.add_argument("--key", default="", help="idempotency key prefix (KEY-VERSION per round)")
+    parser.add_argument("--stall-send", default="", metavar="RANK:VERSION",
+                        help="tests: in that round, that rank waits before sending its lane (its heartbeat going on)")
     parser.add_argument("--drop-on-rank", type=int, default=-1,
                         help="tests: this rank leaves its first tensor out (its shards then do not cover it)")
     parser.add_argument("--check-digests", action="store_true", help="after every good round")
