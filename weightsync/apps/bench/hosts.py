@@ -10,18 +10,22 @@ host received). Every round must end with every engine bitwise equal to the trai
 tensors, or the bench fails. Needs root.
 
 ``trainer_ranks`` (``--hosts N --trainer-ranks R``): the trainer is a sharded one, R
-ranks on host a (FSDP2, or ``trainer_parallel``) (``weightsync.apps.bench.sharded_trainer``), and every transport
-is measured twice: every rank sending its own shards, and gathered into rank 0 first
-(``DistributedTrainerClient(gather=True)``), which sends as one trainer does. The
-check is then the digest of the trainer's full model (gathered for it, not timed).
+ranks on host a (FSDP2, or ``trainer_parallel``; ``weightsync.apps.bench.sharded_trainer``,
+one job per transport, which waits after its warm-up round while the links' counters
+are read), and every transport is measured twice: every rank sending its own shards,
+and gathered into rank 0 first (``DistributedTrainerClient(gather=True)``), which
+sends as one trainer does. The check is then the digest of the trainer's full model
+(gathered for it, not timed).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import string
 import tempfile
+from collections.abc import Callable
 
 from weightsync.apps.bench.runner import parse_size
 from weightsync.apps.host_fleet import HostFleet
@@ -54,20 +58,23 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
                 for gathered in (((False, True) if t != "group" else (True,)) if trainer_ranks else (False,))]
     with tempfile.TemporaryDirectory(prefix="ws-bench-hosts-") as folder, SimulatedHosts(names) as sim:
         fleet = HostFleet(sim, folder, layout, model=model)
+
+        def link_counts() -> tuple[int, dict[str, int]]:  # what host a sent, what each other host received
+            return fleet.home.sent_bytes(), {n: sim[n].received_bytes() for n in names[1:]}
+
         version = 1
         for transport, gathered in variants:
             name = transport + (" gathered" if gathered and transport != "group" else "")
-            if trainer_ranks:
-                sync = lambda *args, t=transport, g=gathered: _sync_ranks(  # noqa: E731
-                    fleet, folder, trainer_ranks, model, "--transport", t, "--parallel", trainer_parallel,
-                    *(["--gather"] if g else []), *args)
+            if trainer_ranks:  # one job: its warm-up round, then the counted ones
+                (sent, received), lines = _sync_ranks(
+                    fleet, folder, trainer_ranks, model, rounds, version, link_counts, "--transport", transport,
+                    "--parallel", trainer_parallel, *(["--gather"] if gathered else []))
             else:
-                sync = lambda *args, t=transport: fleet.sync("--transport", t, *args)  # noqa: E731
-            sync("--rounds", "1", "--first-version", str(version))  # warm-up
-            version += 1
-            sent, received = fleet.home.sent_bytes(), {n: sim[n].received_bytes() for n in names[1:]}
-            lines = sync("--rounds", str(rounds), "--first-version", str(version))
-            version += rounds
+                fleet.sync("--transport", transport, "--rounds", "1", "--first-version", str(version))  # warm-up
+                sent, received = link_counts()
+                lines = fleet.sync("--transport", transport, "--rounds", str(rounds), "--first-version",
+                                   str(version + 1))
+            version += rounds + 1
             bad = [line for line in lines if not line["ok"] or not all(e["digest_ok"] for e in line["engines"].values())]
             if bad:
                 raise RuntimeError(f"{name}: a round failed or left an engine unequal: {bad[0]}")
@@ -86,23 +93,41 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
     return report
 
 
-def _sync_ranks(fleet: HostFleet, folder: str, world: int, model: str, *args: str) -> list[dict]:
-    """A sharded trainer's ranks on the home host, to the end; rank 0's per-round lines,
-    each engine's ``digest_ok`` that of the trainer's full model. RuntimeError (with
-    the ranks' output and the fleet's logs) if a rank fails."""
+def _sync_ranks(fleet: HostFleet, folder: str, world: int, model: str, rounds: int, first: int,
+                link_counts: Callable[[], tuple], *args: str) -> tuple[tuple, list[dict]]:
+    """A sharded trainer's ranks on the home host: a warm-up round (version ``first``),
+    then ``link_counts()`` while the ranks wait, then ``rounds`` rounds. Returns those
+    counts and rank 0's lines of the counted rounds, each engine's ``digest_ok`` that of
+    the trainer's full model (its check runs on the home host, between rounds).
+    RuntimeError (with the ranks' output and the fleet's logs) if a rank fails, the
+    warm-up round fails, or the deadline passes."""
     out = tempfile.mkdtemp(prefix="ranks-", dir=folder)
-    home = fleet.home
+    go = os.path.join(out, "go")
+    os.makedirs(go)
     # The ranks' own process group finds its address from the hostname, which means
     # loopback on a simulated host, unless told the interface.
-    with TrainerRanks(out, fleet.coordinator, world, ["--model", model, "--check-digests", "--timeout", "300", *args],
-                      hosts=[home] * world, env={"GLOO_SOCKET_IFNAME": "eth0"}) as ranks:
+    with TrainerRanks(out, fleet.coordinator, world,
+                      ["--model", model, "--check-digests", "--timeout", "300", "--rounds", str(rounds + 1),
+                       "--first-version", str(first), "--go", go, *args],
+                      hosts=[fleet.home] * world, env={"GLOO_SOCKET_IFNAME": "eth0"}) as ranks:
+        try:
+            warm_up = ranks.wait_for(0, lambda line: line.get("round") == first, 600)
+        except TimeoutError as exc:
+            raise RuntimeError(f"{exc}\n{fleet.logs()}") from None
+        if not warm_up["ok"]:
+            raise RuntimeError(f"the warm-up round failed: {warm_up}\n{ranks.tail()}\n{fleet.logs()}")
+        counts = link_counts()
+        for version in range(first + 1, first + rounds + 1):
+            with open(os.path.join(go, f"go-{version}"), "w") as f:
+                f.write("go")  # wait_for_file waits for content
         codes = ranks.wait(600)
         if codes != [0] * world:
             raise RuntimeError(f"trainer ranks ended {codes}:\n{ranks.tail()}\n{fleet.logs()}")
-        lines = sorted(ranks.rounds(0).values(), key=lambda line: line["round"])
+        lines = sorted((line for line in ranks.rounds(0).values() if line["round"] > first),
+                       key=lambda line: line["round"])
     for line in lines:
         line["engines"] = {e: {**o, "digest_ok": line["digest_ok"]} for e, o in line.get("engines", {}).items()}
-    return lines
+    return counts, lines
 
 
 def hosts_table(report: dict) -> str:

@@ -58,6 +58,7 @@ from weightsync.client import TrainerClient
 from weightsync.client.distributed import DistributedTrainerClient
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import WeightSyncError
+from weightsync.lifecycle import wait_for_file
 from weightsync.packing import weights_digest
 from weightsync.plan import DEFAULT_BUCKET_BYTES
 
@@ -239,6 +240,8 @@ async def run(args: argparse.Namespace) -> None:
         await client.start()
     try:
         for r in range(args.first_version, args.first_version + args.rounds):
+            if args.go and r > args.first_version:  # the caller reads something between rounds
+                await asyncio.to_thread(wait_for_file, os.path.join(args.go, f"go-{r}"), timeout_s=args.timeout)
             stale = args.attest and args.stale_from and r >= args.stale_from
             probe = score(model) if stale else None
             move(model, r)
@@ -314,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     parser.add_argument("--key", default="", help="idempotency key prefix (KEY-VERSION per round)")
+    parser.add_argument("--go", default="", metavar="DIR",
+                        help="before each round after the first, wait (up to --timeout) for DIR/go-VERSION")
     parser.add_argument("--stall-send", default="", metavar="RANK:VERSION",
                         help="tests: in that round, that rank waits before sending its lane (its heartbeat going on)")
     parser.add_argument("--drop-on-rank", type=int, default=-1,
