@@ -2,7 +2,8 @@
 
 The top process forks two workers; each worker forks a grandchild; one grandchild
 ignores SIGTERM, like a stuck worker, and maps the shared memory named in its
-environment (``map_shared_memory``). All pids go to PIDS_FILE. The top process
+environment (``map_shared_memory``); the top process may hold a named semaphore
+(``named_semaphore``). All pids go to PIDS_FILE. The top process
 serves an HTTP health check on PORT (default: ephemeral), written to PORT_FILE.
 
     python engine_tree.py PIDS_FILE PORT_FILE [PORT]
@@ -43,6 +44,23 @@ def map_shared_memory() -> list:
     return maps
 
 
+def named_semaphore():
+    """With ENGINE_TREE_SEM=PATH: a named semaphore, made as a spawn-context
+    multiprocessing lock makes one (vLLM's API server makes some), its /dev/shm path
+    written to PATH. It is registered with a resource tracker, a child of this process,
+    which unlinks it once every process sharing the tracker's pipe -- this one and
+    everything it forks after -- has exited."""
+    path = os.environ.get("ENGINE_TREE_SEM")
+    if not path:
+        return None
+    import multiprocessing
+
+    semaphore = multiprocessing.get_context("spawn").Lock()
+    with open(path, "w") as f:
+        f.write("/dev/shm/sem." + semaphore._semlock.name.lstrip("/"))
+    return semaphore
+
+
 def sleeper(ignore_term: bool) -> None:
     if ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -69,6 +87,7 @@ def main() -> None:
             f.write(f"{pid}\n")
 
     write(os.getpid())
+    semaphore = named_semaphore()  # noqa: F841 - held for as long as this process lives
     for i in range(2):
         pid = os.fork()
         if pid == 0:

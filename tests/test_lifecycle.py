@@ -121,12 +121,23 @@ def test_started_processes_stay_in_this_session_and_lead_their_own_process_group
 
 
 def test_sigkill_of_the_agent_still_takes_the_tree_down(launched):
-    make, _ = launched
-    agent, pids, _ = make()
+    """The reaper gets its parent-death signal, TERMs, waits the grace, KILLs the stuck
+    one. The engine's named semaphore goes too: its resource tracker (which ignores
+    SIGTERM, and whose pipe the stuck process holds) is killed only after the others,
+    when it has unlinked what they registered; killed with them, it left the semaphore
+    in /dev/shm (as a frozen vLLM killed by the reaper did)."""
+    make, tmp = launched
+    sem_file = os.path.join(tmp, "semaphore")
+    agent, pids, _ = make(env={"ENGINE_TREE_SEM": sem_file})
+    semaphore = wait_for_file(sem_file, timeout_s=10)
+    assert os.path.exists(semaphore)
     agent.send_signal(signal.SIGKILL)
     agent.wait(timeout=10)
-    # reaper gets its parent-death signal, TERMs, waits the grace, KILLs the stuck one
     assert wait_gone(pids, 10) == []
+    end = time.monotonic() + 10
+    while os.path.exists(semaphore) and time.monotonic() < end:  # the reaper's last step
+        time.sleep(0.05)
+    assert not os.path.exists(semaphore), "the stopped engine's semaphore stayed in /dev/shm"
 
 
 def test_second_sigterm_does_not_cut_cleanup_short(launched):

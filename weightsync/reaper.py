@@ -18,7 +18,10 @@ its segments, and vLLM does not always: in one test-suite run its executor's mes
 queues (240 and 160 MiB) and the named semaphore beside them stayed in /dev/shm after
 a vLLM was stopped, and its CPU communicator never unlinks its own files at all.
 Memory in /dev/shm is RAM, held until the machine restarts. A segment another
-process still maps (a trainer's, for instance) is left alone.
+process still maps (a trainer's, for instance) is left alone. Named semaphores are
+unlinked by the multiprocessing resource tracker that registered them, once the
+processes sharing its pipe are gone: so the KILL round spares the trackers until the
+others are dead (see ``reap_descendants``).
 """
 
 from __future__ import annotations
@@ -43,13 +46,33 @@ def _become_subreaper() -> None:
         pass
 
 
+TRACKER_EXIT_S = 2.0
+
+
+def is_resource_tracker(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a Python multiprocessing resource tracker: it ignores SIGTERM
+    and, once every process that shares its pipe is gone, unlinks the semaphores and
+    segments they registered and exits."""
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
 def reap_descendants(grace_s: float) -> list[int]:
-    """TERM every descendant of this process, then KILL what is left after ``grace_s``."""
+    """TERM every descendant of this process, then KILL what is left after ``grace_s``.
+
+    Multiprocessing resource trackers are KILLed last, after up to ``TRACKER_EXIT_S``
+    to exit on their own: a tracker killed with the processes it serves leaves their
+    named semaphores in /dev/shm for good (vLLM's, one per engine frozen and killed)."""
     me = psutil.Process()
     killed: list[int] = []
     deadline = time.monotonic() + grace_s
     for sig in (signal.SIGTERM, signal.SIGKILL):
         procs = me.children(recursive=True)
+        if sig == signal.SIGKILL:
+            trackers = [proc for proc in procs if is_resource_tracker(proc)]
+            procs = [proc for proc in procs if proc not in trackers]
         for proc in procs:
             try:
                 proc.send_signal(sig)
@@ -57,6 +80,15 @@ def reap_descendants(grace_s: float) -> list[int]:
                     killed.append(proc.pid)
             except psutil.NoSuchProcess:
                 pass
+        if sig == signal.SIGKILL and trackers:
+            _reap_zombies()  # the killed ones' pipes close: the trackers clean up and exit
+            _, left = psutil.wait_procs(trackers, timeout=TRACKER_EXIT_S)
+            for proc in left:
+                try:
+                    proc.kill()
+                    killed.append(proc.pid)
+                except psutil.NoSuchProcess:
+                    pass
         # Reap while waiting: as a subreaper, orphans become our children.
         while time.monotonic() < deadline and me.children(recursive=True):
             _reap_zombies()

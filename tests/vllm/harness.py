@@ -33,7 +33,12 @@ import torch
 from tests.conftest import start_coordinator, wait_available
 from tests.vllm.make_tiny_model import MAX_POSITIONS
 from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file, weightsync_command
-from weightsync.reaper import remove_orphaned_shm, shm_mapped_by
+from weightsync.reaper import (
+    TRACKER_EXIT_S,
+    is_resource_tracker,
+    remove_orphaned_shm,
+    shm_mapped_by,
+)
 
 HERE = Path(__file__).parent
 _VLLM_SETTINGS = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
@@ -90,10 +95,20 @@ def kill_vllm(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     the API server alone left its engine core and worker running, 1.9 GB each time.
     Then removes what the killed processes left in /dev/shm, as a container's restart
     drops its /dev/shm and the agent's reaper does for a vLLM it launched: every suite
-    run left this vLLM's message queues there (a 240 and a 160 MiB file)."""
+    run left this vLLM's message queues there (a 240 and a 160 MiB file). Its
+    multiprocessing resource tracker is killed last, given a moment to unlink the named
+    semaphores the others registered, as the agent's reaper does (killed with them, it
+    left one in /dev/shm each time)."""
     server = psutil.Process(proc.pid)
     started = server.create_time()
-    mapped = shm_mapped_by([proc.pid, *(p.pid for p in server.children(recursive=True))])
+    tree = [server, *server.children(recursive=True)]
+    mapped = shm_mapped_by(p.pid for p in tree)
+    trackers = [p for p in tree if is_resource_tracker(p)]
+    for p in tree:
+        if p not in trackers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    psutil.wait_procs(trackers, timeout=TRACKER_EXIT_S)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=timeout_s)
     end = time.monotonic() + timeout_s
