@@ -1,4 +1,5 @@
-"""DistributedTrainerClient: one sync from every rank of a sharded trainer, no gather.
+"""DistributedTrainerClient: one sync from every rank of a sharded trainer, no gather
+unless asked (the ``group`` transport, ``gather=True``).
 
 Every rank of a torch.distributed trainer (FSDP2, or any job whose ranks hold
 different pieces of the model) opens the client and calls ``update_weights`` with the
