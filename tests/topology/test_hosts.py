@@ -98,6 +98,43 @@ def test_bench_hosts_with_a_sharded_trainer_measures_its_ranks_sharded_and_gathe
     assert gathered["engine_transports"]["a-0"] == "shm" and gathered["engine_transports"]["b-1"] == "gloo via b-0", gathered
 
 
+def test_what_a_killed_process_left_of_its_hosts_goes_when_the_next_hosts_are_made():
+    """A SimulatedHosts whose process is SIGKILLed (a test's timeout) cannot remove its
+    namespaces, bridge, /dev/shm mounts and folder; the next SimulatedHosts does, as
+    its folder names an owner that is gone. A live owner's are left alone."""
+    made = ("import sys, time\nfrom weightsync.apps.topology import SimulatedHosts\n"
+            "hosts = SimulatedHosts(['x']).__enter__()\nprint(hosts.tag, hosts.dir, flush=True)\ntime.sleep(120)")
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-c", made], stdout=subprocess.PIPE, text=True)
+        tag, folder = proc.stdout.readline().split()
+        return proc, tag, folder
+
+    def left(tag: str, folder: str) -> list[str]:
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        with open("/proc/mounts") as f:
+            mounts = [line for line in f if f" {folder}/" in line]
+        return ([f"ws{tag}-x"] if f"ws{tag}-x" in namespaces else []) + mounts + (
+            [folder] if os.path.exists(folder) else []) + (
+            [f"wsbr{tag}"] if os.path.exists(f"/sys/class/net/wsbr{tag}") else [])
+
+    killed, killed_tag, killed_folder = start()
+    running, running_tag, running_folder = start()
+    try:
+        killed.kill()
+        killed.wait(10)
+        assert len(left(killed_tag, killed_folder)) == 4  # its namespace, mount, folder and bridge
+        with SimulatedHosts(["y"]):
+            assert left(killed_tag, killed_folder) == []
+            assert len(left(running_tag, running_folder)) == 4
+    finally:
+        running.terminate()  # SIGTERM's default: it dies without closing, as killed did
+        running.wait(10)
+        with SimulatedHosts(["z"]):
+            pass
+    assert left(running_tag, running_folder) == []
+
+
 def _wait_for_text(path: str, needle: str, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:

@@ -10,11 +10,15 @@ is the program itself and stopping it stops the program.
 
 Needs root (``ip netns``, ``mount``). ``unavailable_reason()`` says why it cannot run
 here. On exit every process started through ``Host.spawn`` is stopped and every
-namespace, link, mount and folder made is removed, whatever happened in between.
+namespace, link, mount and folder made is removed, whatever happened in between. A
+process killed outright (SIGKILL: a test's timeout, the OOM killer) cannot do that: its
+folder names its owner, and the next ``SimulatedHosts`` removes what an owner that is
+gone left (its hosts' /dev/shm mounts hold RAM).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import shutil
@@ -22,6 +26,8 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import psutil
 
 from weightsync.lifecycle import spawn, stop_process
 
@@ -93,6 +99,44 @@ class Host:
         _ip("link", "set", self.link, "up" if up else "down")
 
 
+OWNER_FILE = "owner"  # in a SimulatedHosts' folder: "PID CREATE_TIME" of the process that made it
+
+
+def _owner_alive(folder: str) -> bool | None:
+    """Whether the process that made ``folder`` still runs; None where the folder names
+    no owner (one being made, or not a SimulatedHosts')."""
+    try:
+        with open(os.path.join(folder, OWNER_FILE)) as f:
+            pid, created = f.read().split()
+        return abs(psutil.Process(int(pid)).create_time() - float(created)) < 0.5
+    except (OSError, ValueError):
+        return None
+    except psutil.NoSuchProcess:
+        return False
+
+
+def remove_abandoned_hosts() -> list[str]:
+    """Removes what every ``SimulatedHosts`` whose owner is gone left behind (its
+    namespaces, bridge, /dev/shm mounts, /etc/netns entries, folder); returns their tags."""
+    removed = []
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "ws-hosts-*-*")):
+        if _owner_alive(folder) is not False:
+            continue
+        tag = os.path.basename(folder).split("-")[2]
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1] for line in f if line.split()[1].startswith(folder + "/")]
+        for mount in mounts:
+            subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30)
+        listed = _ip("netns", "list", check=False).stdout.split("\n")
+        for netns in (line.split()[0] for line in listed if line.startswith(f"ws{tag}-")):
+            _ip("netns", "del", netns, check=False)
+            shutil.rmtree(f"/etc/netns/{netns}", ignore_errors=True)
+        _ip("link", "del", f"wsbr{tag}", check=False)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(tag)
+    return removed
+
+
 class SimulatedHosts:
     """Context manager: ``SimulatedHosts(["a", "b", "c"])[name]`` is a ``Host``."""
 
@@ -103,6 +147,8 @@ class SimulatedHosts:
         self.subnet = f"10.{random.randrange(64, 250)}.{random.randrange(1, 250)}"
         self.bridge = f"wsbr{self.tag}"
         self.dir = tempfile.mkdtemp(prefix=f"ws-hosts-{self.tag}-")
+        with open(os.path.join(self.dir, OWNER_FILE), "w") as f:
+            f.write(f"{os.getpid()} {psutil.Process().create_time()}")
         self.hosts: dict[str, Host] = {}
         self._names = list(names)
         self._mounts: list[str] = []
@@ -111,6 +157,7 @@ class SimulatedHosts:
         return self.hosts[name]
 
     def __enter__(self) -> SimulatedHosts:
+        remove_abandoned_hosts()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
@@ -160,4 +207,4 @@ class SimulatedHosts:
         self.close()
 
 
-__all__ = ["SimulatedHosts", "Host", "unavailable_reason"]
+__all__ = ["SimulatedHosts", "Host", "unavailable_reason", "remove_abandoned_hosts"]
