@@ -21,7 +21,7 @@ Memory in /dev/shm is RAM, held until the machine restarts. A segment another
 process still maps (a trainer's, for instance) is left alone. Named semaphores are
 unlinked by the multiprocessing resource tracker that registered them, once the
 processes sharing its pipe are gone: so the KILL round spares the trackers until the
-others are dead (see ``reap_descendants``).
+others are dead (``kill_trackers_last``).
 """
 
 from __future__ import annotations
@@ -59,34 +59,44 @@ def is_resource_tracker(proc: psutil.Process) -> bool:
         return False
 
 
-def reap_descendants(grace_s: float) -> list[int]:
-    """TERM every descendant of this process, then KILL what is left after ``grace_s``.
+def kill_trackers_last(procs: list[psutil.Process]) -> list[int]:
+    """SIGKILLs ``procs``, the multiprocessing resource trackers among them last, after
+    up to ``TRACKER_EXIT_S`` to exit on their own (the others' deaths close their pipe):
+    a tracker killed with the processes it serves leaves their named semaphores in
+    /dev/shm for good (vLLM's, one per engine frozen and killed). Returns the pids
+    signalled."""
+    trackers = [proc for proc in procs if is_resource_tracker(proc)]
+    killed: list[int] = []
 
-    Multiprocessing resource trackers are KILLed last, after up to ``TRACKER_EXIT_S``
-    to exit on their own: a tracker killed with the processes it serves leaves their
-    named semaphores in /dev/shm for good (vLLM's, one per engine frozen and killed)."""
+    def kill(chosen) -> None:
+        for proc in chosen:
+            try:
+                proc.kill()
+                killed.append(proc.pid)
+            except psutil.NoSuchProcess:
+                pass
+
+    kill(proc for proc in procs if proc not in trackers)
+    if trackers:
+        _, left = psutil.wait_procs(trackers, timeout=TRACKER_EXIT_S)
+        kill(left)
+    return killed
+
+
+def reap_descendants(grace_s: float) -> list[int]:
+    """TERM every descendant of this process, then KILL what is left after ``grace_s``
+    (``kill_trackers_last``); returns the pids KILLed."""
     me = psutil.Process()
     killed: list[int] = []
     deadline = time.monotonic() + grace_s
     for sig in (signal.SIGTERM, signal.SIGKILL):
         procs = me.children(recursive=True)
         if sig == signal.SIGKILL:
-            trackers = [proc for proc in procs if is_resource_tracker(proc)]
-            procs = [proc for proc in procs if proc not in trackers]
-        for proc in procs:
-            try:
-                proc.send_signal(sig)
-                if sig == signal.SIGKILL:
-                    killed.append(proc.pid)
-            except psutil.NoSuchProcess:
-                pass
-        if sig == signal.SIGKILL and trackers:
-            _reap_zombies()  # the killed ones' pipes close: the trackers clean up and exit
-            _, left = psutil.wait_procs(trackers, timeout=TRACKER_EXIT_S)
-            for proc in left:
+            killed += kill_trackers_last(procs)
+        else:
+            for proc in procs:
                 try:
-                    proc.kill()
-                    killed.append(proc.pid)
+                    proc.send_signal(sig)
                 except psutil.NoSuchProcess:
                     pass
         # Reap while waiting: as a subreaper, orphans become our children.

@@ -33,12 +33,7 @@ import torch
 from tests.conftest import start_coordinator, wait_available
 from tests.vllm.make_tiny_model import MAX_POSITIONS
 from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file, weightsync_command
-from weightsync.reaper import (
-    TRACKER_EXIT_S,
-    is_resource_tracker,
-    remove_orphaned_shm,
-    shm_mapped_by,
-)
+from weightsync.reaper import kill_trackers_last, remove_orphaned_shm, shm_mapped_by
 
 HERE = Path(__file__).parent
 _VLLM_SETTINGS = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
@@ -103,13 +98,8 @@ def kill_vllm(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     started = server.create_time()
     tree = [server, *server.children(recursive=True)]
     mapped = shm_mapped_by(p.pid for p in tree)
-    trackers = [p for p in tree if is_resource_tracker(p)]
-    for p in tree:
-        if p not in trackers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-    psutil.wait_procs(trackers, timeout=TRACKER_EXIT_S)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_trackers_last(tree)
+    os.killpg(proc.pid, signal.SIGKILL)  # what the tree had left in its group
     proc.wait(timeout=timeout_s)
     end = time.monotonic() + timeout_s
     while True:

@@ -53,9 +53,6 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
     model = config_for_size(parse_size(size), tensors).to_json()
     report: dict = {"hosts": layout, "size": size, "tensors": tensors, "rounds": rounds,
                     "trainer_ranks": trainer_ranks, "results": []}
-    # (the group transport always gathers: it has one sender)
-    variants = [(t, gathered) for t in transports
-                for gathered in (((False, True) if t != "group" else (True,)) if trainer_ranks else (False,))]
     with tempfile.TemporaryDirectory(prefix="ws-bench-hosts-") as folder, SimulatedHosts(names) as sim:
         fleet = HostFleet(sim, folder, layout, model=model)
 
@@ -63,8 +60,7 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
             return fleet.home.sent_bytes(), {n: sim[n].received_bytes() for n in names[1:]}
 
         version = 1
-        for transport, gathered in variants:
-            name = transport + (" gathered" if gathered and transport != "group" else "")
+        for name, transport, gathered in _variants(transports, sharded=bool(trainer_ranks)):
             if trainer_ranks:  # one job: its warm-up round, then the counted ones
                 (sent, received), lines = _sync_ranks(
                     fleet, folder, trainer_ranks, model, rounds, version, link_counts, "--transport", transport,
@@ -91,6 +87,20 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def _variants(transports: list[str], *, sharded: bool) -> list[tuple[str, str, bool]]:
+    """(row name, transport, gathered into rank 0) for each row: a single trainer's
+    transports once; a sharded trainer's each sharded and gathered, but ``group``
+    once (it always gathers: it has one sender)."""
+    rows = []
+    for transport in transports:
+        if sharded and transport != "group":
+            rows.append((transport, transport, False))
+            rows.append((transport + " gathered", transport, True))
+        else:
+            rows.append((transport, transport, sharded))
+    return rows
 
 
 def _sync_ranks(fleet: HostFleet, folder: str, world: int, model: str, rounds: int, first: int,
