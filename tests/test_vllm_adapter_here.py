@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from weightsync.engine.vllm import VllmAdapter, worker_deadline_s
-from weightsync.errors import DigestWithheld, EngineFault, StepTimeoutError
+from weightsync.errors import DigestWithheld, EngineFault, EngineUnavailable, StepTimeoutError
 from weightsync.server.engine_watch import EngineWatch
 
 
@@ -39,6 +39,7 @@ class StandIn:
         self.answers: dict[str, tuple[int, dict]] = {}
         self.calls: list[str] = []
         self.stall = threading.Event()  # set: requests wait until it is cleared (a stalled server)
+        self.cut: set[str] = set()  # "METHOD /path"s answered with half a body, then the connection closed
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -56,6 +57,10 @@ class StandIn:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                if key in outer.cut:  # as a server killed while it writes its answer
+                    self.wfile.write(data[:len(data) // 2])
+                    self.close_connection = True
+                    return
                 self.wfile.write(data)
 
             do_GET = do_POST = _answer
@@ -80,6 +85,18 @@ def vllm():
     stand_in = StandIn()
     yield stand_in
     stand_in.close()
+
+
+def test_a_vllm_that_dies_while_it_answers_is_unavailable_not_a_failed_transfer(vllm):
+    """A vLLM killed mid-answer (its headers sent, half its body) broke the agent's call
+    with http.client's IncompleteRead, which is neither an OSError nor a URLError: the
+    round reported the engine's receive as TRANSFER_FAILED, not ENGINE_UNAVAILABLE
+    (found by tests/vllm/test_vllm_restart.py killing vLLM mid-round, once in several runs)."""
+    adapter = VllmAdapter(vllm.url, timeout_s=5)
+    vllm.answers["POST /collective_rpc"] = (200, {"results": [{"vocab_size": 8}]})
+    vllm.cut.add("POST /collective_rpc")
+    with pytest.raises(EngineUnavailable, match="unreachable"):
+        adapter.collective_rpc("weightsync_probe_limits", timeout_s=1)
 
 
 def test_a_worker_call_vllm_timed_out_stops_all_later_calls_until_a_relaunch(vllm):

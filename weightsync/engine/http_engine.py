@@ -8,6 +8,7 @@ agent calls adapters from its worker threads only, so blocking here is fine.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.parse
@@ -47,7 +48,9 @@ class HttpEngineAdapter(EngineAdapter):
         except TimeoutError:
             raise StepTimeoutError(f"{self.engine_label} {method} {path} took longer than {timeout:.1f}s",
                                    operation=path.strip("/")) from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            # HTTPException: the connection broke mid-answer (IncompleteRead: an engine
+            # killed while it wrote its reply), which is no OSError.
             raise EngineUnavailable(f"{self.engine_label} at {self.url} unreachable ({method} {path}): {exc}") \
                 from None
         try:
