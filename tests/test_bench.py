@@ -194,19 +194,30 @@ def test_bench_sweeps_tensor_counts_of_a_moe_shape_in_one_run(tmp_path):
 
 
 @pytest.mark.parametrize("baselines, transport", [(True, "shm"), (False, "group")],
-                         ids=["with-gather", "no-baselines-group"])
+                         ids=["with-gather", "no-baselines-group-two-counts"])
 def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked(tmp_path, baselines, transport):
     """``weightsync bench --trainer-ranks 2`` end to end at a toy size: two FSDP2 rank
     processes, one engine; the bench itself fails unless the engine ends bitwise equal
     to the trainer's full state dict. ``--no-baselines`` leaves the all-gather out;
-    ``group``: the ranks' parts gathered into rank 0, which sends them whole."""
+    ``group``: the ranks' parts gathered into rank 0, which sends them whole; that run
+    sweeps two tensor counts (a fleet booted for each) and reports the time per byte at
+    the second against the first."""
     out = tmp_path / "ranks.json"
+    counts = "12" if baselines else "12,30"
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--trainer-ranks", "2", "--size", "1MiB",
-                           "--tensors", "12", "--engines", "1", "--steps", "1", "--transport", transport,
+                           "--tensors", counts, "--engines", "1", "--steps", "1", "--transport", transport,
                            "--json", str(out), *([] if baselines else ["--no-baselines"])],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    if not baselines:  # the sweep: each count's report, and the ratio from their medians
+        assert report["tensor_counts"] == [12, 30]
+        first, second = report["reports"]
+        assert (first["tensors"], second["tensors"]) == (12, 30)
+        per_byte = [r["results"][0]["median_s"] / r["results"][0]["payload_bytes"] for r in (first, second)]
+        assert report["per_byte_vs_first"]["sharded"] == pytest.approx([1.0, per_byte[1] / per_byte[0]])
+        assert "sharded: time per byte against 12 tensors: " in proc.stdout
+        report = second
     assert [r["mode"] for r in report["results"]] == (["sharded", "gather"] if baselines else ["sharded"])
     assert all(r["median_s"] > 0 and len(r["rounds_s"]) == 1 for r in report["results"])
     assert ("gather / sharded" in proc.stdout) == baselines

@@ -444,7 +444,9 @@ def _lanes(kind, store, owners, receivers_per_sender, group):
 def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addressed, layout):
     """``addressed``: the targets carry their addresses, as the reference engine's do,
     and stay the same from round to round (zeroed in place between rounds): the part
-    views and their addresses made in the first round must land the second's bytes.
+    views (kept on the targets) and their addresses made in the first round must land
+    the second's bytes; a third round into new targets (the engine's weights in new
+    storage, as after a wake) lands there and writes nothing into the old ones.
     ``columns``: the senders hold column ranges (tensor parallel's Shard(1)), which no
     view of a full tensor lays out end to end: each is received whole and copied in.
     ``blocks``: four senders of a 2x2 mesh hold blocks of rows and columns (FSDP2 over
@@ -460,12 +462,15 @@ def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addre
     kept = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
     kept = AddressedTensors(kept, tensor_addresses(kept, plan.dtypes, plan.sizes), plan.sizes)
     try:
-        for step in range(2):
+        for step in range(3 if addressed else 2):
             lanes = _lanes(kind, store, owners, 1, f"{name}-{step}")
-            if addressed:
+            for t in kept:
+                t.zero_()
+            if addressed and step == 2:
+                moved = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
+                targets = AddressedTensors(moved, tensor_addresses(moved, plan.dtypes, plan.sizes), plan.sizes)
+            elif addressed:
                 targets = kept
-                for t in targets:
-                    t.zero_()
             else:
                 targets = [torch.zeros(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
             engine_lanes = [SenderLane(lane, owners.part_plan(r), receivers[i], r)
@@ -483,6 +488,8 @@ def test_an_engine_receives_every_senders_lane_into_its_full_tensors(name, addre
             for t in threads:
                 t.join(20)
             assert weights_digest(zip(plan.names, targets, strict=True)) == weights_digest(FULL.items())
+            if targets is not kept:
+                assert not any(t.any() for t in kept)  # no view kept of the old weights was written
             assert stats.bytes == sum(owners.part_plan(r).total_bytes for r in owners.sender_ranks)
     finally:
         for s in senders.values():
@@ -502,15 +509,18 @@ def test_part_views_of_addressed_targets_carry_each_views_address_worked_out_onc
         # Checked against the views themselves, made the ordinary way (narrow).
         assert views.addresses.tolist() == [views[i].data_ptr() for i in range(len(views))]
         assert [views[i].nbytes for i in range(len(views))] == list(owners.part_plan(r).sizes)
-        # The same targets next round: the same addresses, not worked out again; new
-        # views (views kept between rounds would keep the engine's old weights alive).
-        assert owners.part_views(r, targets).addresses is views.addresses
+        # The same targets next round: the same addresses, not worked out again, and
+        # the same views, kept on the targets themselves (no view made again).
+        again = owners.part_views(r, targets)
+        assert again.addresses is views.addresses
+        assert all(again[i] is views[i] for i in range(len(views)))
     first = owners.sender_ranks[0]
     assert owners.part_views(first, list(full)).addresses is None  # no addresses carried: none made up
     moved = [t.clone() for t in full]  # the engine's weights in new storage (after a wake, say)
     moved = AddressedTensors(moved, tensor_addresses(moved, plan.dtypes, plan.sizes), plan.sizes)
     views = owners.part_views(first, moved)
     assert views.addresses.tolist() == [views[i].data_ptr() for i in range(len(views))]
+    assert views[0] is not owners.part_views(first, targets)[0]  # new targets: views of their own
     # Nothing of the targets is held once the engine lets them go.
     gone = weakref.ref(moved[0])
     del moved, views

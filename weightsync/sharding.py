@@ -445,9 +445,12 @@ class Owners:
         with whole-array arithmetic (a part starts ``start`` rows into its tensor) and
         reused while those same targets come back, so shm's direct reads need no view:
         an engine made 40k views a round at 20k tensors from two ranks, most of its CPU
-        in such a round. Only the addresses are kept, and the targets only weakly: views
-        kept from round to round would keep an engine's old weights alive after it let
-        them go (sleep frees them)."""
+        in such a round. Owners keeps only the addresses, and the targets only weakly.
+        The views a receive does make (gloo's unpacking: 2 us a part, 80 ms a round per
+        engine at 20k tensors from two ranks) are kept on the targets object itself
+        (``_kept_views``), so they live exactly as long as the targets do: reused while
+        the engine hands back the same targets, gone with them when it lets its weights
+        go (sleep frees them), never keeping old weights alive."""
         layout = self._layout(sender)
         addresses = getattr(targets, "addresses", None)
         if addresses is None or getattr(targets, "sizes", None) is not self.plan.sizes or _staged(layout):
@@ -462,7 +465,8 @@ class Owners:
             known = (weakref.ref(targets), at.astype(np.uint64))
             with self._lock:
                 self._addresses[sender] = known
-        return PartViews(layout, targets, addresses=known[1], sizes=self.part_plan(sender).sizes)
+        return PartViews(layout, targets, addresses=known[1], sizes=self.part_plan(sender).sizes,
+                         made=_kept_views(targets, layout))
 
     def _layout(self, sender: int) -> Layout:
         """``sender``'s parts as Python lists (tensor, start, rows, whole, dim, a block's
@@ -486,6 +490,17 @@ class Owners:
 Layout = tuple[list[int], list[int], list[int], list[bool], list[int], list]
 
 
+def _kept_views(targets, layout: Layout) -> list:
+    """The list of part views kept on ``targets`` (an ``AddressedTensors``) for the
+    sender whose parts ``layout`` lists, made empty on first use. Keyed by the layout's
+    identity, the layout kept beside the list so that the key is never another's."""
+    kept = targets.__dict__.setdefault("part_views", {})
+    entry = kept.get(id(layout))
+    if entry is None or entry[0] is not layout:
+        entry = kept[id(layout)] = (layout, [None] * len(layout[0]))
+    return entry[1]
+
+
 def _staged(layout: Layout) -> bool:
     """Whether some part is no contiguous view of its tensor: a slice along a dimension
     other than 0, or a block."""
@@ -502,16 +517,20 @@ class PartViews(Sequence):
 
     ``addresses`` (uint64, one per part) and ``sizes`` (the part plan's byte sizes),
     where the targets carried their addresses: as ``cross_memory.AddressedTensors``
-    has them, for ``cross_memory.addresses_for``."""
+    has them, for ``cross_memory.addresses_for``. ``made``: a list of views kept from
+    an earlier round of the same targets (no staged part), filled here and kept."""
 
     def __init__(self, layout: Layout, targets: Sequence[torch.Tensor], *, addresses: np.ndarray | None = None,
-                 sizes: Sequence[int] | None = None) -> None:
+                 sizes: Sequence[int] | None = None, made: list | None = None) -> None:
         self._tensors, self._starts, self._rows, self._whole, self._dims, extras = layout
         self._extras = extras or [None] * len(self._tensors)
         self._targets = targets
-        self._made: list[torch.Tensor | None] = [None] * len(self._tensors)
-        self.addresses, self.sizes = addresses, sizes
         self.staged = _staged(layout)  # some part lands in a tensor of its own first
+        if made is not None and self.staged:
+            raise ValueError("staged parts are copied into place: their views are not kept")
+        self._keep = made is not None
+        self._made: list[torch.Tensor | None] = made if made is not None else [None] * len(self._tensors)
+        self.addresses, self.sizes = addresses, sizes
 
     def _place(self, i: int) -> torch.Tensor:
         """Part ``i``'s place in its full tensor: a view, contiguous only for a row range."""
@@ -526,7 +545,10 @@ class PartViews(Sequence):
     def done(self, i: int) -> None:
         """Part ``i``'s bytes are all in: a staged part is copied into its tensor, and
         the view is let go (kept, it would keep its full tensor alive after the
-        engine's loader let that go)."""
+        engine's loader let that go) -- unless the views are kept on the targets
+        themselves (``made``), which live no longer than their tensors."""
+        if self._keep:  # views of the targets' own memory, kept with them
+            return
         made = self._made[i]
         self._made[i] = None
         if made is not None and (self._dims[i] or self._extras[i]) and not self._whole[i]:

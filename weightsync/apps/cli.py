@@ -139,7 +139,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--tensors", type=_tensor_counts, default=[300],
                    help="about how many tensors the payload is split into (default: about a dense 8B model's count; "
                         "mixture-of-experts models have tens of thousands); a comma-separated list "
-                        "(89,512,2048,20000) runs every method at each count in one run")
+                        "(89,512,2048,20000) runs every method at each count in one run (with --hosts or --trainer-ranks: a "
+                        "fleet booted per count, and the time per byte at each count against the first)")
     p.add_argument("--shape-profile", default="dense", choices=["dense", "moe"],
                    help="dense layers, or moe: most tensors are small expert matrices (128 experts per layer "
                         "where the count allows)")
@@ -305,32 +306,47 @@ def main(argv: list[str] | None = None) -> int:
 def _bench_hosts(args) -> int:
     from weightsync.apps.bench.hosts import hosts_table, run_hosts_bench
 
-    try:
-        report = run_hosts_bench(hosts=args.hosts, engines_per_host=args.engines_per_host, size=args.size,
-                                 tensors=args.tensors[0], rounds=args.steps, transports=args.transport or ["auto", "gloo"],
-                                 json_path=args.json, trainer_ranks=args.trainer_ranks,
-                                 trainer_parallel=args.trainer_parallel)
-    except ValueError as exc:
-        print(f"weightsync bench: {exc}", file=sys.stderr)
-        return 2
-    print(hosts_table(report))
-    return 0
+    def run_one(tensors: int, json_path: str = "") -> dict:
+        return run_hosts_bench(hosts=args.hosts, engines_per_host=args.engines_per_host, size=args.size,
+                               tensors=tensors, rounds=args.steps, transports=args.transport or ["auto", "gloo"],
+                               json_path=json_path, trainer_ranks=args.trainer_ranks,
+                               trainer_parallel=args.trainer_parallel, shape_profile=args.shape_profile)
+
+    return _bench_counts(args, run_one, hosts_table, row_key="transport")
 
 
 def _bench_trainer_ranks(args) -> int:
     from weightsync.apps.bench.runner import parse_size
     from weightsync.apps.bench.sharded import run_sharded_bench, sharded_table
 
+    def run_one(tensors: int, json_path: str = "") -> dict:
+        return run_sharded_bench(ranks=args.trainer_ranks, engines=args.engines, size=args.size, tensors=tensors,
+                                 rounds=args.steps, transport=(args.transport or ["auto"])[0],
+                                 bucket_bytes=parse_size(args.bucket_bytes), json_path=json_path,
+                                 baselines=args.baselines, parallel=args.trainer_parallel,
+                                 shape_profile=args.shape_profile)
+
+    return _bench_counts(args, run_one, sharded_table, row_key="mode")
+
+
+def _bench_counts(args, run_one, table, *, row_key: str) -> int:
+    """One run (one count: its report as before), or a run per tensor count and the time
+    per byte at each against the first (``count_sweep``)."""
+    from weightsync.apps.bench.count_sweep import sweep_counts, sweep_lines
+
     try:
-        report = run_sharded_bench(ranks=args.trainer_ranks, engines=args.engines, size=args.size,
-                                   tensors=args.tensors[0], rounds=args.steps,
-                                   transport=(args.transport or ["auto"])[0],
-                                   bucket_bytes=parse_size(args.bucket_bytes), json_path=args.json,
-                                   baselines=args.baselines, parallel=args.trainer_parallel)
+        if len(args.tensors) == 1:
+            print(table(run_one(args.tensors[0], args.json)))
+            return 0
+        report = sweep_counts(run_one, args.tensors, row_key=row_key, json_path=args.json)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
-    print(sharded_table(report))
+    for count, one in zip(report["tensor_counts"], report["reports"], strict=True):
+        print(f"-- about {count} tensors, {one['results'][0]['payload_bytes']} bytes")
+        print(table(one))
+    for line in sweep_lines(report):
+        print(line)
     return 0
 
 

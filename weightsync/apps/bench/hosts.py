@@ -36,7 +36,7 @@ from weightsync.engine.model import config_for_size
 
 def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: int, rounds: int,
                     transports: list[str], json_path: str = "", trainer_ranks: int = 0,
-                    trainer_parallel: str = "fsdp") -> dict:
+                    trainer_parallel: str = "fsdp", shape_profile: str = "dense") -> dict:
     """Runs it; returns (and optionally writes) the report. ValueError for bad options or
     where simulated hosts cannot be made (with the reason)."""
     reason = unavailable_reason()
@@ -50,8 +50,8 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
         raise ValueError("a sharded trainer sends over auto, gloo, shm or group")
     names = list(string.ascii_lowercase[:hosts])
     layout = {name: (1 if i == 0 else engines_per_host) for i, name in enumerate(names)}
-    model = config_for_size(parse_size(size), tensors).to_json()
-    report: dict = {"hosts": layout, "size": size, "tensors": tensors, "rounds": rounds,
+    model = config_for_size(parse_size(size), tensors, profile=shape_profile).to_json()
+    report: dict = {"hosts": layout, "size": size, "tensors": tensors, "shape_profile": shape_profile, "rounds": rounds,
                     "trainer_ranks": trainer_ranks, "results": []}
     with tempfile.TemporaryDirectory(prefix="ws-bench-hosts-") as folder, SimulatedHosts(names) as sim:
         fleet = HostFleet(sim, folder, layout, model=model)

@@ -30,7 +30,7 @@ PARALLEL = ("fsdp", "hsdp", "tp", "fsdp-tp")  # the layouts the bench measures (
 
 def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, rounds: int, transport: str,
                       bucket_bytes: int, json_path: str = "", timeout_s: float = 600.0,
-                      baselines: bool = True, parallel: str = "fsdp") -> dict:
+                      baselines: bool = True, parallel: str = "fsdp", shape_profile: str = "dense") -> dict:
     """Runs it; returns (and optionally writes) the report. ValueError for bad options.
     ``baselines``: also the all-gather to rank 0 (``gather``), one collective per
     parameter, which at tens of thousands of tensors takes 20-30 s a round here."""
@@ -45,8 +45,9 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
     if parallel == "fsdp-tp" and (ranks % 2 or ranks < 4):
         raise ValueError("--trainer-parallel fsdp-tp takes an even number of ranks, 4 or more (pairs of "
                          "tensor-parallel ranks)")
-    model = config_for_size(parse_size(size), tensors).to_json()
-    report: dict = {"trainer_ranks": ranks, "engines": engines, "size": size, "tensors": tensors, "rounds": rounds,
+    model = config_for_size(parse_size(size), tensors, profile=shape_profile).to_json()
+    report: dict = {"trainer_ranks": ranks, "engines": engines, "size": size, "tensors": tensors,
+                    "shape_profile": shape_profile, "rounds": rounds,
                     "transport": transport, "parallel": parallel, "results": []}
     with tempfile.TemporaryDirectory(prefix="ws-bench-ranks-") as folder, \
             LocalCluster(folder, engines=engines, agent_args=("--model", model), agent_timeout_s=timeout_s) as cluster:
