@@ -338,13 +338,15 @@ def _bench_counts(args, run_one, table, *, row_key: str) -> int:
         if len(args.tensors) == 1:
             print(table(run_one(args.tensors[0], args.json)))
             return 0
-        report = sweep_counts(run_one, args.tensors, row_key=row_key, json_path=args.json)
+
+        def show(count: int, one: dict) -> None:
+            print(f"-- about {count} tensors, {one['results'][0]['payload_bytes']} bytes", flush=True)
+            print(table(one), flush=True)
+
+        report = sweep_counts(run_one, args.tensors, row_key=row_key, json_path=args.json, on_report=show)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
-    for count, one in zip(report["tensor_counts"], report["reports"], strict=True):
-        print(f"-- about {count} tensors, {one['results'][0]['payload_bytes']} bytes")
-        print(table(one))
     for line in sweep_lines(report):
         print(line)
     return 0

@@ -11,11 +11,17 @@ import json
 from collections.abc import Callable
 
 
-def sweep_counts(run_one: Callable[[int], dict], counts: list[int], *, row_key: str, json_path: str = "") -> dict:
-    """``run_one(count)`` for every count, in order; returns (and optionally writes) the
-    sweep: ``tensor_counts``, ``reports`` (each run's own report) and
-    ``per_byte_vs_first`` ({row: [ratio per count]}, rows named by ``row_key``)."""
-    reports = [run_one(count) for count in counts]
+def sweep_counts(run_one: Callable[[int], dict], counts: list[int], *, row_key: str, json_path: str = "",
+                 on_report: Callable[[int, dict], None] | None = None) -> dict:
+    """``run_one(count)`` for every count, in order (``on_report(count, report)`` after
+    each: a sweep of fleets takes minutes); returns (and optionally writes) the sweep:
+    ``tensor_counts``, ``reports`` (each run's own report) and ``per_byte_vs_first``
+    ({row: [ratio per count]}, rows named by ``row_key``)."""
+    reports = []
+    for count in counts:
+        reports.append(run_one(count))
+        if on_report is not None:
+            on_report(count, reports[-1])
     report = {"tensor_counts": list(counts), "reports": reports, "per_byte_vs_first": per_byte_vs_first(reports, row_key)}
     if json_path:
         with open(json_path, "w") as f:
