@@ -101,6 +101,7 @@ from weightsync.sharding import (
 from weightsync.threads import run_in
 from weightsync.transport import AUTO_LAYOUT, LAYOUTS
 from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses
 from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
 from weightsync.transport.secure_store import SecureStore, StoreHost
 from weightsync.transport.store import session_key
@@ -571,8 +572,11 @@ class DistributedTrainerClient(AsyncClient):
         plan, owners, hashes = driver.assigned(named_tensors, verify_digest)
         if self._gathered is None or self._gathered[0] is not plan:
             self._gathered = None  # the old ones go before the new ones are made
-            self._gathered = (plan, [torch.empty(shape, dtype=dtype) for dtype, shape in zip(plan.dtypes, plan.shapes,
-                                                                                             strict=True)])
+            full = [torch.empty(shape, dtype=dtype) for dtype, shape in zip(plan.dtypes, plan.shapes, strict=True)]
+            # Addressed, as an engine's weights are: the part views into them are made
+            # once and kept with them, and shm's lanes read straight into them.
+            self._gathered = (plan, AddressedTensors(full, tensor_addresses(full, plan.dtypes, plan.sizes),
+                                                     plan.sizes))
         targets = self._gathered[1]
         if 0 in owners.sender_ranks:
             views = owners.part_views(0, targets)

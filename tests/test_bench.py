@@ -200,13 +200,13 @@ def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked
     processes, one engine; the bench itself fails unless the engine ends bitwise equal
     to the trainer's full state dict. ``--no-baselines`` leaves the all-gather out;
     ``group``: the ranks' parts gathered into rank 0, which sends them whole; that run
-    sweeps two tensor counts (a fleet booted for each) and reports the time per byte at
-    the second against the first."""
+    sweeps two tensor counts of the mixture-of-experts shapes (a fleet booted for each)
+    and reports the time per byte at the second against the first."""
     out = tmp_path / "ranks.json"
-    counts = "12" if baselines else "12,30"
+    sweep = [] if baselines else ["--no-baselines", "--shape-profile", "moe"]
     proc = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--trainer-ranks", "2", "--size", "1MiB",
-                           "--tensors", counts, "--engines", "1", "--steps", "1", "--transport", transport,
-                           "--json", str(out), *([] if baselines else ["--no-baselines"])],
+                           "--tensors", "12" if baselines else "12,30", "--engines", "1", "--steps", "1",
+                           "--transport", transport, "--json", str(out), *sweep],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -214,6 +214,8 @@ def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked
         assert report["tensor_counts"] == [12, 30]
         first, second = report["reports"]
         assert (first["tensors"], second["tensors"]) == (12, 30)
+        assert first["shape_profile"] == second["shape_profile"] == "moe"
+        assert first["model"]["n_experts"] > 0  # the fleet's model has the shapes asked for
         per_byte = [r["results"][0]["median_s"] / r["results"][0]["payload_bytes"] for r in (first, second)]
         assert report["per_byte_vs_first"]["sharded"] == pytest.approx([1.0, per_byte[1] / per_byte[0]])
         assert "sharded: time per byte against 12 tensors: " in proc.stdout

@@ -51,7 +51,8 @@ def run_hosts_bench(*, hosts: int, engines_per_host: int, size: str, tensors: in
     names = list(string.ascii_lowercase[:hosts])
     layout = {name: (1 if i == 0 else engines_per_host) for i, name in enumerate(names)}
     model = config_for_size(parse_size(size), tensors, profile=shape_profile).to_json()
-    report: dict = {"hosts": layout, "size": size, "tensors": tensors, "shape_profile": shape_profile, "rounds": rounds,
+    report: dict = {"hosts": layout, "size": size, "tensors": tensors, "shape_profile": shape_profile,
+                    "model": json.loads(model), "rounds": rounds,
                     "trainer_ranks": trainer_ranks, "results": []}
     with tempfile.TemporaryDirectory(prefix="ws-bench-hosts-") as folder, SimulatedHosts(names) as sim:
         fleet = HostFleet(sim, folder, layout, model=model)

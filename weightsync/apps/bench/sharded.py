@@ -47,7 +47,7 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
                          "tensor-parallel ranks)")
     model = config_for_size(parse_size(size), tensors, profile=shape_profile).to_json()
     report: dict = {"trainer_ranks": ranks, "engines": engines, "size": size, "tensors": tensors,
-                    "shape_profile": shape_profile, "rounds": rounds,
+                    "shape_profile": shape_profile, "model": json.loads(model), "rounds": rounds,
                     "transport": transport, "parallel": parallel, "results": []}
     with tempfile.TemporaryDirectory(prefix="ws-bench-ranks-") as folder, \
             LocalCluster(folder, engines=engines, agent_args=("--model", model), agent_timeout_s=timeout_s) as cluster:
