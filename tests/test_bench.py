@@ -18,6 +18,7 @@ import torch
 from weightsync.apps.bench import cpu as cpu_module
 from weightsync.apps.bench import returned_memory
 from weightsync.apps.bench.baselines import Baselines
+from weightsync.apps.bench.count_sweep import sweep_counts, sweep_lines
 from weightsync.apps.bench.cpu import CpuMeter, machine_steal_s
 from weightsync.apps.bench.returned_memory import returned_kib, settle
 from weightsync.apps.bench.runner import (
@@ -225,6 +226,23 @@ def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked
     assert ("gather / sharded" in proc.stdout) == baselines
     assert ("gather_over_sharded" in report) == baselines
     assert report["transport"] == transport
+
+
+def test_a_count_sweep_compares_each_row_per_byte_with_the_first_count_where_every_count_has_it(tmp_path):
+    """``count_sweep`` on reports as the sharded bench writes them: per byte, because one
+    ``--size`` split into more tensors totals other bytes; a row that one count lacks
+    (a mode left out there) gets no ratio rather than a wrong one."""
+    reports = {89: {"results": [{"mode": "sharded", "median_s": 0.2, "payload_bytes": 200},
+                                {"mode": "gather", "median_s": 1.0, "payload_bytes": 200}]},
+               20000: {"results": [{"mode": "sharded", "median_s": 0.3, "payload_bytes": 100}]}}
+    seen = []
+    out = tmp_path / "sweep.json"
+    report = sweep_counts(reports.__getitem__, [89, 20000], row_key="mode", json_path=str(out),
+                          on_report=lambda count, one: seen.append(count))
+    assert seen == [89, 20000]  # each count reported as it ends
+    assert report["per_byte_vs_first"] == {"sharded": pytest.approx([1.0, 3.0])}
+    assert json.loads(out.read_text())["reports"] == [reports[89], reports[20000]]
+    assert sweep_lines(report) == ["sharded: time per byte against 89 tensors: 3.00x at 20000"]
 
 
 @pytest.mark.parametrize("value", ["0", "12,x", ""])
