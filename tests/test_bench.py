@@ -223,6 +223,8 @@ def test_sharded_bench_reports_the_sharded_rounds_and_the_gather_only_when_asked
         report = second
     assert [r["mode"] for r in report["results"]] == (["sharded", "gather"] if baselines else ["sharded"])
     assert all(r["median_s"] > 0 and len(r["rounds_s"]) == 1 for r in report["results"])
+    sharded = report["results"][0]
+    assert 0 < sharded["median_transfer_s"] < sharded["median_s"]  # the data plane, inside the round
     assert ("gather / sharded" in proc.stdout) == baselines
     assert ("gather_over_sharded" in report) == baselines
     assert report["transport"] == transport

@@ -7,7 +7,8 @@ along dimension 1; ``"hsdp"``: FSDP2 over two replica groups; ``"fsdp-tp"``: FSD
 tensor parallel, row-wise weights in blocks of rows and columns) over gloo (``weightsync.apps.bench.sharded_trainer``, started as
 torchrun starts ranks). For each mode, one warm-up round (groups and plans are set up once),
 then ``rounds`` timed rounds; reported: the median round time on rank 0 (pause,
-broadcast, resume; for ``gather`` the all-gather too, also reported on its own) and
+broadcast, resume; for ``gather`` the all-gather too, also reported on its own; for
+``sharded`` the transfer alone too: at 20k tensors much of a round is outside it) and
 gather / sharded. The last
 round of each mode must leave every engine bitwise equal to the trainer's full state
 dict, or the bench fails.
@@ -69,6 +70,12 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
                                       "median_s": statistics.median(line["seconds"] for line in timed),
                                       "median_gather_s": statistics.median(line.get("gather_s", 0.0)
                                                                            for line in timed),
+                                      # the data plane alone (sharded: rank 0's lanes, first part packed
+                                      # to last acknowledged); the rest is planning, control calls and
+                                      # each rank's pass over its tensors
+                                      "median_transfer_s": (statistics.median(line["phases_s"]["transfer"]
+                                                                              for line in timed)
+                                                            if all("phases_s" in line for line in timed) else None),
                                       "rounds_s": [line["seconds"] for line in timed]})
             version += rounds + 1
     by_mode = {r["mode"]: r["median_s"] for r in report["results"]}
@@ -82,9 +89,10 @@ def run_sharded_bench(*, ranks: int, engines: int, size: str, tensors: int, roun
 
 def sharded_table(report: dict) -> str:
     """The report as a fixed-width table and the ratio."""
-    rows = [f"{'mode':<8} {'median s':>9} {'of which gather':>16} {'GB/s':>7}"]
+    rows = [f"{'mode':<8} {'median s':>9} {'of which gather':>16} {'transfer':>9} {'GB/s':>7}"]
     for r in report["results"]:
-        rows.append(f"{r['mode']:<8} {r['median_s']:>9.3f} {r['median_gather_s']:>16.3f} "
+        transfer = "-" if r.get("median_transfer_s") is None else f"{r['median_transfer_s']:.3f}"
+        rows.append(f"{r['mode']:<8} {r['median_s']:>9.3f} {r['median_gather_s']:>16.3f} {transfer:>9} "
                     f"{r['payload_bytes'] / r['median_s'] / 1e9:>7.2f}")
     if "gather_over_sharded" in report:
         rows.append(f"gather / sharded: {report['gather_over_sharded']:.2f}x ({report['trainer_ranks']} ranks, "

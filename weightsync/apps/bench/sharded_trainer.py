@@ -261,6 +261,9 @@ async def run(args: argparse.Namespace) -> None:
                                                          key=f"{args.key}-{r}" if args.key else None, attest=probe,
                                                          verify_digest=args.verify_digest)
                     line["ok"] = result.ok
+                    line["phases_s"] = {"pause": round(result.pause_seconds, 4),
+                                        "transfer": round(result.transfer_seconds, 4),
+                                        "resume": round(result.resume_seconds, 4)}
                     line["engines"] = {e.engine_id: {"transport": e.transport, "relayed_by": e.relayed_by}
                                        for e in result.engines}
                     if probe is not None:
