@@ -103,7 +103,7 @@ from weightsync.transport import AUTO_LAYOUT, LAYOUTS
 from weightsync.transport.base import Receiver, Sender, TransferStats
 from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses
 from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
-from weightsync.transport.secure_store import SecureStore, StoreHost
+from weightsync.transport.secure_store import SecureStore, StoreClient, StoreHost
 from weightsync.transport.store import session_key
 from weightsync.v1 import common_pb2
 
@@ -111,7 +111,7 @@ HEARTBEAT_S = 0.25     # a rank's "alive" tick during a round
 RANK_SILENCE_S = 3.0   # a rank whose tick stops this long is gone: its lane is stopped
 CLOSE_GRACE_S = 5.0    # rank 0, closing: how long it waits for the others to read the last round's end
 STOP_GRACE_S = 10.0    # after a stop, how long rank 0 waits for a rank to say its send ended
-_POLL_S = 0.005
+_WAIT_SLICE_S = 0.02   # a blocking store wait's slice: between slices the caller looks at its cancel, peers, deadline
 _START_TIMEOUT_S = 60.0
 
 
@@ -153,6 +153,18 @@ def _holdings(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Ho
 
 def _signature(described: dict) -> str:
     return hashlib.blake2b(json.dumps(described, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+
+
+def first_set(store: StoreClient, keys: list[str], deadline_at: float) -> str | None:
+    """The first of ``keys`` (in their order) that is set, waiting for one in the store
+    (no polling: answered the moment one is set) for at most one slice
+    (``_WAIT_SLICE_S``) and never past ``deadline_at``; None if none is set by then.
+    The rank protocol's waits are made of these slices, so a key set is seen at once
+    (polling every 5-20 ms cost a round of small tensors about 30 ms) while the caller
+    still looks at its cancel, its peers and its deadline between slices."""
+    slice_s = max(0.0, min(_WAIT_SLICE_S, deadline_at - time.monotonic()))
+    done, key, _ = store.wait_either(keys[:1], keys[1:], slice_s)
+    return keys[0] if done else key
 
 
 def acknowledge_read(store: SecureStore, key: str) -> None:
@@ -313,6 +325,7 @@ class _ShardedDriver(TrainerClient):
         it raises when the rank failed, went silent or let the deadline pass (then the
         lane's receivers are told to stop), and ``abort`` tells the rank to stop."""
         rank, store = rendezvous.sender, self._store_host
+        local = store.client()
         deadline_at = time.monotonic() + (deadlines.remaining(self.default_timeout_s) or 0.0)
         prefix = self.prefix
 
@@ -344,7 +357,7 @@ class _ShardedDriver(TrainerClient):
                 if now >= deadline_at or (stopped_at is not None and now - stopped_at > STOP_GRACE_S):
                     store.set(session_key(rendezvous, "abort"), f"trainer rank {rank} did not finish")
                     raise TransferError(f"trainer rank {rank} did not say its send ended")
-                time.sleep(0.02)
+                first_set(local, [done_key], deadline_at)  # returns the moment the rank reports
 
         return follow
 
@@ -689,16 +702,15 @@ class DistributedTrainerClient(AsyncClient):
 
     def wait_key(self, key: str, *, operation: str, deadline_at: float | None = None) -> bytes:
         """Rank 0: waits (in this process) for a key another rank sets."""
-        store = self._driver._store_host
+        host = self._driver._store_host
+        local = host.client()
         left = deadlines.remaining(self.default_timeout_s)
         until = deadline_at if deadline_at is not None else time.monotonic() + (left or 0.0)
         while True:
-            value = store.get(key)
-            if value is not None:
-                return value
+            if first_set(local, [key], until) is not None:
+                return host.get(key)
             if time.monotonic() >= until:
                 raise StepTimeoutError(f"deadline exceeded waiting for {operation}", operation="broadcast")
-            time.sleep(_POLL_S)
 
     def _take_part(self, prefix: str, named_tensors, budget_s: float, cancel: threading.Event,
                    verify_digest: bool = False) -> SyncResult:
@@ -760,16 +772,15 @@ class DistributedTrainerClient(AsyncClient):
         rank's failed send); the wait goes on for the round's end."""
         store, reported = self._store, False
         while True:
-            for key in keys:
-                if store.check([key]):
-                    return key
+            found = first_set(store, keys, deadline_at)
+            if found is not None:
+                return found
             if cancel is not None and cancel.is_set() and not reported:
                 store.set(f"{prefix}/done/{self.rank}", json.dumps({"ok": False, "error": "cancelled on this rank"}))
                 reported = True
             if time.monotonic() >= deadline_at:
                 raise StepTimeoutError(f"deadline exceeded waiting for rank 0 ({keys[0].rsplit('/', 1)[-1]})",
                                        operation="sync")
-            time.sleep(0.01)
 
     def _send_lane(self, prefix: str, held: dict[str, Holding], deadline_at: float,
                    cancel: threading.Event) -> None:
