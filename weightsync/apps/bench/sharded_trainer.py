@@ -238,6 +238,10 @@ async def run(args: argparse.Namespace) -> None:
         client = TrainerClient(args.coordinator, **common) if rank == 0 else None
     if client is not None:
         await client.start()
+    # Listed once, as the README advises at many parameters (torch's named_parameters()
+    # walks every module: 20-150 ms a call at 20k tensors); the rounds update the same
+    # tensors in place, so the list stays true.
+    listed = offered(model, args.parallel, rank, dist.get_world_size()) if args.mode == "sharded" else []
     try:
         for r in range(args.first_version, args.first_version + args.rounds):
             if args.go and r > args.first_version:  # the caller reads something between rounds
@@ -254,7 +258,7 @@ async def run(args: argparse.Namespace) -> None:
                 if args.mode == "sharded":
                     if isinstance(client, _StallingClient):
                         client.version = r
-                    named = offered(model, args.parallel, rank, dist.get_world_size())
+                    named = listed
                     if rank == args.drop_on_rank:  # tests: this rank fails to offer one of its shards
                         named = named[1:]
                     result = await client.update_weights(named, version=r, timeout_s=args.timeout,
