@@ -9,6 +9,7 @@ period, then SIGKILL for whatever is left, and it waits (bounded) until they are
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import random
 import signal
@@ -189,5 +190,20 @@ def wait_for_file(path: str, *, timeout_s: float, proc: subprocess.Popen | None 
     raise TimeoutError(f"{path} did not appear within {timeout_s}s")
 
 
-__all__ = ["spawn", "weightsync_command", "terminate_tree", "stop_process", "wait_for_file", "die_with_parent",
+def exit_without_finalizing(code: int) -> None:
+    """Ends this process with ``code`` once its own orderly shutdown has run and its
+    output is out, skipping the interpreter's finalization. Used where finalization
+    can hang or abort after everything that matters is closed: the agent (destroying a
+    gloo group retired after a failed transfer blocks until the group's pending ops
+    time out, up to the transfer deadline) and the bench's trainer ranks (one was seen
+    to abort, "terminate called without an active exception", after its process group
+    was destroyed: torch's gloo work objects can still hold tensors when the
+    interpreter finalizes, pytorch/pytorch#179291)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+__all__ = ["exit_without_finalizing", "spawn", "weightsync_command", "terminate_tree", "stop_process", "wait_for_file", "die_with_parent",
            "interrupt_on_sigterm", "Terminated"]

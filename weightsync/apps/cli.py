@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import os
 import signal
 import sys
 
 from weightsync.engine import ENGINES
 from weightsync.errors import WeightSyncError
-from weightsync.lifecycle import Terminated, interrupt_on_sigterm
+from weightsync.lifecycle import Terminated, exit_without_finalizing, interrupt_on_sigterm
 from weightsync.logs import configure_logging
 from weightsync.options import AGENT_DEFAULTS, COORDINATOR_DEFAULTS
 from weightsync.security import TOKEN_ENV, Security
@@ -274,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "agent":
             from weightsync.options import AgentOptions
             from weightsync.server.agent_main import run_agent
-            return _exit_now(asyncio.run(run_agent(AgentOptions(
+            return exit_without_finalizing(asyncio.run(run_agent(AgentOptions(
                 coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
                 advertise=args.advertise,
                 engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout,
@@ -394,20 +392,6 @@ def _bench(args) -> int:
     for line in ratios(report) + against_baselines(report):
         print(line)
     return 0
-
-
-def _exit_now(code: int) -> int:
-    """Ends the agent process once its orderly shutdown has run and reported.
-
-    Interpreter finalization would destroy gloo groups retired after a failed
-    transfer, and each such destruction blocks until the group's pending ops time
-    out (up to the transfer deadline). Everything the agent owns is already closed
-    and reaped at this point, so nothing is lost by skipping it.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def engine_status(e) -> str:

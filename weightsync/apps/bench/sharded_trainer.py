@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 
 import torch
@@ -58,7 +57,7 @@ from weightsync.client import TrainerClient
 from weightsync.client.distributed import DistributedTrainerClient
 from weightsync.engine.model import ModelConfig, ReferenceLM
 from weightsync.errors import WeightSyncError
-from weightsync.lifecycle import wait_for_file
+from weightsync.lifecycle import exit_without_finalizing, wait_for_file
 from weightsync.packing import weights_digest
 from weightsync.plan import DEFAULT_BUCKET_BYTES
 
@@ -347,16 +346,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_without_finalizing(code: int) -> None:
-    """Ends the rank once its rounds, its client and its process group are done and its
-    lines are out. A rank of the bench's all-gather baseline was seen to abort
-    ("terminate called without an active exception", SIGABRT) after all of that, once
-    in some thirty runs: torch's gloo work objects can still hold tensors when the
-    interpreter finalizes (pytorch/pytorch#179291). Nothing is left to finalize."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit_without_finalizing(main())
+    exit_without_finalizing(main())
