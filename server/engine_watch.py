@@ -70,6 +70,7 @@ class EngineWatch:
         self._lock = threading.Lock()
         self.reboots = 0              # restarts of an engine nobody here launched, seen in its record
         self._reboots_handled = 0
+        self._reboot_in_hand = False  # on_reboot is running: the engine is not fenced yet
         self._recorded = False        # the engine was last seen holding a version record weightsync wrote
         self.on_reboot: Callable[[], Awaitable[None]] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-health")
@@ -92,6 +93,13 @@ class EngineWatch:
             self._recorded = True
             self.snapshot = dataclasses.replace(self.snapshot, weight_version=version, version_known=True,
                                                 torn_to=None)
+
+    @property
+    def reboot_pending(self) -> bool:
+        """A restart was seen and ``on_reboot`` has not finished with it: the engine holds
+        its boot weights and may not be fenced yet, so nothing may resume it meanwhile
+        (a vLLM booted paused would otherwise be let run by the pause keeper)."""
+        return self.reboots != self._reboots_handled or self._reboot_in_hand
 
     def poll_once(self) -> EngineSnapshot:
         """Asks the engine (blocking: call on the watch's thread) and stores the answer."""
@@ -131,8 +139,11 @@ class EngineWatch:
             try:
                 await self.refresh()
                 if self.reboots != self._reboots_handled and self.on_reboot is not None:
-                    self._reboots_handled = self.reboots
-                    await self.on_reboot()
+                    self._reboots_handled, self._reboot_in_hand = self.reboots, True
+                    try:
+                        await self.on_reboot()
+                    finally:
+                        self._reboot_in_hand = False
             except Exception as exc:
                 log.warning("engine poll failed: %r", exc)
             await asyncio.sleep(self.interval_s)

@@ -123,14 +123,16 @@ class PauseKeeper:
             elif now < self._send_until:
                 await self._send_again(first=False)
             return
-        if not self.mismatch() or faulted:
+        # An engine seen booted again is the reboot handler's to fence, not this keeper's
+        # to resume: a vLLM booted paused holds its boot weights.
+        if not self.mismatch() or faulted or core.watch.reboot_pending:
             return
         async with core.fence.lock:
             # Asked again under the lock: the snapshot may predate a Pause or Resume that
             # held the lock meanwhile.
             engine = await core.watch.refresh()
             wanted = self.wanted_paused()
-            if engine.paused is None or engine.paused == wanted or core.fault():
+            if engine.paused is None or engine.paused == wanted or core.fault() or core.watch.reboot_pending:
                 return
             if wanted:
                 await core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)

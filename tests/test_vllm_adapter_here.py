@@ -256,3 +256,47 @@ def test_a_sharded_trainers_owners_go_whole_once_then_by_key_and_whole_again_to_
     assert "owners" not in receive(3).get("sent_by_key", "")
     assert [whole for whole, _ in sent] == [True, False, False, True], sent
     assert all(sessions == [f"s{r}-0", f"s{r}-1"] for r, (_, sessions) in zip((1, 2, 3, 3), sent, strict=True))
+
+
+async def test_a_vllm_seen_booted_again_is_not_resumed_by_the_pause_keeper(vllm):
+    """A vLLM booted paused (``--scheduler-cls weightsync.engine.vllm_boot_paused.scheduler``,
+    checked with a real vLLM in tests/vllm/test_vllm_restart.py) and restarted behind its
+    agent holds its boot weights, paused, while the agent still lets the old process run.
+    The poll that tells the restart also finds it paused; the pause keeper, which puts a
+    differing engine back, checked before the reboot handler had fenced it and woke it
+    (``/wake_up``): the boot weights served until the fence paused it again. It now leaves
+    an engine seen booted again to that handler. (The agent's core is a stand-in: only
+    what the keeper reads of it.)"""
+    import asyncio
+    import types
+
+    from weightsync.server.pause_keeper import PauseKeeper
+
+    adapter = VllmAdapter(vllm.url, timeout_s=5)
+    watch = EngineWatch(adapter)
+    core = types.SimpleNamespace(
+        engine_id="vllm-0", watch=watch, adapter=adapter, paused=False,
+        fence=types.SimpleNamespace(fenced=False, lock=asyncio.Lock()),
+        fault=lambda: "", receiving=lambda: False, record=lambda *args, **kw: None)
+
+    async def run_on_engine(fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    core.run_on_engine = run_on_engine
+    keeper = PauseKeeper(core)
+    try:
+        watch.committed(3)  # the agent synced the old process
+        vllm.answers["GET /weight_info"] = (200, {"weight_version": "default"})
+        vllm.answers["GET /is_paused"] = (200, {"is_paused": True})
+        vllm.answers["POST /wake_up"] = (200, {"status": "awake"})
+        watch.poll_once()
+        assert watch.reboots == 1 and watch.reboot_pending
+        await keeper.check()
+        assert "POST /wake_up" not in vllm.calls and "POST /resume" not in vllm.calls, vllm.calls
+        # Once the handler has taken it (and would have fenced it), a paused engine the
+        # agent lets run is woken: the keeper's own work, unchanged.
+        watch._reboots_handled = watch.reboots
+        await keeper.check()
+        assert "POST /wake_up" in vllm.calls
+    finally:
+        watch.close()

@@ -32,6 +32,7 @@ import torch
 
 from tests.conftest import start_coordinator, wait_available
 from tests.vllm.make_tiny_model import MAX_POSITIONS
+from weightsync.engine.vllm import BOOT_PAUSED_SCHEDULER
 from weightsync.lifecycle import free_port, spawn, stop_process, wait_for_file, weightsync_command
 from weightsync.reaper import kill_trackers_last, remove_orphaned_shm, shm_mapped_by
 
@@ -61,6 +62,9 @@ def vllm_env() -> dict[str, str]:
 
 
 EXTENSION = ["--worker-extension-cls", "weightsync.engine.vllm_worker.WeightsyncWorkerExtension"]
+# vLLM boots paused until its agent lets it run (weightsync/engine/vllm_boot_paused.py):
+# every vLLM an agent launches here runs so, as the README advises.
+BOOT_PAUSED = ["--scheduler-cls", BOOT_PAUSED_SCHEDULER]
 PROMPTS = [(5, 6, 7), (11, 3, 8, 1), (42,)]
 # Teacher-forced probe sequences (token ids inside every tiny model's vocabulary).
 PROBE_SEQUENCES = [[5, 6, 7, 8, 9, 10, 11, 12], [11, 3, 8, 1, 40, 2, 90, 17, 4], [42, 43, 44, 45]]
@@ -140,7 +144,7 @@ class Stack:
 def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vllm-0",
                      faults: str = "", tensor_parallel: int = 1,
                      agent_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
-    """An agent that launches vLLM (with weightsync's worker extension) and registers
+    """An agent that launches vLLM (with weightsync's worker extension, booted paused) and registers
     with the coordinator at ``address``; returns (agent process, vLLM url). The caller
     stops the agent (which stops vLLM). ``agent_args``: more of the agent's options."""
     port = free_port()
@@ -162,7 +166,7 @@ def start_vllm_agent(address: str, model: str, tmp: str, *, engine_id: str = "vl
             "agent", "--insecure", "--coordinator", address, "--engine", "vllm", "--engine-url", url,
             "--engine-id", engine_id, "--port-file", port_file,
             "--health-url", f"{url}/health", "--launch-timeout", "300", "--shutdown-grace", "10", *fault_args,
-            *agent_args, "--launch", "--", *vllm_server(model, port, *EXTENSION, tensor_parallel=tensor_parallel)),
+            *agent_args, "--launch", "--", *vllm_server(model, port, *EXTENSION, *BOOT_PAUSED, tensor_parallel=tensor_parallel)),
             env=env, stdout=log, stderr=log)
     try:
         wait_for_file(port_file, timeout_s=360, proc=agent)
@@ -264,14 +268,19 @@ def completions(url: str, model: str) -> list[str]:
     return [complete(url, model, prompt) for prompt in PROMPTS]
 
 
-def hold_completions(url: str, model: str, wait_s: float = 3.0) -> tuple[threading.Thread, list]:
-    """Sends the completions on a thread of their own and gives them ``wait_s``; returns
-    the thread and the list their answers land in (empty while vLLM holds them)."""
+def hold(ask, wait_s: float = 3.0) -> tuple[threading.Thread, list]:
+    """Runs ``ask()`` on a thread of its own and gives it ``wait_s``; returns the thread
+    and the list its answer lands in (empty while vLLM holds it)."""
     answers: list = []
-    thread = threading.Thread(target=lambda: answers.append(completions(url, model)), daemon=True)
+    thread = threading.Thread(target=lambda: answers.append(ask()), daemon=True)
     thread.start()
     thread.join(timeout=wait_s)
     return thread, answers
+
+
+def hold_completions(url: str, model: str, wait_s: float = 3.0) -> tuple[threading.Thread, list]:
+    """``hold`` of a completion of each of the PROMPTS."""
+    return hold(lambda: completions(url, model), wait_s)
 
 
 @dataclass

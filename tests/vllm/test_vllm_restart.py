@@ -34,6 +34,7 @@ import pytest
 
 from tests.conftest import start_agent, start_coordinator, wait_available
 from tests.vllm.harness import (
+    BOOT_PAUSED,
     EXTENSION,
     PROMPTS,
     agent_events,
@@ -41,6 +42,7 @@ from tests.vllm.harness import (
     checkpoint,
     get,
     greedy_all,
+    hold,
     hold_completions,
     kill_vllm,
     make_model,
@@ -254,15 +256,21 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
     on reporting the digest of the weights the old process had received (a check of the
     engines said it held the trainer's), and the next gloo round waited in a group the
     new process never joined until its deadline. Now: fenced, no digest vouched for (a
-    check says why at once), and the next round lands, equal to the trainer's model."""
+    check says why at once), and the next round lands, equal to the trainer's model.
+
+    The first vLLM boots running, as vLLM does by default. The one started again boots
+    paused (``--scheduler-cls weightsync.engine.vllm_boot_paused.scheduler``): requests
+    sent to it the moment it answers, before the agent's next poll can tell the restart,
+    ran on its boot weights until that poll; now they wait, and run on the next round's
+    weights, as the trainer's model computes them."""
     tmp = str(tmp_path)
     original = checkpoint(model_dir)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
 
-    def boot_vllm(name: str):
+    def boot_vllm(name: str, *extra: str):
         with open(os.path.join(tmp, name), "w") as log:
-            return spawn(vllm_server(model_dir, port, *EXTENSION), env=vllm_env(),
+            return spawn(vllm_server(model_dir, port, *EXTENSION, *extra), env=vllm_env(),
                          stdout=log, stderr=log)
 
     vllm = boot_vllm("vllm.log")
@@ -313,8 +321,9 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
             assert check.ok, check.describe()
 
             await asyncio.to_thread(kill_vllm, vllm)
-            vllm = boot_vllm("vllm-again.log")
+            vllm = boot_vllm("vllm-again.log", *BOOT_PAUSED)
             await asyncio.to_thread(wait_healthy, url, vllm, 300)
+            at_boot, boot_answers = hold(lambda: greedy_all(url), wait_s=0)  # before the agent's next poll
             end = time.monotonic() + 30
             while (state := await engine_state(client, "vllm-0")).engine_restarts != 1:
                 assert time.monotonic() < end, f"the agent never saw vLLM start again: {state}"
@@ -325,6 +334,7 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
             assert get(url, "/is_paused")["is_paused"] is True
             held, answers = hold_completions(url, model_dir)
             assert held.is_alive() and not answers, "vLLM ran a completion on its boot weights"
+            assert at_boot.is_alive() and not boot_answers, "vLLM ran requests sent as it came up on its boot weights"
             asked = time.monotonic()
             check = await client.check_engines(weights, within_s=60.0)
             assert not check.ok and [e.engine_id for e in check.withheld] == ["vllm-0"], check.describe()
@@ -340,6 +350,10 @@ async def test_a_vllm_the_agent_did_not_launch_torn_by_an_agent_restart_or_resta
             assert (await client.check_engines(weights)).ok
             held.join(timeout=60)
             assert answers, "the held completion did not run after the round"
+            at_boot.join(timeout=60)
+            assert boot_answers, "the requests sent as vLLM came up did not run after the round"
+            assert_same_outputs(boot_answers[0], [trainer_greedy(trainer_model(model_dir, weights), p) for p in PROMPTS],
+                                "requests sent the moment vLLM answered after its restart")
     finally:
         if agent is not None:
             stop_process(agent.proc, grace_s=10)

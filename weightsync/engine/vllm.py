@@ -52,6 +52,8 @@ from weightsync.v1 import common_pb2
 MODES = {common_pb2.PAUSE_MODE_KEEP: "keep", common_pb2.PAUSE_MODE_ABORT: "abort",
          common_pb2.PAUSE_MODE_WAIT: "wait"}
 EXTENSION = "weightsync.engine.vllm_worker.WeightsyncWorkerExtension"
+# vLLM boots paused with this as its ``--scheduler-cls`` (``vllm_boot_paused.py``).
+BOOT_PAUSED_SCHEDULER = "weightsync.engine.vllm_boot_paused.scheduler"
 # The worker's receive ends this long before vLLM stops waiting for its reply (5 s
 # plus 5% of the time left, at most half of it): time to give up its transport and
 # answer, and for a load already under way to finish.
