@@ -22,6 +22,7 @@ import grpc
 
 from weightsync import metrics
 from weightsync.engine import check_engine_choice, make_adapter
+from weightsync.engine.vllm import boot_paused_hint
 from weightsync.errors import from_rpc_error
 from weightsync.faults import FaultInjector
 from weightsync.grpc_options import CHANNEL_OPTIONS
@@ -140,6 +141,8 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     options.security.require_role("agent", agent.engine_id)
     agent.faults = FaultInjector.from_env(enabled=options.enable_fault_injection, engine_id=agent.engine_id)
     if options.launch:
+        if options.engine == "vllm" and (hint := boot_paused_hint(options.launch)):
+            log.warning(hint)
         agent.launcher = EngineLauncher(options.launch, health_url=options.health_url,
                                         ready_timeout_s=options.launch_timeout_s, grace_s=options.shutdown_grace_s,
                                         restart=options.restart, max_restarts=options.max_restarts)

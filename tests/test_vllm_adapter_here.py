@@ -300,3 +300,16 @@ async def test_a_vllm_seen_booted_again_is_not_resumed_by_the_pause_keeper(vllm)
         assert "POST /wake_up" in vllm.calls
     finally:
         watch.close()
+
+
+def test_a_launched_vllm_that_does_not_boot_paused_is_named_at_start():
+    """The agent warns when the vLLM command it launches lacks the boot-paused scheduler
+    (its relaunches would serve boot weights until the agent's pause), in either way of
+    writing the option, and says nothing when it is there."""
+    from weightsync.engine.vllm import BOOT_PAUSED_SCHEDULER, boot_paused_hint
+
+    serve = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    assert BOOT_PAUSED_SCHEDULER in boot_paused_hint(serve)
+    assert BOOT_PAUSED_SCHEDULER in boot_paused_hint([*serve, "--scheduler-cls", "my.own.Scheduler"])
+    assert boot_paused_hint([*serve, "--scheduler-cls", BOOT_PAUSED_SCHEDULER]) == ""
+    assert boot_paused_hint([*serve, f"--scheduler-cls={BOOT_PAUSED_SCHEDULER}"]) == ""

@@ -60,6 +60,19 @@ BOOT_PAUSED_SCHEDULER = "weightsync.engine.vllm_boot_paused.scheduler"
 WORKER_MARGIN_S, WORKER_MARGIN_SHARE = 5.0, 0.05
 
 
+def boot_paused_hint(command: Sequence[str]) -> str:
+    """What to tell the user of a vLLM command that does not boot paused ("" when it
+    does): once relaunched, that vLLM serves its boot weights to requests sent straight
+    to it until the agent has paused it."""
+    args = list(command)
+    chosen = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--scheduler-cls"]
+    chosen += [a.split("=", 1)[1] for a in args if a.startswith("--scheduler-cls=")]
+    if BOOT_PAUSED_SCHEDULER in chosen:
+        return ""
+    return ("the launched vLLM does not boot paused: after a relaunch it serves its boot weights to requests "
+            "sent straight to it until the agent pauses it; add --scheduler-cls " + BOOT_PAUSED_SCHEDULER)
+
+
 def worker_deadline_s(left_s: float) -> float:
     """How long the worker may take when vLLM waits ``left_s`` for its reply."""
     return left_s - min(WORKER_MARGIN_S + WORKER_MARGIN_SHARE * left_s, left_s / 2)
