@@ -313,3 +313,40 @@ def test_a_launched_vllm_that_does_not_boot_paused_is_named_at_start():
     assert BOOT_PAUSED_SCHEDULER in boot_paused_hint([*serve, "--scheduler-cls", "my.own.Scheduler"])
     assert boot_paused_hint([*serve, "--scheduler-cls", BOOT_PAUSED_SCHEDULER]) == ""
     assert boot_paused_hint([*serve, f"--scheduler-cls={BOOT_PAUSED_SCHEDULER}"]) == ""
+
+
+def test_the_boot_paused_scheduler_is_the_one_vllm_would_build_paused(monkeypatch):
+    """``weightsync.engine.vllm_boot_paused.scheduler`` builds vLLM's asynchronous
+    scheduler where vLLM schedules asynchronously (its default on GPU) and the plain one
+    otherwise, with vLLM's own arguments, and pauses it before it returns. A real vLLM
+    booted with it (the plain one: vLLM on CPU does not schedule asynchronously) is
+    checked in tests/vllm/test_vllm_restart.py; the asynchronous branch has not run in a
+    real vLLM here. vLLM's classes are stand-ins that record what they were given."""
+    pytest.importorskip("vllm")
+    import types
+
+    from vllm.v1.core.sched.interface import PauseState
+
+    from weightsync.engine import vllm_boot_paused
+
+    class Built:
+        def __init__(self, *args, **kwargs) -> None:
+            self.args, self.kwargs, self.states = args, kwargs, []
+
+        def set_pause_state(self, state) -> None:
+            self.states.append(state)
+
+    class Plain(Built):
+        pass
+
+    class Async(Built):
+        pass
+
+    monkeypatch.setattr(vllm_boot_paused, "Scheduler", Plain)
+    monkeypatch.setattr(vllm_boot_paused, "AsyncScheduler", Async)
+    for asynchronous, kind in ((True, Async), (False, Plain)):
+        config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(async_scheduling=asynchronous))
+        built = vllm_boot_paused.scheduler(vllm_config=config, kv_cache_config="kv", block_size=16)  # as vLLM calls it
+        assert type(built) is kind and built.args == (config,)
+        assert built.kwargs == {"kv_cache_config": "kv", "block_size": 16}
+        assert built.states == [PauseState.PAUSED_ALL]

@@ -24,6 +24,7 @@ A vLLM booted this way without an agent serves nothing until something calls its
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -36,6 +37,8 @@ def scheduler(vllm_config: Any, *args: Any, **kwargs: Any) -> Scheduler:
     base = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
     built = base(vllm_config, *args, **kwargs)
     built.set_pause_state(PauseState.PAUSED_ALL)
+    logging.getLogger("weightsync.vllm").warning(
+        "vLLM boots paused (weightsync's scheduler, %s): it serves nothing until its agent lets it", base.__name__)
     return built
 
 
