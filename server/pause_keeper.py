@@ -29,6 +29,11 @@ Found with an SGLang that came up after its agent, with the fleet at version 1: 
 agent's fence had tried to pause it while it could not be reached, then reported it
 paused and fenced while SGLang, never asked again, served its boot weights to
 whoever called it.
+
+An engine seen booted again (``EngineWatch.reboot_pending``) is left alone until the
+agent's reboot handler has fenced it: it holds its boot weights, and a vLLM booted
+paused (``weightsync/engine/vllm_boot_paused.py``) would otherwise be found "paused
+while the agent lets it run" by the very poll that told the restart, and resumed.
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ class PauseKeeper:
         self._was_faulted = faulted
         engine = core.watch.current()
         if engine.paused is None:
-            if faulted or core.receiving():
+            if faulted or core.receiving() or core.watch.reboot_pending:  # the last: as below
                 return
             if self.in_doubt:
                 # Only once a poll begun after the doubt found the engine answering: a
@@ -151,7 +156,7 @@ class PauseKeeper:
         """The agent's pause state, sent again to an engine that cannot say its own."""
         core = self.core
         async with core.fence.lock:
-            if core.fault() or core.receiving():
+            if core.fault() or core.receiving() or core.watch.reboot_pending:
                 return
             if self.wanted_paused():
                 await core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)
