@@ -148,8 +148,14 @@ class _Loading:
                 # loader's copies from it are still queued on its own.
                 tensor.record_stream(torch.cuda.current_stream(tensor.device))
             with self.waiting:
+                before = self.ready_bytes
                 self.ready_bytes -= self.plan.sizes[item]
-                self.waiting.notify_all()
+                # Only as the backlog falls to the limit can a waiting receive go on: a
+                # wake-up per tensor (20k a round) woke every lane's thread to find it
+                # still over, each time taking the GIL from this loader, the round's
+                # slowest part. (The waits also look again every 50 ms.)
+                if before > self.max_ready_bytes >= self.ready_bytes:
+                    self.waiting.notify_all()
             name = self.plan.names[item]
             self.digest.add(name, tensor)
             if self.parts is not None:
