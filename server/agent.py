@@ -697,7 +697,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
         own = run_in(self._transfer, self.adapter.receive, Delivery(
             request.rendezvous, request.rank, job.plan, job.receiver, job.deadline_at, self._abort, on_bucket,
-            skip_post_load, self.data_host, job.senders, job.owners, request.version))
+            skip_post_load, self.data_host, job.senders, job.owners, request.version,
+            verify_parts=bool(request.weights_digest)))
         if not request.HasField("relay"):
             return own
         if self._relay is None:

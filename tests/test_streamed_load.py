@@ -136,7 +136,7 @@ def test_the_receive_thread_takes_the_engines_gpu_before_receiving(monkeypatch):
 
 
 def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int | None = None, dim: int = 0,
-                 grid: bool = False):
+                 grid: bool = False, parts_digest: bool = True):
     """``world`` senders, each streaming its own slices on its own lane, into one
     streamed receive. ``fail_sender``: that sender's stream stops after its first
     bucket (its abort flag set), as a trainer rank that dies mid-round. ``grid``: four
@@ -171,7 +171,7 @@ def _run_sharded(kind_name: str, load, sources, world: int = 2, fail_sender: int
     try:
         outcome["result"] = receive_and_load_from_senders(
             engine_lanes, 1, plan, owners, device=torch.device("cpu"), deadline_at=deadline_at,
-            abort=threading.Event(), load=load, max_ready_bytes=2 * BUCKET)
+            abort=threading.Event(), load=load, max_ready_bytes=2 * BUCKET, parts_digest=parts_digest)
     except BaseException as exc:
         outcome["receive"] = exc
     finally:
@@ -215,6 +215,19 @@ def test_a_sharded_trainers_lanes_load_each_tensor_once_all_its_parts_are_in(kin
     assert all(torch.equal(loaded[name], t) for name, t in sources)
     largest = max(t.numel() * t.element_size() for _, t in sources)
     assert peak <= 6 * BUCKET + 2 * largest < plan.total_bytes / 2, (peak, plan.total_bytes)
+
+
+def test_a_round_that_does_not_verify_loads_the_same_without_hashing_its_parts():
+    """The parts' digest costs the loader's thread (the round's slowest part) a hash of
+    every part; a round that does not ask to verify gets none, and the same tensors."""
+    sources = [(n, t.view(-1, 64)) for n, t in _model(5)]
+    loaded: dict[str, torch.Tensor] = {}
+    _, outcome, _ = _run_sharded("shm", lambda weights: loaded.update((n, t.clone()) for n, t in weights), sources,
+                                 parts_digest=False)
+    assert set(outcome) == {"result"}, outcome
+    digest, _, parts = outcome["result"]
+    assert parts == "" and digest == weights_digest(sources)
+    assert all(torch.equal(loaded[name], t) for name, t in sources)
 
 
 @pytest.mark.parametrize("kind_name", ["gloo", "shm"])

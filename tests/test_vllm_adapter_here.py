@@ -232,6 +232,7 @@ def test_a_sharded_trainers_owners_go_whole_once_then_by_key_and_whole_again_to_
 
     def collective_rpc(method, *args, timeout_s):
         owners_json, key = args[6], args[7]
+        assert args[8] == "", "the parts were to be hashed in a round that does not verify"
         msg = json_format.Parse(owners_json, common_pb2.Owners())
         whole = any(s.tensors for s in msg.senders)
         sent.append((whole, [s.lane.session_id for s in msg.senders]))

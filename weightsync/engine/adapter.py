@@ -84,6 +84,7 @@ class Delivery:
     senders: tuple[SenderLane, ...] = ()
     owners: Owners | None = None
     version: int = 0                    # the weight version this receive moves the engine to
+    verify_parts: bool = False          # a sharded round that asks to verify: hash the parts as they land
 
 
 class EngineAdapter(abc.ABC):

@@ -205,13 +205,14 @@ def receive_and_load(receiver: Receiver, rendezvous: common_pb2.Rendezvous, rank
 def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: BucketPlan, owners: Owners, *,
                                   device: torch.device, deadline_at: float, abort: threading.Event,
                                   load: Callable[[Iterable[tuple[str, torch.Tensor]]], None],
-                                  max_ready_bytes: int = DEFAULT_MAX_READY_BYTES) -> tuple[str, int, str]:
+                                  max_ready_bytes: int = DEFAULT_MAX_READY_BYTES,
+                                  parts_digest: bool = True) -> tuple[str, int, str]:
     """``receive_and_load`` for a sharded trainer's round: every sender's lane at once
     (``receive_from_senders``), each into row ranges of the same full tensors, which go
     to ``load`` once the last of their parts, from whichever lane, is in. Returns what
     ``receive_and_load`` does and the parts' digest of what was loaded
     (``weightsync/parts_digest.py``: what a trainer that asked to verify the round
-    hashed).
+    hashed; "" with ``parts_digest=False``, for a round that does not ask).
 
     Tensors whose parts have come in on some lanes and not yet on others are held
     too, however far one lane runs ahead of another (a rank on a faster link, or
@@ -221,7 +222,7 @@ def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: 
     the lanes cannot all wait on each other."""
     targets = StreamedTargets(plan, device)
     loading = _Loading(plan, targets, max_ready_bytes=max_ready_bytes, deadline_at=deadline_at, abort=abort)
-    loading.parts = PartsDigest(plan, owners)
+    loading.parts = PartsDigest(plan, owners) if parts_digest else None
     parts_left = np.bincount(np.concatenate([owners.parts_of(lane.sender).tensors for lane in lanes]),
                              minlength=len(plan))
     if len(lanes) != len(owners.senders) or (parts_left == 0).any():
@@ -261,7 +262,7 @@ def receive_and_load_from_senders(lanes: Sequence[SenderLane], rank: int, plan: 
                              abort=_Either(abort, loading.stop), on_lane_bucket=lane_bucket, stop=lanes_stop)
 
     digest, peak = loading.load_while(receive, device, load)
-    return digest, peak, loading.parts.hexdigest()
+    return digest, peak, loading.parts.hexdigest() if loading.parts is not None else ""
 
 
 class _Either:

@@ -258,7 +258,8 @@ class VllmAdapter(HttpEngineAdapter):
             results = self.collective_rpc(
                 "weightsync_receive", json_format.MessageToJson(rendezvous), str(rank),
                 json_format.MessageToJson(wire), str(worker_deadline_s(left)), "1" if skip_post_load else "",
-                delivery.data_host, *([owners, owners_key] if owners else []), timeout_s=left)
+                delivery.data_host, *([owners, owners_key, "1" if delivery.verify_parts else ""] if owners else []),
+                timeout_s=left)
             errors = [str(r.get("error", "")) for r in results if isinstance(r, dict)]
             if not whole and any(e.startswith("PlanUnknown") for e in errors):
                 self._worker_plans.discard(plan.plan_id)
