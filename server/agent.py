@@ -424,7 +424,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._kv_offloaded_for_sync = False
         self.record(event, restarts=self.engine_restarts)
         # Paused first: the engine serves its boot weights from its first healthy answer
-        # until this pause (vLLM and SGLang cannot boot paused), so nothing goes before it.
+        # until this pause (SGLang cannot boot paused, nor a vLLM started without
+        # weightsync's boot-paused scheduler), so nothing goes before it.
         await self.fence.raise_now(why=why)
         await self.watch.refresh()
 
