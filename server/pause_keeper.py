@@ -114,9 +114,13 @@ class PauseKeeper:
         if self._was_faulted and not faulted:
             self._doubt_at = now  # back after it could not be reached: whatever it holds now is unknown
         self._was_faulted = faulted
+        if core.watch.reboot_pending:
+            # An engine seen booted again is the reboot handler's to fence, not this
+            # keeper's to resume: a vLLM booted paused holds its boot weights.
+            return
         engine = core.watch.current()
         if engine.paused is None:
-            if faulted or core.receiving() or core.watch.reboot_pending:  # the last: as below
+            if faulted or core.receiving():
                 return
             if self.in_doubt:
                 # Only once a poll begun after the doubt found the engine answering: a
@@ -128,9 +132,7 @@ class PauseKeeper:
             elif now < self._send_until:
                 await self._send_again(first=False)
             return
-        # An engine seen booted again is the reboot handler's to fence, not this keeper's
-        # to resume: a vLLM booted paused holds its boot weights.
-        if not self.mismatch() or faulted or core.watch.reboot_pending:
+        if not self.mismatch() or faulted:
             return
         async with core.fence.lock:
             # Asked again under the lock: the snapshot may predate a Pause or Resume that

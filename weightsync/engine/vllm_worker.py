@@ -7,7 +7,8 @@ with string arguments (JSON), never pickle:
   tensor, read from the safetensors headers of the served model. This is what a
   plan is checked against: on CPU, vLLM repacks Linear weights, so its own
   parameters do not show checkpoint shapes.
-- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host, owners])``: every
+- ``weightsync_receive(rendezvous, rank, plan, timeout_s[, skip_post_load, data_host, owners, owners_key,
+  parts_digest])``: every
   worker joins at its own rank (``rank`` plus the worker's rank in vLLM's parallel world), joins
   the weightsync transport (shm, gloo, group, nccl or cuda-ipc), and receives into checkpoint-shaped
   tensors (host memory; the worker's GPU for nccl and cuda-ipc, and when the group backend is nccl) that go to
@@ -17,7 +18,8 @@ with string arguments (JSON), never pickle:
   the peak bytes of received tensors alive at once; network transports listen on ``data_host`` (the agent's
   address). With ``owners`` (a sharded trainer's round: who sends which rows, each sender's lane), the
   worker receives every sender's lane at once into row ranges of the same tensors, each loaded once
-  its last part is in. ``skip_post_load="1"`` is fault injection only (the agent sends it
+  its last part is in, its parts hashed only with ``parts_digest="1"`` (a round that
+  asks to verify). ``skip_post_load="1"`` is fault injection only (the agent sends it
   only when started with ``--enable-fault-injection`` and a matching rule).
 - ``weightsync_loaded_digest()``: the digest of the weights the worker's last receive
   loaded whole, "" when none did (or one began since): what an agent started beside a
