@@ -70,6 +70,7 @@ from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.context import AsyncClient
 from weightsync.client.retry import RetryPolicy
 from weightsync.client.trainer import (
+    MAX_CONCURRENT_LANES,
     EngineResult,
     SyncFailed,
     SyncResult,
@@ -239,6 +240,7 @@ class _ShardedDriver(TrainerClient):
         self.prefix = ""
         self.common_host = ""
         self.rank_hosts: dict[int, str] = {}  # each rank's host id, as it said this round
+        self._handed: dict[tuple[str, int], int] = {}  # (round prefix, rank) -> lanes handed to it so far
 
     def _trainer_host_id(self) -> str:
         if self.owner.gathers:  # one sender, this rank: engines on its host read it over shm
@@ -313,17 +315,26 @@ class _ShardedDriver(TrainerClient):
         return plan, owners, hashes
 
     def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
-        """Hands rank ``rendezvous.sender`` its lane and part layout; the lane's future
-        ends when that rank says its send ended (or it goes silent, or the deadline)."""
+        """Hands rank ``rendezvous.sender`` one of its lanes (it may send several: shm to
+        the engines on its host, gloo to each other host's relay) and its part layout;
+        the lane's future ends when that rank says its send on it ended (or it goes
+        silent, or the deadline)."""
         abort = threading.Event()
+        key = (self.prefix, rendezvous.sender)
+        index = self._handed[key] = self._handed.get(key, -1) + 1  # the event loop's: lanes come one by one
+        for old in [k for k in self._handed if k[0] != self.prefix]:
+            del self._handed[old]
         # On the send pool, not the event loop: a rank's part plan may list 20k parts.
-        return _Lane(rendezvous, run_in(self._send_pool, self.follow_rank(rendezvous, prepared.owners, abort)), abort)
+        return _Lane(rendezvous, run_in(self._send_pool, self.follow_rank(rendezvous, prepared.owners, abort, index)),
+                     abort)
 
-    def follow_rank(self, rendezvous, owners: Owners, abort: threading.Event) -> Callable[[], TransferStats]:
-        """The follower of rank ``rendezvous.sender``'s lane, to run on a thread: it hands
-        the rank its lane and part layout and returns when the rank says its send ended;
-        it raises when the rank failed, went silent or let the deadline pass (then the
-        lane's receivers are told to stop), and ``abort`` tells the rank to stop."""
+    def follow_rank(self, rendezvous, owners: Owners, abort: threading.Event,
+                    index: int = 0) -> Callable[[], TransferStats]:
+        """The follower of rank ``rendezvous.sender``'s ``index``-th lane of the round, to
+        run on a thread: it hands the rank the lane and its part layout and returns when
+        the rank says its send on it ended; it raises when the rank failed, went silent
+        or let the deadline pass (then the lane's receivers are told to stop), and
+        ``abort`` tells the rank to stop sending on this lane (its other lanes go on)."""
         rank, store = rendezvous.sender, self._store_host
         local = store.client()
         deadline_at = time.monotonic() + (deadlines.remaining(self.default_timeout_s) or 0.0)
@@ -331,13 +342,16 @@ class _ShardedDriver(TrainerClient):
 
         def follow() -> TransferStats:
             plan = owners.part_plan(rank)
-            store.set(f"{prefix}/plan/{rank}", plan.to_proto().SerializeToString().hex())
-            store.set(f"{prefix}/lane/{rank}", rendezvous.SerializeToString().hex())
-            done_key, alive_key = f"{prefix}/done/{rank}", f"{prefix}/alive/{rank}"
+            if index == 0:  # one layout for all of the rank's lanes, set before the first
+                store.set(f"{prefix}/plan/{rank}", plan.to_proto().SerializeToString().hex())
+            store.set(f"{prefix}/lane/{rank}/{index}", rendezvous.SerializeToString().hex())
+            # The lane's own report, or the rank's for all of them (it was cancelled)
+            done_key, failed_key = f"{prefix}/done/{rank}/{index}", f"{prefix}/done/{rank}"
+            alive_key = f"{prefix}/alive/{rank}"
             last_tick, heard = store.get(alive_key), time.monotonic()
             stopped_at: float | None = None
             while True:
-                done = store.get(done_key)
+                done = store.get(done_key) or store.get(failed_key)
                 if done is not None:
                     report = json.loads(done)
                     if report["ok"]:
@@ -353,11 +367,11 @@ class _ShardedDriver(TrainerClient):
                     raise TransferError(why)
                 if abort.is_set() and stopped_at is None:
                     stopped_at = now
-                    store.set(f"{prefix}/stop/{rank}", "stopped by rank 0")
+                    store.set(f"{prefix}/stop/{rank}/{index}", "stopped by rank 0")
                 if now >= deadline_at or (stopped_at is not None and now - stopped_at > STOP_GRACE_S):
                     store.set(session_key(rendezvous, "abort"), f"trainer rank {rank} did not finish")
                     raise TransferError(f"trainer rank {rank} did not say its send ended")
-                first_set(local, [done_key], deadline_at)  # returns the moment the rank reports
+                first_set(local, [done_key, failed_key], deadline_at)  # returns the moment the rank reports
 
         return follow
 
@@ -424,7 +438,8 @@ class DistributedTrainerClient(AsyncClient):
                                           group_layout=group_layout)
         self._store: SecureStore | None = None       # ranks > 0: their connection to rank 0's store
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank")
-        self._send_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank-send")
+        # One thread per lane this rank sends at once (shm to its host, gloo to each relay).
+        self._send_threads = ThreadPoolExecutor(MAX_CONCURRENT_LANES, thread_name_prefix="weightsync-rank-send")
         self._senders: dict[tuple[int, str], Sender] = {}
         self._published: str = ""  # signature of the holdings this rank last described
         self.held = HeldReplay()  # this rank's holdings, replayed from round to round
@@ -484,7 +499,7 @@ class DistributedTrainerClient(AsyncClient):
             await run_in(self._thread, close)
         finally:
             self._thread.shutdown(wait=False)
-            self._send_thread.shutdown(wait=False)
+            self._send_threads.shutdown(wait=False)
             if self._driver is not None:
                 await self._driver.aclose()
 
@@ -737,10 +752,10 @@ class DistributedTrainerClient(AsyncClient):
             except WeightSyncError as exc:
                 store.set(f"{prefix}/holding/{rank}", json.dumps({"error": _error_record(exc)}))
                 held = None
-            lane = self._wait_any(prefix, [f"{prefix}/lane/{rank}", f"{prefix}/result"], deadline_at, cancel)
-            if lane == f"{prefix}/lane/{rank}" and held is not None:
-                self._send_lane(prefix, held, deadline_at, cancel)
-            self._wait_any(prefix, [f"{prefix}/result"], deadline_at, None)
+            if held is not None:
+                self._send_lanes(prefix, held, deadline_at, cancel)
+            else:
+                self._wait_any(prefix, [f"{prefix}/result"], deadline_at, cancel)
             record = json.loads(store.get(f"{prefix}/result"))
             acknowledge_read(store, f"{prefix}/read/{rank}")
         except RuntimeError as exc:  # SecureStore: the connection to rank 0's store failed
@@ -782,49 +797,86 @@ class DistributedTrainerClient(AsyncClient):
                 raise StepTimeoutError(f"deadline exceeded waiting for rank 0 ({keys[0].rsplit('/', 1)[-1]})",
                                        operation="sync")
 
-    def _send_lane(self, prefix: str, held: dict[str, Holding], deadline_at: float,
-                   cancel: threading.Event) -> None:
-        """Sends this rank's parts on its lane; stops when rank 0 or the caller says so."""
+    def _send_lanes(self, prefix: str, held: dict[str, Holding], deadline_at: float,
+                    cancel: threading.Event) -> None:
+        """Sends this rank's parts on each lane rank 0 hands it (``lane/<rank>/<i>``, one
+        after another: shm to the engines on its host, gloo to each other host's relay),
+        each on a thread of its own as it comes, and says how each ended
+        (``done/<rank>/<i>``). A lane stops when rank 0 says so (``stop/<rank>/<i>``: an
+        engine on it failed; the others go on) or the caller cancels (every lane, and
+        ``done/<rank>`` tells rank 0 at once). Returns once the round's result is set."""
         store, rank = self._store, self.rank
-        rendezvous = common_pb2.Rendezvous.FromString(bytes.fromhex(store.get(f"{prefix}/lane/{rank}").decode()))
+        result_key = f"{prefix}/result"
+        sending: list[tuple[futures.Future, threading.Event]] = []
+        reported: set[int] = set()
+        layout: tuple[BucketPlan, list[torch.Tensor]] | None = None
+        cancel_reported = False
+        try:
+            while True:
+                lane_key = f"{prefix}/lane/{rank}/{len(sending)}"
+                found = first_set(store, [lane_key, result_key], deadline_at)
+                if found == lane_key:
+                    abort = threading.Event()
+                    rendezvous = common_pb2.Rendezvous.FromString(bytes.fromhex(store.get(lane_key).decode()))
+                    try:
+                        if layout is None:
+                            layout = self._lane_layout(prefix, held)
+                        sending.append((self._send_threads.submit(self._send, rendezvous, *layout, deadline_at,
+                                                                  abort), abort))
+                    except BaseException as exc:  # this rank cannot send what it was asked: the lane fails
+                        failed: futures.Future = futures.Future()
+                        failed.set_exception(exc)
+                        sending.append((failed, abort))
+                for index, (send, abort) in enumerate(sending):
+                    if not send.done() and (cancel.is_set() or store.check([f"{prefix}/stop/{rank}/{index}"])):
+                        abort.set()
+                    if send.done() and index not in reported:
+                        store.set(f"{prefix}/done/{rank}/{index}", json.dumps(self._report(send, cancel)))
+                        reported.add(index)
+                if cancel.is_set() and not cancel_reported:
+                    store.set(f"{prefix}/done/{rank}", json.dumps({"ok": False, "error": "cancelled on this rank"}))
+                    cancel_reported = True
+                if found == result_key:
+                    return
+                if time.monotonic() >= deadline_at:
+                    raise StepTimeoutError("deadline exceeded waiting for rank 0 (result)", operation="sync")
+        finally:
+            # Whatever ended the watch (rank 0's store gone, the round's end), every send
+            # ends before this returns: its group must be retired by the sender itself,
+            # never left to the sender being closed under it.
+            for send, abort in sending:
+                if not send.done():
+                    abort.set()
+            futures.wait([send for send, _ in sending], timeout=max(0.0, deadline_at - time.monotonic()))
+
+    @staticmethod
+    def _report(send: futures.Future, cancel: threading.Event) -> dict:
+        """How one lane's send ended, for rank 0."""
+        try:
+            stats = send.result()
+        except BaseException as exc:
+            return {"ok": False, "error": "cancelled on this rank" if cancel.is_set() else str(exc) or
+                    type(exc).__name__}
+        return {"ok": True, "bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.buckets}
+
+    def _lane_layout(self, prefix: str, held: dict[str, Holding]) -> tuple[BucketPlan, list[torch.Tensor]]:
+        """This rank's part plan for the round and the tensors it sends, one per part."""
+        store, rank = self._store, self.rank
         plan = BucketPlan.from_proto(common_pb2.WeightPlan.FromString(
             bytes.fromhex(store.get(f"{prefix}/plan/{rank}").decode())))
-        report: dict
-        try:
-            # The same list while the part plan (a repeat parses to the same object) and
-            # the holdings (replayed) stay: a per-part pass costs ~8 ms at 20k parts.
-            if self._lane_sources is not None and self._lane_sources[0] is plan and self._lane_sources[1] is held:
-                sources = self._lane_sources[2]
-            else:
-                sources = []
-                for name, shape in zip(plan.names, plan.shapes, strict=True):
-                    local = held[name].local if name in held else None
-                    if local is None or tuple(local.shape) != shape:
-                        raise InvalidArgument(f"rank {rank} was asked to send {name!r} {list(shape)}, which it does "
-                                              "not hold")
-                    sources.append(local)
-                self._lane_sources = (plan, held, sources)
-            abort = threading.Event()
-            sending = self._send_thread.submit(self._send, rendezvous, plan, sources, deadline_at, abort)
-            stop_key = f"{prefix}/stop/{rank}"
-            try:
-                while not sending.done():
-                    if cancel.is_set() or store.check([stop_key]):
-                        abort.set()
-                    futures.wait([sending], timeout=0.02)
-            finally:
-                # Whatever ended the watch (rank 0's store gone, say), the send ends
-                # before this returns: its group must be retired by the sender itself,
-                # never left to the sender being closed under it.
-                if not sending.done():
-                    abort.set()
-                    futures.wait([sending], timeout=max(0.0, deadline_at - time.monotonic()))
-            stats = sending.result()
-            report = {"ok": True, "bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.buckets}
-        except BaseException as exc:
-            why = "cancelled on this rank" if cancel.is_set() else str(exc) or type(exc).__name__
-            report = {"ok": False, "error": why}
-        store.set(f"{prefix}/done/{rank}", json.dumps(report))
+        # The same list while the part plan (a repeat parses to the same object) and
+        # the holdings (replayed) stay: a per-part pass costs ~8 ms at 20k parts.
+        if self._lane_sources is not None and self._lane_sources[0] is plan and self._lane_sources[1] is held:
+            return plan, self._lane_sources[2]
+        sources = []
+        for name, shape in zip(plan.names, plan.shapes, strict=True):
+            local = held[name].local if name in held else None
+            if local is None or tuple(local.shape) != shape:
+                raise InvalidArgument(f"rank {rank} was asked to send {name!r} {list(shape)}, which it does "
+                                      "not hold")
+            sources.append(local)
+        self._lane_sources = (plan, held, sources)
+        return plan, sources
 
     def _send(self, rendezvous, plan: BucketPlan, sources, deadline_at: float, abort: threading.Event):
         kind = rendezvous.transport

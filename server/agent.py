@@ -63,7 +63,7 @@ from weightsync.server.fence import VersionFence
 from weightsync.server.launcher import EngineLauncher
 from weightsync.server.pause_keeper import PauseKeeper
 from weightsync.server.weight_export import WeightExporter
-from weightsync.sharding import Owners
+from weightsync.sharding import MAX_SENDERS, Owners
 from weightsync.threads import run_in
 from weightsync.transport.base import Receiver
 from weightsync.transport.from_senders import SenderLane
@@ -82,6 +82,9 @@ DEFAULT_TIMEOUT_S = 60.0
 # the coordinator's keepalive takes to fail its call to this agent (ping, then timeout).
 COORDINATOR_SILENCE_S = KEEPALIVE_S + KEEPALIVE_TIMEOUT_S + 1.0
 EXPORT_END_WAIT_S = 10.0  # how long a receive waits for an export that is ending
+# A relay's threads, made as they are needed: one per lane it forwards at once (a
+# sharded trainer's round: one per sender, as many as a round may have).
+MAX_RELAYED_LANES = MAX_SENDERS
 
 
 # Segments torch's wrappers put in front of a module's parameter names: torch.compile
@@ -149,6 +152,19 @@ class _Checked:
     probe: Probe | None
     senders: tuple[SenderLane, ...] = ()
     owners: Owners | None = None
+    relays: tuple[_Forward, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A lane this agent relays: ``upstream`` (gloo, from the trainer or one of its
+    ranks) re-shared as rank 0 of ``downstream`` (its host's shm lane), laid out as
+    ``plan``. ``index``: which of the agent's relays (each keeps its own group and segment)."""
+
+    index: int
+    upstream: common_pb2.Rendezvous
+    downstream: common_pb2.Rendezvous
+    plan: BucketPlan
 
 
 @dataclass
@@ -161,6 +177,7 @@ class _ReceiveJob:
     probe: Probe | None
     senders: tuple[SenderLane, ...]     # a sharded trainer's lanes (empty: one sender)
     owners: Owners | None
+    relays: tuple[_Forward, ...]        # the lanes this agent forwards as its host's relay
     deadline_at: float
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None       # when the steps ended (settling takes longer)
@@ -223,10 +240,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._control = ThreadPoolExecutor(1, thread_name_prefix="weightsync-engine")
         self._transfer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-receive")
         self._receivers: dict[tuple[int, int], Receiver] = {}  # by (transport, lane)
-        # This agent as its host's relay (made on first use): its own thread, because
-        # it runs alongside the engine's own receive of the bytes it re-shares.
-        self._relay: HostRelay | None = None
-        self._relay_thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-relay")
+        # This agent as its host's relay (made on first use), one per lane it forwards
+        # (a sharded trainer's: one per sender), each on its own thread, because they
+        # run alongside the engine's own receive of the bytes they re-share.
+        self._relays: dict[int, HostRelay] = {}
+        self._relay_threads = ThreadPoolExecutor(MAX_RELAYED_LANES, thread_name_prefix="weightsync-relay")
         self._coordinator_heard_at = time.monotonic()  # the last heartbeat that got through
         self.workers = 0  # ranks the engine takes in a group (its worker processes); 0 = not asked yet
         self._plan_fits = ""  # plan_id of the last plan checked against the engine's tensors
@@ -512,9 +530,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             raise FailedPrecondition(f"engine {self.engine_id} receives with {self.workers} workers from rank "
                                      f"{request.rank}; the round's group has {rdzv.world_size} ranks",
                                      reason="ENGINE_WORKERS_CHANGED")
+        relays: tuple[_Forward, ...] = ()
         if request.HasField("relay"):
-            self._check_relay(request)
+            self._check_relay(request.relay, rdzv)
+            relays = (_Forward(0, request.relay, rdzv, plan),)
         senders, owners = self._sender_lanes(request, plan) if request.HasField("owners") else ((), None)
+        if owners is not None:
+            relays = self._forwarded_lanes(request, owners)
         self.adapter.check_receive(request)
         if probe is not None:
             self.adapter.check_probe(probe)
@@ -525,7 +547,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if request.version <= served:
             raise FailedPrecondition(f"version {request.version} is not newer than the served version "
                                      f"{served}", reason="VERSION_NOT_NEWER")
-        return _Checked(plan, self._receiver(rdzv.transport), probe, senders, owners)
+        return _Checked(plan, self._receiver(rdzv.transport), probe, senders, owners, relays)
 
     def _receiver(self, kind: int, lane: int = 0) -> Receiver:
         """This agent's receiver of ``kind`` for its ``lane``-th concurrent lane (each has
@@ -537,7 +559,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     def _sender_lanes(self, request, plan: BucketPlan) -> tuple[tuple[SenderLane, ...], Owners]:
         """A sharded trainer's round: who sends which parts (they must cover every tensor
-        once) and each sender's lane, all of one transport, this engine at one rank."""
+        once) and the lane this engine receives each sender in, all of one transport and
+        size, this engine at one rank."""
         if request.HasField("relay"):
             raise InvalidArgument("a round from several senders is not relayed")
         owners = Owners.from_proto(request.owners, plan)
@@ -556,10 +579,21 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                                     parts.sender))
         return tuple(lanes), owners
 
+    def _forwarded_lanes(self, request, owners: Owners) -> tuple[_Forward, ...]:
+        """A sharded trainer's round: the senders' lanes this agent relays to its host
+        (``SenderParts.relay``), each checked as a one-sender relay is."""
+        relays = []
+        for i, parts in enumerate(request.owners.senders):
+            if parts.HasField("relay"):
+                self._check_relay(parts.relay, parts.lane)
+                if parts.relay.sender != parts.sender or parts.lane.relayed_by != parts.relay.relayed_by:
+                    raise InvalidArgument(f"sender {parts.sender}'s relayed lane and its host lane do not match")
+                relays.append(_Forward(i, parts.relay, parts.lane, owners.part_plan(parts.sender)))
+        return tuple(relays)
+
     @staticmethod
-    def _check_relay(request) -> None:
+    def _check_relay(relay: common_pb2.Rendezvous, rdzv: common_pb2.Rendezvous) -> None:
         """A relay receives a two-member gloo lane and sends its host's shm lane."""
-        relay, rdzv = request.relay, request.rendezvous
         if relay.transport != common_pb2.TRANSPORT_KIND_GLOO or relay.world_size != 2:
             raise InvalidArgument("a relay's upstream lane is gloo with 2 members")
         if rdzv.transport != common_pb2.TRANSPORT_KIND_SHM:
@@ -647,6 +681,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self.record("transfer_started", version=request.version, bytes=checked.plan.total_bytes,
                     plan="by_id" if is_reference(request.plan) else "whole")
         return _ReceiveJob(request, checked.plan, checked.receiver, checked.probe, checked.senders, checked.owners,
+                           checked.relays,
                            deadline_at=time.monotonic() + (request.timeout_s or DEFAULT_TIMEOUT_S))
 
     async def _receive_steps(self, job: _ReceiveJob) -> None:
@@ -700,20 +735,24 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             request.rendezvous, request.rank, job.plan, job.receiver, job.deadline_at, self._abort, on_bucket,
             skip_post_load, self.data_host, job.senders, job.owners, request.version,
             verify_parts=bool(request.weights_digest)))
-        if not request.HasField("relay"):
+        if not job.relays:
             return own
-        if self._relay is None:
-            self._relay = HostRelay(self.data_host)
-        relay = run_in(self._relay_thread, self._relay.forward, request.relay, request.rendezvous, job.plan,
-                       deadline_at=job.deadline_at, abort=self._abort)
-        return asyncio.ensure_future(self._with_relay(own, relay, version))
+        relays = []
+        for forward in job.relays:
+            relay = self._relays.get(forward.index)
+            if relay is None:
+                relay = self._relays[forward.index] = HostRelay(self.data_host)
+            relays.append(run_in(self._relay_threads, relay.forward, forward.upstream, forward.downstream,
+                                 forward.plan, deadline_at=job.deadline_at, abort=self._abort))
+        return asyncio.ensure_future(self._with_relays(own, relays, version))
 
-    async def _with_relay(self, own: asyncio.Future, relay: asyncio.Future, version: int):
-        """The engine's own receive, once the relay it depends on has ended too (each
-        is bounded by the deadline; a failure of either ends the other)."""
-        results = await asyncio.gather(own, relay, return_exceptions=True)
-        if isinstance(results[1], BaseException):
-            self.record("relay_failed", version=version, error=str(results[1]))
+    async def _with_relays(self, own: asyncio.Future, relays: list[asyncio.Future], version: int):
+        """The engine's own receive, once the relays it depends on have ended too (each
+        is bounded by the deadline; a failure of one ends the lanes that need it)."""
+        results = await asyncio.gather(own, *relays, return_exceptions=True)
+        for result in results[1:]:
+            if isinstance(result, BaseException):
+                self.record("relay_failed", version=version, error=str(result))
         if isinstance(results[0], BaseException):
             raise results[0]
         return results[0]
@@ -858,18 +897,19 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             except Exception as exc:
                 errors.append(exc)
         self._receivers.clear()
-        if self._relay is not None:
+        for relay in self._relays.values():
             try:
-                self._relay.close()
+                relay.close()
             except Exception as exc:
                 errors.append(exc)
+        self._relays.clear()
         errors += self.exporter.close()
         try:
             self.adapter.close()
         except Exception as exc:
             errors.append(exc)
         self.watch.close()
-        for executor in (self._control, self._transfer, self._relay_thread):
+        for executor in (self._control, self._transfer, self._relay_threads):
             executor.shutdown(wait=False, cancel_futures=True)
         return errors
 

@@ -130,23 +130,50 @@ class BroadcastSetup:
     def __post_init__(self) -> None:
         # Each engine receives in exactly one lane (a relay's upstream lane is not its own),
         # from its first rank; its workers take the ranks after it. With several senders
-        # it receives every sender's lane at the same rank; lane_of is sender 0's.
+        # it receives in one lane of every sender (their layouts are alike), at the same
+        # rank in each; lane_of is sender 0's.
         receiving = [lane for lane in self.lanes if not is_relay_upstream(lane)]
         self.lane_of = {}
+        self.lane_by_sender: dict[str, dict[int, common_pb2.Rendezvous]] = {}
         for lane in receiving:
             for e in lane.engine_ids:
                 self.lane_of.setdefault(e, lane)
+                self.lane_by_sender.setdefault(e, {})[lane.sender] = lane
         self.ranks = {}
         for lane in receiving:
             rank = 1
             for e in lane.engine_ids:
                 self.ranks[e], rank = rank, rank + self.widths[e]
-        self.relay_of = {lane.relayed_by: lane for lane in self.lanes if is_relay_upstream(lane)}
-        self.owners_proto = None
-        if self.owners is not None:  # what every engine is told: each sender's parts and lane
-            self.owners_proto = self.owners.to_proto()
-            for parts, lane in zip(self.owners_proto.senders, self.lanes, strict=True):
-                parts.lane.CopyFrom(lane)
+        upstream = [lane for lane in self.lanes if is_relay_upstream(lane)]
+        # One sender: the relay's upstream lane goes in ReceiveRequest.relay. Several: in
+        # each sender's parts (SenderParts.relay), beside the host's lane of that sender.
+        self.relay_of = {lane.relayed_by: lane for lane in upstream} if self.owners is None else {}
+        self.relays_by_sender: dict[str, dict[int, common_pb2.Rendezvous]] = {}
+        if self.owners is not None:
+            for lane in upstream:
+                self.relays_by_sender.setdefault(lane.relayed_by, {})[lane.sender] = lane
+        self.owners_proto = self.owners.to_proto() if self.owners is not None else None
+        self._owners_for: dict[tuple, common_pb2.Owners] = {}
+
+    def owners_for(self, engine_id: str) -> common_pb2.Owners | None:
+        """What ``engine_id`` is told of a sharded trainer's round: each sender's parts,
+        the lane it receives that sender in and, for a host's relay, the sender's lane
+        it forwards. Built once per distinct set of lanes (the engines of a host share one)."""
+        if self.owners_proto is None:
+            return None
+        lanes = self.lane_by_sender[engine_id]
+        relays = self.relays_by_sender.get(engine_id, {})
+        key = tuple((s, lanes[s].session_id, relays[s].session_id if s in relays else "") for s in sorted(lanes))
+        told = self._owners_for.get(key)
+        if told is None:
+            told = common_pb2.Owners()
+            told.CopyFrom(self.owners_proto)
+            for parts in told.senders:
+                parts.lane.CopyFrom(lanes[parts.sender])
+                if parts.sender in relays:
+                    parts.relay.CopyFrom(relays[parts.sender])
+            self._owners_for[key] = told
+        return told
 
 
 @dataclass
@@ -166,12 +193,22 @@ class LanePlan:
 
 def sender_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str,
                  senders: list[int]) -> list[LanePlan]:
-    """A sharded trainer's lanes: one per sending rank, every member in each at the same
-    rank. ``auto`` is shm when every member shares the trainer's host (the trainer sets
-    ``trainer_host_id`` only when all its ranks do), else gloo."""
+    """A sharded trainer's lanes: every sending rank gets the same layout, each member
+    at the same rank in its lane of every sender. ``auto`` is shm when every member
+    shares the trainer's host (the trainer sets ``trainer_host_id`` only when all its
+    ranks do); with the ranks on one host and engines on others, each sender's lanes are
+    one trainer's (``plan_lanes``): shm on the ranks' host, and on every other host with
+    several engines a gloo lane to a relay there that re-shares over the host's shm, so
+    each rank's parts cross a remote host's link once, not once per engine there. Ranks
+    on several hosts (no ``trainer_host_id``), or a named transport: one lane per sender
+    over every member."""
     if transport == common_pb2.TRANSPORT_KIND_AUTO:
         same_host = bool(trainer_host_id) and all(r.state.host_id == trainer_host_id for r in members)
         shm = common_pb2.TRANSPORT_KIND_SHM
+        if trainer_host_id and not same_host:
+            return [LanePlan(f"{lane.name}/sender{s}", lane.transport, lane.receivers, relayed_by=lane.relayed_by,
+                             serves=lane.serves, sender=s)
+                    for s in senders for lane in plan_lanes(transport, members, trainer_host_id)]
         transport = shm if same_host and transports.available(shm) else common_pb2.TRANSPORT_KIND_GLOO
     receivers = [r.engine_id for r in sorted(members, key=lambda r: r.engine_id)]
     name = transports.KIND_NAMES[transport]
@@ -511,7 +548,7 @@ class SyncRound:
             plan=setup.plan.reference_proto() if by_reference else None, rendezvous=setup.lane_of[record.engine_id],
             rank=setup.ranks[record.engine_id], weights_digest=request.weights_digest, timeout_s=setup.timeout_s,
             validate_only=validate_only, probe=request.probe if request.HasField("probe") else None,
-            relay=setup.relay_of.get(record.engine_id), owners=setup.owners_proto,
+            relay=setup.relay_of.get(record.engine_id), owners=setup.owners_for(record.engine_id),
         ).SerializeToString()
         return head if by_reference else head + setup.plan.embedded(RECEIVE_PLAN_FIELD)
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import numpy as np
 import pytest
+import torch
 
 from weightsync.errors import EngineUnavailable, FailedPrecondition
+from weightsync.plan import BucketPlan
 from weightsync.server.registry import EngineRegistry
-from weightsync.server.round import LanePlan, SyncRound, plan_lanes, sender_lanes
+from weightsync.server.round import BroadcastSetup, LanePlan, SyncRound, plan_lanes, sender_lanes
+from weightsync.sharding import Owners, SenderParts
 from weightsync.statedb import StateDB
 from weightsync.v1 import common_pb2, coordinator_pb2
 
@@ -191,25 +195,63 @@ def test_auto_gives_the_trainers_host_shm_and_every_other_host_a_network_lane_of
     assert gloo == [LanePlan("gloo", gloo_kind, ["a0", "b0", "b1", "c0", "old"])]  # a named transport: one lane
 
 
-def test_a_sharded_trainer_gets_a_lane_per_sending_rank_with_every_engine_in_each(tmp_path):
+def test_a_sharded_trainer_gets_one_layout_per_sending_rank_and_each_engine_its_lane_of_every_sender(tmp_path):
     async def layouts():
         registry = EngineRegistry(heartbeat_timeout_s=5.0)
         records = []
-        for engine, host in {"e1": "host-a", "e0": "host-a"}.items():
+        for engine, host in {"e1": "host-a", "e0": "host-a", "b0": "host-b", "b1": "host-b", "c0": "host-c"}.items():
             record, _ = registry.upsert(engine, "127.0.0.1:1", "tiny", heartbeat=True)
             record.state.host_id = host
             records.append(record)
+        local = [r for r in records if r.state.host_id == "host-a"]
         try:
             auto = common_pb2.TRANSPORT_KIND_AUTO
-            return (sender_lanes(auto, records, "host-a", [0, 1, 3]),
-                    sender_lanes(auto, records, "", [0, 1]),  # the ranks are on several hosts
-                    sender_lanes(auto, records, "host-b", [0]))
+            return (sender_lanes(auto, local, "host-a", [0, 1, 3]),
+                    sender_lanes(auto, local, "", [0, 1]),  # the ranks are on several hosts
+                    sender_lanes(auto, local, "host-b", [0]),
+                    sender_lanes(auto, records, "host-a", [0, 1]),
+                    sender_lanes(common_pb2.TRANSPORT_KIND_GLOO, records, "host-a", [0, 1]))
         finally:
             for record in registry.all():
                 await record.channel.close(grace=None)
 
-    same_host, ranks_apart, engines_apart = asyncio.run(layouts())
+    same_host, ranks_apart, engines_apart, fleet, named = asyncio.run(layouts())
     shm_kind, gloo_kind = common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_GLOO
     assert same_host == [LanePlan(f"shm/sender{s}", shm_kind, ["e0", "e1"], sender=s) for s in (0, 1, 3)]
     assert ranks_apart == [LanePlan(f"gloo/sender{s}", gloo_kind, ["e0", "e1"], sender=s) for s in (0, 1)]
-    assert engines_apart == [LanePlan("gloo/sender0", gloo_kind, ["e0", "e1"], sender=0)]
+    # The ranks on one host, the engines on another: each rank's parts go once to a relay there.
+    assert engines_apart == [
+        LanePlan("gloo@host-a/sender0", gloo_kind, ["e0"], relayed_by="e0", serves=["e0", "e1"], sender=0),
+        LanePlan("shm@host-a/sender0", shm_kind, ["e0", "e1"], relayed_by="e0", sender=0)]
+    # Every sender's lanes laid out as one trainer's: shm on the ranks' host, a relay on
+    # each other host with several engines, a plain gloo lane to a host with one.
+    assert fleet == [lane for s in (0, 1) for lane in (
+        LanePlan(f"shm/sender{s}", shm_kind, ["e0", "e1"], sender=s),
+        LanePlan(f"gloo@host-b/sender{s}", gloo_kind, ["b0"], relayed_by="b0", serves=["b0", "b1"], sender=s),
+        LanePlan(f"shm@host-b/sender{s}", shm_kind, ["b0", "b1"], relayed_by="b0", sender=s),
+        LanePlan(f"gloo@host-c/sender{s}", gloo_kind, ["c0"], sender=s))]
+    assert named == [LanePlan(f"gloo/sender{s}", gloo_kind, ["b0", "b1", "c0", "e0", "e1"], sender=s)
+                     for s in (0, 1)]  # a named transport: one lane per sender over every engine
+
+
+def test_each_engine_of_a_sharded_round_is_told_its_own_lane_of_every_sender_and_a_relay_what_it_forwards():
+    plan = BucketPlan.from_tensors([("w", torch.zeros(4, 2))], bucket_bytes=1 << 20)
+    owners = Owners(plan, [SenderParts(s, np.array([0], dtype=np.int32), np.array([start], dtype=np.int64),
+                                       np.array([2], dtype=np.int64)) for s, start in ((0, 0), (1, 2))])
+    gloo, shm = common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM
+    lanes = [common_pb2.Rendezvous(lane=f"{name}/sender{s}", session_id=f"s{i}", transport=kind, engine_ids=engines,
+                                   relayed_by=relay, sender=s)
+             for i, (s, (name, kind, engines, relay)) in enumerate(
+                 (s, lane) for s in (0, 1) for lane in (("shm", shm, ["a0"], ""), ("gloo@b", gloo, ["b0", "b1"], "b0"),
+                                                        ("shm@b", shm, ["b0", "b1"], "b0")))]
+    setup = BroadcastSetup(plan, [], [], lanes, 10.0, {"a0": 1, "b0": 1, "b1": 1}, owners)
+    assert setup.relay_of == {}  # a sharded round names its relays in the senders' parts
+    told = {e: setup.owners_for(e) for e in ("a0", "b0", "b1")}
+    for engine, lane in (("a0", "shm"), ("b0", "shm@b"), ("b1", "shm@b")):
+        assert [p.lane.lane for p in told[engine].senders] == [f"{lane}/sender0", f"{lane}/sender1"], engine
+        assert [p.sender for p in told[engine].senders] == [0, 1]
+        assert setup.ranks[engine] == (2 if engine == "b1" else 1)
+    assert [p.relay.lane for p in told["b0"].senders] == ["gloo@b/sender0", "gloo@b/sender1"]
+    assert not any(p.HasField("relay") for e in ("a0", "b1") for p in told[e].senders)
+    assert told["b1"] is setup.owners_for("b1")  # built once for a set of lanes
+    assert Owners.from_proto(told["b0"], plan).parts_of(1).starts.tolist() == [2]  # the parts are kept

@@ -79,20 +79,26 @@ def test_bench_hosts_measures_auto_against_gloo_to_every_engine(tmp_path):
 
 
 def test_bench_hosts_with_a_sharded_trainer_measures_its_ranks_sharded_and_gathered_into_rank_0(tmp_path):
-    """Two FSDP2 ranks on host a, two engines on host b. Sharded, every rank's half
-    crosses b's link once per engine there (the whole payload twice); gathered into
-    rank 0 (``gather=True``), rank 0's round is one trainer's: the whole payload once,
-    to b's relay, which re-shares it over b's shm. The bench fails unless every round
-    leaves every engine equal to the digest of the trainer's full model."""
+    """Two FSDP2 ranks on host a, two engines on host b. Sharded ``auto``, every rank's
+    half crosses b's link once, to b's relay, which re-shares it over b's shm (the whole
+    payload once); sharded ``gloo``, once per engine there (twice); gathered into rank 0
+    (``gather=True``), rank 0's round is one trainer's: the whole payload once, to b's
+    relay. The bench fails unless every round leaves every engine equal to the digest
+    of the trainer's full model."""
     report_path = tmp_path / "hosts.json"
     done = subprocess.run([sys.executable, "-m", "weightsync", "bench", "--hosts", "2", "--trainer-ranks", "2",
                            "--size", "8MiB", "--tensors", "24", "--steps", "1", "--transport", "auto",
-                           "--json", str(report_path)], capture_output=True, text=True, timeout=300)
+                           "--transport", "gloo", "--json", str(report_path)], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = {r["transport"]: r for r in json.loads(report_path.read_text())["results"]}
-    assert set(results) == {"auto", "auto gathered"} and "auto gathered" in done.stdout, done.stdout
-    assert 1.9 <= results["auto"]["received_x"]["b"] <= 2.6, results["auto"]  # each half, to each engine
-    assert results["auto"]["engine_transports"]["b-1"] == "gloo", results["auto"]
+    assert set(results) == {"auto", "auto gathered", "gloo", "gloo gathered"}, done.stdout
+    assert "auto gathered" in done.stdout, done.stdout
+    assert 0.95 <= results["auto"]["received_x"]["b"] <= 1.3, results["auto"]  # each half once, to the relay
+    assert results["auto"]["engine_transports"]["b-1"] == "gloo via b-0", results["auto"]
+    assert results["auto"]["engine_transports"]["a-0"] == "shm", results["auto"]
+    assert 1.9 <= results["gloo"]["received_x"]["b"] <= 2.6, results["gloo"]  # each half, to each engine
+    assert results["gloo"]["engine_transports"]["b-1"] == "gloo", results["gloo"]
     gathered = results["auto gathered"]
     assert 0.95 <= gathered["received_x"]["b"] <= 1.3, gathered  # one copy, to the relay
     assert gathered["engine_transports"]["a-0"] == "shm" and gathered["engine_transports"]["b-1"] == "gloo via b-0", gathered
@@ -204,6 +210,74 @@ def test_a_relay_killed_mid_round_fails_its_hosts_engines_promptly_and_no_other(
     assert not killed["ok"] and not engines["b-0"]["ok"] and not engines["b-1"]["ok"], killed
     for engine in ("a-0", "c-0", "c-1"):
         assert engines[engine]["ok"] and engines[engine]["digest_ok"], (engine, killed)
+    assert ended_after < 20, f"the round ended {ended_after:.1f} s after the relay died\n{fleet.logs()}"
+    with open(os.path.join(fleet.folder, "b-1.log")) as f:
+        assert "transfer_failed" in f.read()  # b-1's receive ended (torn), not still waiting
+
+
+def test_a_sharded_trainers_ranks_on_one_host_send_each_part_once_to_every_other_host(fleet_factory, tmp_path):
+    """Two FSDP2 ranks on host a (engine a-0), two engines on each of hosts b and c,
+    ``auto``: every rank sends its own parts on lanes laid out as one trainer's, shm to
+    a-0 and gloo to each other host's relay (b-0, c-0), which re-shares them over its
+    host's shm. Each host's link carries the payload once a round (each rank's half
+    once), not once per engine there, and every engine equals the trainer's full model
+    (its digest, as torch gathers it on host a: no link bytes)."""
+    fleet = fleet_factory()
+    remote = [fleet.hosts[name] for name in ("b", "c")]
+    a = fleet.hosts["a"]
+    with TrainerRanks(str(tmp_path / "warm-up"), fleet.coordinator, 2,
+                      ["--model", MODEL, "--rounds", "1", "--transport", "auto"], hosts=[a, a]) as ranks:
+        assert ranks.wait(120) == [0, 0], ranks.tail() + fleet.logs()  # plans and groups set up once
+    before = [h.received_bytes() for h in remote]
+    with TrainerRanks(str(tmp_path / "ranks"), fleet.coordinator, 2,
+                      ["--model", MODEL, "--rounds", "2", "--first-version", "2", "--transport", "auto",
+                       "--check-digests"], hosts=[a, a]) as ranks:
+        assert ranks.wait(120) == [0, 0], ranks.tail() + fleet.logs()
+        lines = [ranks.rounds(0)[v] for v in (2, 3)]
+    received = [h.received_bytes() - b for h, b in zip(remote, before, strict=True)]
+    for line in lines:
+        assert line["ok"] and line["digest_ok"], line
+        engines = line["engines"]
+        assert engines["a-0"] == {"transport": "shm", "relayed_by": "", "ok": True}, line
+        for host in ("b", "c"):
+            for i in range(2):
+                assert engines[f"{host}-{i}"] == {"transport": "gloo", "relayed_by": f"{host}-0", "ok": True}, line
+    payload = sum(line["bytes"] for line in lines)
+    for host, got in zip(remote, received, strict=True):
+        assert 0.95 * payload <= got <= 1.3 * payload, (host.name, got / payload)
+
+
+def test_a_relay_killed_mid_round_of_a_sharded_trainer_fails_its_hosts_engines_promptly_and_no_other(
+        fleet_factory, tmp_path):
+    """As above, with host b's engines taking 0.3 s per bucket in round 2 and b-0's
+    agent (b's relay for both ranks' lanes) killed mid-transfer: b-0 and b-1 fail
+    (torn, b-1 not left waiting for its deadline), a-0, c-0 and c-1 end equal to the
+    trainer's model, and both ranks return the same failed result within seconds."""
+    fleet = fleet_factory(faults={"b": {"op": "receive", "action": "delay", "seconds": 0.3, "version": 2,
+                                        "times": 0}})
+    a = fleet.hosts["a"]
+    with TrainerRanks(str(tmp_path / "ranks"), fleet.coordinator, 2,
+                      ["--model", MODEL, "--rounds", "2", "--transport", "auto", "--timeout", "90",
+                       "--bucket-bytes", str(2**20), "--check-digests", "--verify-digest"], hosts=[a, a]) as ranks:
+        first = ranks.wait_for(0, lambda line: line.get("round") == 1, 120)
+        assert first["ok"] and first["digest_ok"], ranks.tail()
+        _wait_for_text(os.path.join(fleet.folder, "b-1.log"), "'version': 2", 60)
+        time.sleep(1.0)
+        relay = next(p for p in fleet.hosts["b"].procs if "b-0" in " ".join(map(str, p.args)))
+        relay.kill()
+        killed_at = time.monotonic()
+        assert ranks.wait(80) == [0, 0], ranks.tail() + fleet.logs()
+        killed = [ranks.rounds(r)[2] for r in (0, 1)]
+    ended_after = max(line["ended"] for line in killed) - (time.time() - (time.monotonic() - killed_at))
+    assert killed[0]["engines"] == killed[1]["engines"], killed  # every rank returns the same result
+    engines = killed[0]["engines"]
+    for line in killed:
+        assert not line["ok"] and line["error_type"] == "SyncFailed", line
+    assert not engines["b-0"]["ok"] and not engines["b-1"]["ok"], engines
+    # The others took the round, their parts' digest checked against the ranks' own
+    # hashes of what they hold (--verify-digest) before they committed it.
+    for engine in ("a-0", "c-0", "c-1"):
+        assert engines[engine]["ok"], (engine, engines)
     assert ended_after < 20, f"the round ended {ended_after:.1f} s after the relay died\n{fleet.logs()}"
     with open(os.path.join(fleet.folder, "b-1.log")) as f:
         assert "transfer_failed" in f.read()  # b-1's receive ended (torn), not still waiting

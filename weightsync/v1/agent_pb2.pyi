@@ -90,8 +90,10 @@ class ReceiveRequest(_message.Message):
 
     @_builtins.property
     def owners(self) -> _common_pb2.Owners:
-        """A sharded trainer: the parts each trainer rank sends, with its lane (``rendezvous``
-        is sender 0's lane). The engine receives every lane at ``rank``.
+        """A sharded trainer: the parts each trainer rank sends, with the lane this engine
+        receives it in (``rendezvous`` is sender 0's) and, for its host's relay, the lane
+        to forward (``SenderParts.relay``; ``relay`` above stays unset). The engine receives
+        every lane at ``rank``.
         """
 
     def __init__(

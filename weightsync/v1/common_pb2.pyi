@@ -183,7 +183,9 @@ class Rendezvous(_message.Message):
     """
     sender: _builtins.int
     """A round from a sharded trainer: the trainer rank that sends this lane (rank 0 of
-    it). Every engine receives in every sender's lane at the same rank.
+    it). Every sender's lanes are laid out alike (``auto``: shm on the trainer's host,
+    a relay on each other host with several engines), so an engine receives in one
+    lane of each sender, at the same rank in each.
     """
     group_layout: _builtins.str
     """group transport only: how the tensors go on the wire. "tensors" (or empty): one
@@ -240,6 +242,7 @@ class SenderParts(_message.Message):
     EXTRA_DIMS_FIELD_NUMBER: _builtins.int
     EXTRA_STARTS_FIELD_NUMBER: _builtins.int
     EXTRA_ROWS_FIELD_NUMBER: _builtins.int
+    RELAY_FIELD_NUMBER: _builtins.int
     sender: _builtins.int
     """the trainer rank (0 = the one that drives the round)"""
     tensors: _builtins.bytes
@@ -266,6 +269,12 @@ class SenderParts(_message.Message):
     def lane(self) -> Global___Rendezvous:
         """in a ReceiveRequest: the lane this sender sends"""
 
+    @_builtins.property
+    def relay(self) -> Global___Rendezvous:
+        """In a ReceiveRequest to its host's relay: this sender's gloo lane to the relay
+        (rank 1 of 2), which the relay re-shares as rank 0 of ``lane`` (the host's shm lane).
+        """
+
     def __init__(
         self,
         *,
@@ -279,10 +288,11 @@ class SenderParts(_message.Message):
         extra_dims: _builtins.bytes = ...,
         extra_starts: _builtins.bytes = ...,
         extra_rows: _builtins.bytes = ...,
+        relay: Global___Rendezvous | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lane", b"lane"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lane", b"lane", "relay", b"relay"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "extra_dims", b"extra_dims", "extra_parts", b"extra_parts", "extra_rows", b"extra_rows", "extra_starts", b"extra_starts", "lane", b"lane", "rows", b"rows", "sender", b"sender", "starts", b"starts", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "extra_dims", b"extra_dims", "extra_parts", b"extra_parts", "extra_rows", b"extra_rows", "extra_starts", b"extra_starts", "lane", b"lane", "relay", b"relay", "rows", b"rows", "sender", b"sender", "starts", b"starts", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

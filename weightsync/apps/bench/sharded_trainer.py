@@ -198,9 +198,14 @@ def offered(model, parallel: str, rank: int, world: int) -> list[tuple[str, torc
     return [(n, p) for n, p in named if mine(n)]
 
 
+def _engine_lines(result) -> dict:
+    """Each engine's part of a round's result, for the round's line."""
+    return {e.engine_id: {"transport": e.transport, "relayed_by": e.relayed_by, "ok": e.ok} for e in result.engines}
+
+
 class _StallingClient(DistributedTrainerClient):
     """Tests (``--stall-send RANK:VERSION``): in round ``stall_version`` this rank, once
-    rank 0 hands it its lane (a gather's or a round's), prints ``{"rank", "stalling"}``
+    rank 0 hands it a lane (a gather's or a round's), prints ``{"rank", "stalling"}``
     and waits before sending, its heartbeat going on, so a test can kill it there."""
 
     def __init__(self, *args, stall_version: int, **kwargs) -> None:
@@ -208,11 +213,11 @@ class _StallingClient(DistributedTrainerClient):
         self.stall_version = stall_version
         self.version = 0  # the round under way, set by the caller
 
-    def _send_lane(self, *args, **kwargs):
+    def _send(self, *args, **kwargs):  # one lane's send, on its own thread
         if self.version == self.stall_version:
             print(json.dumps({"rank": self.rank, "stalling": self.version}), flush=True)
             time.sleep(STALL_S)
-        return super()._send_lane(*args, **kwargs)
+        return super()._send(*args, **kwargs)
 
 
 STALL_S = 120.0
@@ -267,8 +272,7 @@ async def run(args: argparse.Namespace) -> None:
                     line["phases_s"] = {"pause": round(result.pause_seconds, 4),
                                         "transfer": round(result.transfer_seconds, 4),
                                         "resume": round(result.resume_seconds, 4)}
-                    line["engines"] = {e.engine_id: {"transport": e.transport, "relayed_by": e.relayed_by}
-                                       for e in result.engines}
+                    line["engines"] = _engine_lines(result)
                     if probe is not None:
                         line["attest_max_diff"] = max(e.attest_max_diff or 0.0 for e in result.engines)
                 else:
@@ -287,6 +291,9 @@ async def run(args: argparse.Namespace) -> None:
                 raise
             except WeightSyncError as exc:
                 line["error_type"], line["error"] = type(exc).__name__, str(exc)[:400]
+                failed = getattr(exc, "result", None)  # SyncFailed: each engine's outcome
+                if failed is not None:
+                    line["engines"] = _engine_lines(failed)
             line["seconds"], line["ended"] = round(time.monotonic() - started, 4), time.time()
             last = r == args.first_version + args.rounds - 1
             if (args.check_digests or (args.check_digests_last and last)) and line["ok"]:  # a collective: only when every rank is known alive
