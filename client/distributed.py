@@ -9,12 +9,15 @@ call. One logical call is one round:
 - rank 0 drives it: Pause / Broadcast / Resume under one idempotency key, through a
   ``TrainerClient`` of its own. Its Broadcast carries the plan of the full tensors and
   its owners (``weightsync.sharding``): which rank sends which rows.
-- every rank sends its own parts on its own lane (its own group, buckets, pipeline),
-  at once; engines receive every lane into their full tensors.
+- every rank sends its own parts on its own lanes (its own groups, buckets, pipeline),
+  at once; engines receive every rank's lane into their full tensors. Every rank's
+  lanes are laid out alike: with ``auto``, from ranks on one host to engines on
+  several, shm to the engines on the ranks' host and gloo to one relay on every other
+  host with several engines, which re-shares the rank's parts over its host's shm.
 - the ranks meet at rank 0's rendezvous store (authenticated; its address and secret
   go to the other ranks once, over the trainer's own process group, at ``start``):
-  each rank says what it holds, rank 0 hands each its lane and part layout, each says
-  how its send ended, and rank 0 publishes the round's end, which every rank returns
+  each rank says what it holds, rank 0 hands each its lanes and part layout, each says
+  how its send on each lane ended, and rank 0 publishes the round's end, which every rank returns
   (the same ``SyncResult``) or raises (the same typed error).
 
 Failures end the round for every rank, promptly: a rank that fails or is cancelled
@@ -40,8 +43,7 @@ deadline), received into full tensors rank 0 keeps while the plan stays -- a ful
 of the model in rank 0's host memory -- and rank 0 then runs a plain round with them.
 ``gather=True`` does the same for the other transports: rank 0's round is then a
 single trainer's, with ``auto``'s host relays (one network copy per remote host,
-re-shared there over shm) where a sharded round would send every part to every
-remote engine.
+re-shared there over shm), as a sharded ``auto`` round from ranks on one host has too.
 A gather that fails ends the call on every rank with the same typed error and changes
 nothing in any engine. ``verify_digest`` checks the gathered parts against the hashes
 each rank took of what it holds, then has the engines check the full tensors' digest.
@@ -384,14 +386,15 @@ class DistributedTrainerClient(AsyncClient):
         group: the trainer's torch.distributed process group (default: the world).
             Used once, at ``start``, to share rank 0's store address; never during a
             round.
-        transport: ``"auto"`` (shm when every rank and engine share one host, else
-            gloo), ``"gloo"``, ``"shm"``, or ``"group"`` (one sender, for SGLang: the
+        transport: ``"auto"`` (shm when every rank and engine share one host; from
+            ranks on one host, shm to the engines there and a relay on every other
+            host with several engines; from ranks on several hosts, gloo), ``"gloo"``, ``"shm"``, or ``"group"`` (one sender, for SGLang: the
             ranks' parts are gathered into rank 0 first; see the module's docstring).
         gather: gather the ranks' parts into rank 0 before each round, which then
             sends the full tensors as one trainer does (default: only for
             ``"group"``, which needs it). With ``"auto"``: shm to the engines on rank
-            0's host and a relay on every other host with several engines, so the
-            bytes cross each remote host's link once, not once per engine there; it
+            0's host and a relay on every other host with several engines, as a
+            sharded ``auto`` round from ranks on one host does without gathering; it
             costs a full copy of the model in rank 0's host memory and the gather's
             time. Give every rank the same.
         host: address engines (and the other ranks) reach this rank at: its end of
