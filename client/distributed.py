@@ -242,7 +242,7 @@ class _ShardedDriver(TrainerClient):
         self.prefix = ""
         self.common_host = ""
         self.rank_hosts: dict[int, str] = {}  # each rank's host id, as it said this round
-        self._handed: dict[tuple[str, int], int] = {}  # (round prefix, rank) -> lanes handed to it so far
+        self._handed: tuple[str, dict[int, int]] = ("", {})  # (round prefix, rank -> lanes handed to it so far)
 
     def _trainer_host_id(self) -> str:
         if self.owner.gathers:  # one sender, this rank: engines on its host read it over shm
@@ -322,10 +322,10 @@ class _ShardedDriver(TrainerClient):
         the lane's future ends when that rank says its send on it ended (or it goes
         silent, or the deadline)."""
         abort = threading.Event()
-        key = (self.prefix, rendezvous.sender)
-        index = self._handed[key] = self._handed.get(key, -1) + 1  # the event loop's: lanes come one by one
-        for old in [k for k in self._handed if k[0] != self.prefix]:
-            del self._handed[old]
+        if self._handed[0] != self.prefix:  # a new round: no lane handed yet
+            self._handed = (self.prefix, {})
+        handed = self._handed[1]  # the event loop's: lanes come one by one
+        index = handed[rendezvous.sender] = handed.get(rendezvous.sender, -1) + 1
         # On the send pool, not the event loop: a rank's part plan may list 20k parts.
         return _Lane(rendezvous, run_in(self._send_pool, self.follow_rank(rendezvous, prepared.owners, abort, index)),
                      abort)

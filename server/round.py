@@ -206,9 +206,10 @@ def sender_lanes(transport: int, members: list[EngineRecord], trainer_host_id: s
         same_host = bool(trainer_host_id) and all(r.state.host_id == trainer_host_id for r in members)
         shm = common_pb2.TRANSPORT_KIND_SHM
         if trainer_host_id and not same_host:
+            layout = plan_lanes(transport, members, trainer_host_id)  # one, for every sender
             return [LanePlan(f"{lane.name}/sender{s}", lane.transport, lane.receivers, relayed_by=lane.relayed_by,
                              serves=lane.serves, sender=s)
-                    for s in senders for lane in plan_lanes(transport, members, trainer_host_id)]
+                    for s in senders for lane in layout]
         transport = shm if same_host and transports.available(shm) else common_pb2.TRANSPORT_KIND_GLOO
     receivers = [r.engine_id for r in sorted(members, key=lambda r: r.engine_id)]
     name = transports.KIND_NAMES[transport]
