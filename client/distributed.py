@@ -11,9 +11,10 @@ call. One logical call is one round:
   its owners (``weightsync.sharding``): which rank sends which rows.
 - every rank sends its own parts on its own lanes (its own groups, buckets, pipeline),
   at once; engines receive every rank's lane into their full tensors. Every rank's
-  lanes are laid out alike: with ``auto``, from ranks on one host to engines on
-  several, shm to the engines on the ranks' host and gloo to one relay on every other
-  host with several engines, which re-shares the rank's parts over its host's shm.
+  lanes are laid out as one trainer's from its own host: with ``auto``, shm to the
+  engines on that host and gloo to one relay on every other host with several
+  engines, which re-shares the rank's parts over its host's shm (the ranks on one
+  host or on several).
 - the ranks meet at rank 0's rendezvous store (authenticated; its address and secret
   go to the other ranks once, over the trainer's own process group, at ``start``):
   each rank says what it holds, rank 0 hands each its lanes and part layout, each says
@@ -43,7 +44,7 @@ deadline), received into full tensors rank 0 keeps while the plan stays -- a ful
 of the model in rank 0's host memory -- and rank 0 then runs a plain round with them.
 ``gather=True`` does the same for the other transports: rank 0's round is then a
 single trainer's, with ``auto``'s host relays (one network copy per remote host,
-re-shared there over shm), as a sharded ``auto`` round from ranks on one host has too.
+re-shared there over shm), as a sharded ``auto`` round has too.
 A gather that fails ends the call on every rank with the same typed error and changes
 nothing in any engine. ``verify_digest`` checks the gathered parts against the hashes
 each rank took of what it holds, then has the engines check the full tensors' digest.
@@ -249,14 +250,14 @@ class _ShardedDriver(TrainerClient):
             return super()._trainer_host_id()
         return self.common_host
 
-    def _resolved(self, kind):
-        """``auto`` from ranks on different hosts is gloo: no host holds every rank's
-        memory, so no engine can read all of them over shm (and the coordinator plans
-        ``auto`` from the one host id a trainer gives). Gathered, this rank alone sends:
-        ``auto`` as for one trainer."""
-        if kind == common_pb2.TRANSPORT_KIND_AUTO and not self.common_host and not self.owner.gathers:
-            return common_pb2.TRANSPORT_KIND_GLOO
-        return kind
+    def _sender_host_ids(self) -> list[str]:
+        """Ranks on several hosts, sharded: every rank's host, by rank, so that each
+        rank's lanes are laid out from its own host (shm to the engines there, a relay
+        on every other host with several engines). On one host ``trainer_host_id`` says
+        it (as an older coordinator understands it too); gathered, rank 0 alone sends."""
+        if self.owner.gathers or self.common_host:
+            return []
+        return [self.rank_hosts[rank] for rank in range(self.owner.world_size)]
 
     def _prepare(self, named_tensors, with_digest: bool, attest=None, *, addresses: bool = False) -> _Prepared:
         _refuse_a_function_as_probe(attest)
@@ -386,15 +387,15 @@ class DistributedTrainerClient(AsyncClient):
         group: the trainer's torch.distributed process group (default: the world).
             Used once, at ``start``, to share rank 0's store address; never during a
             round.
-        transport: ``"auto"`` (shm when every rank and engine share one host; from
-            ranks on one host, shm to the engines there and a relay on every other
-            host with several engines; from ranks on several hosts, gloo), ``"gloo"``, ``"shm"``, or ``"group"`` (one sender, for SGLang: the
+        transport: ``"auto"`` (each rank: shm to the engines on its host and a relay
+            on every other host with several engines), ``"gloo"``, ``"shm"``, or
+            ``"group"`` (one sender, for SGLang: the
             ranks' parts are gathered into rank 0 first; see the module's docstring).
         gather: gather the ranks' parts into rank 0 before each round, which then
             sends the full tensors as one trainer does (default: only for
             ``"group"``, which needs it). With ``"auto"``: shm to the engines on rank
             0's host and a relay on every other host with several engines, as a
-            sharded ``auto`` round from ranks on one host does without gathering; it
+            sharded ``auto`` round does without gathering; it
             costs a full copy of the model in rank 0's host memory and the gather's
             time. Give every rank the same.
         host: address engines (and the other ranks) reach this rank at: its end of

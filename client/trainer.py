@@ -449,8 +449,9 @@ class TrainerClient(AsyncClient):
             addresses = kind in _ADDRESSED_KINDS
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest,
                                              addresses=addresses)
-            kind = self._resolved(kind)
-            trainer_host = self._trainer_host_id() if kind == common_pb2.TRANSPORT_KIND_AUTO else ""
+            auto = kind == common_pb2.TRANSPORT_KIND_AUTO
+            trainer_host = self._trainer_host_id() if auto else ""
+            sender_hosts = self._sender_host_ids() if auto else []
             # Built on the worker thread too: a request with the whole plan lists every tensor.
             by_reference = prepared.plan.plan_id in self._plans_sent
             request = await self._in_thread(lambda: coordinator_pb2.BroadcastRequest(
@@ -458,6 +459,7 @@ class TrainerClient(AsyncClient):
                 plan=prepared.plan.reference_proto() if by_reference else prepared.plan.to_proto(),
                 store_host=self.host, store_port=store_port, store_secret=secret, weights_digest=prepared.digest,
                 group_backend=prepared.group_backend(kind), trainer_host_id=trainer_host,
+                sender_host_ids=sender_hosts,
                 group_layout=self.group_layout if kind == common_pb2.TRANSPORT_KIND_GROUP else "",
                 probe=prepared.probe.to_proto() if prepared.probe is not None else None,
                 owners=prepared.owners.to_proto() if prepared.owners is not None else None))
@@ -543,14 +545,15 @@ class TrainerClient(AsyncClient):
         if self._store_host is not None:
             self._store_host.set(session_key(rendezvous, "abort"), why)
 
-    def _resolved(self, kind: common_pb2.TransportKind.ValueType) -> common_pb2.TransportKind.ValueType:
-        """The transport the round asks for, once its tensors are prepared (a sharded
-        trainer's ranks have then said where they run)."""
-        return kind
-
     def _trainer_host_id(self) -> str:
         """The host id ``auto`` compares engines' with (shm for engines on this host)."""
         return host_id()
+
+    def _sender_host_ids(self) -> list[str]:
+        """``auto``, a sharded trainer whose ranks run on several hosts: each rank's host
+        id, by rank (asked once the tensors are prepared, when the ranks have said where
+        they run). One process: none, ``trainer_host_id`` says it."""
+        return []
 
     def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
         """A lane another trainer rank sends (a sharded trainer: see DistributedTrainerClient)."""

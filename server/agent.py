@@ -559,8 +559,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     def _sender_lanes(self, request, plan: BucketPlan) -> tuple[tuple[SenderLane, ...], Owners]:
         """A sharded trainer's round: who sends which parts (they must cover every tensor
-        once) and the lane this engine receives each sender in, all of one transport and
-        size, this engine at one rank."""
+        once) and the lane this engine receives each sender in (gloo or shm, each its
+        own), all of one size, this engine at one rank."""
         if request.HasField("relay"):
             raise InvalidArgument("a round from several senders is not relayed")
         owners = Owners.from_proto(request.owners, plan)
@@ -569,8 +569,10 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             lane = parts.lane
             if lane.transport not in (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM):
                 raise InvalidArgument("a round from several senders takes gloo or shm lanes")
-            if lane.transport != request.rendezvous.transport or lane.world_size != request.rendezvous.world_size:
-                raise InvalidArgument(f"sender {parts.sender}'s lane differs from the round's transport or size")
+            # Each sender's lane may be of its own transport (shm from a rank on this host,
+            # gloo from one elsewhere), but every lane holds this engine at the same rank.
+            if lane.world_size != request.rendezvous.world_size:
+                raise InvalidArgument(f"sender {parts.sender}'s lane differs from the round's size")
             if not lane.group_id or not lane.session_id or not lane.store_host or lane.sender != parts.sender:
                 raise InvalidArgument(f"sender {parts.sender}'s lane needs group_id, session_id, store_host and "
                                       "its sender rank")

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -130,8 +130,10 @@ class BroadcastSetup:
     def __post_init__(self) -> None:
         # Each engine receives in exactly one lane (a relay's upstream lane is not its own),
         # from its first rank; its workers take the ranks after it. With several senders
-        # it receives in one lane of every sender (their layouts are alike), at the same
-        # rank in each; lane_of is sender 0's.
+        # it receives in one lane of every sender, at the same rank in each (every lane
+        # holds one host's engines in engine-id order, or all of them); the transports
+        # may differ (shm from a rank on its host, gloo or a relay from one on another);
+        # lane_of is sender 0's.
         receiving = [lane for lane in self.lanes if not is_relay_upstream(lane)]
         self.lane_of = {}
         self.lane_by_sender: dict[str, dict[int, common_pb2.Rendezvous]] = {}
@@ -192,24 +194,31 @@ class LanePlan:
 
 
 def sender_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str,
-                 senders: list[int]) -> list[LanePlan]:
-    """A sharded trainer's lanes: every sending rank gets the same layout, each member
-    at the same rank in its lane of every sender. ``auto`` is shm when every member
-    shares the trainer's host (the trainer sets ``trainer_host_id`` only when all its
-    ranks do); with the ranks on one host and engines on others, each sender's lanes are
-    one trainer's (``plan_lanes``): shm on the ranks' host, and on every other host with
-    several engines a gloo lane to a relay there that re-shares over the host's shm, so
-    each rank's parts cross a remote host's link once, not once per engine there. Ranks
-    on several hosts (no ``trainer_host_id``), or a named transport: one lane per sender
-    over every member."""
+                 senders: list[int], sender_host_ids: Sequence[str] = ()) -> list[LanePlan]:
+    """A sharded trainer's lanes, each member at the same rank in its lane of every
+    sender. ``auto`` is one shm lane per sender when every sender and every member share
+    one host. Otherwise, where every sender's host is known (``sender_host_ids``, by
+    rank; without them ``trainer_host_id``, which the trainer sets only when all its
+    ranks share a host), each sender's lanes are one trainer's from its own host
+    (``plan_lanes``): shm to the engines there, and on every other host with several
+    engines a gloo lane to a relay there that re-shares over the host's shm, so each
+    rank's parts cross a remote host's link once, not once per engine there. Each lane
+    holds one host's engines in engine-id order, so an engine's rank is the same in
+    every sender's lane. A sender of unknown host, or a named transport: one lane per
+    sender over every member."""
     if transport == common_pb2.TRANSPORT_KIND_AUTO:
-        same_host = bool(trainer_host_id) and all(r.state.host_id == trainer_host_id for r in members)
+        hosts = {s: sender_host_ids[s] if sender_host_ids else trainer_host_id for s in senders}
         shm = common_pb2.TRANSPORT_KIND_SHM
-        if trainer_host_id and not same_host:
-            layout = plan_lanes(transport, members, trainer_host_id)  # one, for every sender
+        one_host = next(iter(hosts.values())) if len(set(hosts.values())) == 1 else ""
+        same_host = bool(one_host) and all(r.state.host_id == one_host for r in members)
+        if all(hosts.values()) and not same_host:
+            layouts: dict[str, list[LanePlan]] = {}  # one per senders' host
+            for host in hosts.values():
+                if host not in layouts:
+                    layouts[host] = plan_lanes(transport, members, host)
             return [LanePlan(f"{lane.name}/sender{s}", lane.transport, lane.receivers, relayed_by=lane.relayed_by,
                              serves=lane.serves, sender=s)
-                    for s in senders for lane in layout]
+                    for s in senders for lane in layouts[hosts[s]]]
         transport = shm if same_host and transports.available(shm) else common_pb2.TRANSPORT_KIND_GLOO
     receivers = [r.engine_id for r in sorted(members, key=lambda r: r.engine_id)]
     name = transports.KIND_NAMES[transport]
@@ -446,10 +455,17 @@ class SyncRound:
         plan = BucketPlan.from_proto(request.plan)
         if request.transport not in transports.KIND_NAMES:
             raise InvalidArgument(f"unknown transport {request.transport}")
-        if request.transport == common_pb2.TRANSPORT_KIND_AUTO and not request.trainer_host_id:
-            raise InvalidArgument("the auto transport needs trainer_host_id (the trainer's host id)")
+        if request.transport == common_pb2.TRANSPORT_KIND_AUTO and not (request.trainer_host_id
+                                                                        or request.sender_host_ids):
+            raise InvalidArgument("the auto transport needs trainer_host_id (the trainer's host id), or a "
+                                  "sharded trainer's sender_host_ids")
         if len(request.trainer_host_id) > 64:
             raise InvalidArgument("trainer_host_id is at most 64 characters")
+        if request.sender_host_ids:
+            if not request.HasField("owners"):
+                raise InvalidArgument("sender_host_ids apply to a sharded trainer's round (owners) only")
+            if any(not h or len(h) > 64 for h in request.sender_host_ids):
+                raise InvalidArgument("every sender_host_ids entry is a host id of 1 to 64 characters")
         if request.group_backend not in ("", "gloo", "nccl"):
             raise InvalidArgument(f"group_backend must be gloo or nccl, got {request.group_backend!r}")
         if request.group_backend and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
@@ -472,6 +488,9 @@ class SyncRound:
             if request.transport not in SENDER_TRANSPORTS:
                 raise InvalidArgument("a sharded trainer's round (owners) takes transport gloo, shm or auto")
             owners = Owners.from_proto(request.owners, plan)
+            if request.sender_host_ids and len(request.sender_host_ids) <= max(owners.sender_ranks):
+                raise InvalidArgument(f"sender_host_ids lists {len(request.sender_host_ids)} ranks' hosts; the "
+                                      f"owners name sender rank {max(owners.sender_ranks)}")
         if request.version <= self.weight_version:
             raise FailedPrecondition(f"version {request.version} is not newer than the current version "
                                      f"{self.weight_version}", reason="VERSION_NOT_NEWER")
@@ -493,7 +512,8 @@ class SyncRound:
         taking_part = {r.engine_id for r in members}
         widths = {r.engine_id: max(1, r.state.workers) for r in members}
         if owners is not None:
-            layout = sender_lanes(request.transport, members, request.trainer_host_id, owners.sender_ranks)
+            layout = sender_lanes(request.transport, members, request.trainer_host_id, owners.sender_ranks,
+                                  request.sender_host_ids)
         else:
             layout = plan_lanes(request.transport, members, request.trainer_host_id)
         group_id = await self._group_id(request, members, layout, widths)

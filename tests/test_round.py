@@ -210,12 +210,14 @@ def test_a_sharded_trainer_gets_one_layout_per_sending_rank_and_each_engine_its_
                     sender_lanes(auto, local, "", [0, 1]),  # the ranks are on several hosts
                     sender_lanes(auto, local, "host-b", [0]),
                     sender_lanes(auto, records, "host-a", [0, 1]),
-                    sender_lanes(common_pb2.TRANSPORT_KIND_GLOO, records, "host-a", [0, 1]))
+                    sender_lanes(common_pb2.TRANSPORT_KIND_GLOO, records, "host-a", [0, 1]),
+                    sender_lanes(auto, records, "", [0, 1], ["host-a", "host-b"]),  # a rank on a, one on b
+                    sender_lanes(auto, local, "", [0, 1], ["host-a", "host-a"]))
         finally:
             for record in registry.all():
                 await record.channel.close(grace=None)
 
-    same_host, ranks_apart, engines_apart, fleet, named = asyncio.run(layouts())
+    same_host, ranks_apart, engines_apart, fleet, named, spread, told_one_host = asyncio.run(layouts())
     shm_kind, gloo_kind = common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_GLOO
     assert same_host == [LanePlan(f"shm/sender{s}", shm_kind, ["e0", "e1"], sender=s) for s in (0, 1, 3)]
     assert ranks_apart == [LanePlan(f"gloo/sender{s}", gloo_kind, ["e0", "e1"], sender=s) for s in (0, 1)]
@@ -232,6 +234,40 @@ def test_a_sharded_trainer_gets_one_layout_per_sending_rank_and_each_engine_its_
         LanePlan(f"gloo@host-c/sender{s}", gloo_kind, ["c0"], sender=s))]
     assert named == [LanePlan(f"gloo/sender{s}", gloo_kind, ["b0", "b1", "c0", "e0", "e1"], sender=s)
                      for s in (0, 1)]  # a named transport: one lane per sender over every engine
+    # Ranks on two hosts, each host named: each rank's lanes are laid out from its own
+    # host (rank 1 reads into b's engines over shm, and reaches host a through a relay).
+    assert spread == fleet[:4] + [
+        LanePlan("gloo@host-a/sender1", gloo_kind, ["e0"], relayed_by="e0", serves=["e0", "e1"], sender=1),
+        LanePlan("shm@host-a/sender1", shm_kind, ["e0", "e1"], relayed_by="e0", sender=1),
+        LanePlan("shm/sender1", shm_kind, ["b0", "b1"], sender=1),
+        LanePlan("gloo@host-c/sender1", gloo_kind, ["c0"], sender=1)]
+    assert told_one_host == same_host[:2]  # every rank named on the engines' host: shm, as with trainer_host_id
+
+
+def test_an_engine_of_ranks_on_two_hosts_is_told_each_senders_own_transport_at_one_rank():
+    """Rank 0 on host a, rank 1 on host b: a0 takes rank 0 over shm and rank 1 over
+    gloo; b's engines take rank 0 through their relay b0 and rank 1 over shm; every
+    engine at one rank in all its lanes, and only b0 told to forward (rank 0's lane)."""
+    plan = BucketPlan.from_tensors([("w", torch.zeros(4, 2))], bucket_bytes=1 << 20)
+    owners = Owners(plan, [SenderParts(s, np.array([0], dtype=np.int32), np.array([start], dtype=np.int64),
+                                       np.array([2], dtype=np.int64)) for s, start in ((0, 0), (1, 2))])
+    gloo, shm = common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM
+    layout = ((0, "shm", shm, ["a0"], ""), (0, "gloo@b", gloo, ["b0", "b1"], "b0"), (0, "shm@b", shm, ["b0", "b1"], "b0"),
+              (1, "gloo@a", gloo, ["a0"], ""), (1, "shm", shm, ["b0", "b1"], ""))
+    lanes = [common_pb2.Rendezvous(lane=f"{name}/sender{s}", session_id=f"s{i}", transport=kind, engine_ids=engines,
+                                   relayed_by=relay, sender=s)
+             for i, (s, name, kind, engines, relay) in enumerate(layout)]
+    setup = BroadcastSetup(plan, [], [], lanes, 10.0, {"a0": 1, "b0": 1, "b1": 1}, owners)
+    told = {e: setup.owners_for(e) for e in ("a0", "b0", "b1")}
+    assert [(p.lane.lane, p.lane.transport) for p in told["a0"].senders] == [("shm/sender0", shm),
+                                                                              ("gloo@a/sender1", gloo)]
+    for engine in ("b0", "b1"):
+        assert [(p.lane.lane, p.lane.transport) for p in told[engine].senders] == [("shm@b/sender0", shm),
+                                                                                    ("shm/sender1", shm)]
+    assert setup.ranks == {"a0": 1, "b0": 1, "b1": 2}
+    assert [p.relay.lane for p in told["b0"].senders if p.HasField("relay")] == ["gloo@b/sender0"]
+    assert not any(p.HasField("relay") for e in ("a0", "b1") for p in told[e].senders)
+    assert setup.lane_of["b1"].lane == "shm@b/sender0"  # what an engine reports: its lane of rank 0
 
 
 def test_each_engine_of_a_sharded_round_is_told_its_own_lane_of_every_sender_and_a_relay_what_it_forwards():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from weightsync.engine.model import PRESETS, ReferenceLM, config_for_size
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.packing import weights_digest
 from weightsync.plan import BucketPlan
+from weightsync.sharding import Owners, SenderParts
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -198,3 +200,39 @@ async def test_a_compiled_models_names_are_refused_with_the_wrapper_named(cluste
         assert [e.weights_digest for e in after.engines] == [e.weights_digest for e in before.engines]
         assert not any(e.paused or e.torn for e in after.engines)
         assert (await client.update_weights(compiled._orig_mod.named_parameters(), version=1, timeout_s=30)).ok
+
+
+async def test_a_bad_sender_host_list_is_refused_and_changes_nothing(cluster):
+    """sender_host_ids (auto, a sharded trainer on several hosts): only with owners, a
+    host id of 1 to 64 characters for every rank up to the last sender; auto needs it
+    or trainer_host_id. Each refused before any engine is asked."""
+    plan = BucketPlan.from_tensors(named(ReferenceLM(PRESETS["tiny"])))
+    whole = [(i, max(1, shape[0]) if shape else 1) for i, shape in enumerate(plan.shapes)]
+    owners = Owners(plan, [SenderParts(s, np.array([i for i, _ in whole[s::2]], dtype=np.int32),
+                                       np.zeros(len(whole[s::2]), dtype=np.int64),
+                                       np.array([rows for _, rows in whole[s::2]], dtype=np.int64))
+                           for s in (0, 1)]).to_proto()
+    async with TrainerClient(cluster.address) as client:
+        before = await client.get_state(include_digests=True)
+        await client.pause()
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for hosts, with_owners, expected in ((["host-a", "host-b"], False, "owners"),
+                                                 (["host-a", ""], True, "1 to 64"),
+                                                 (["host-a", "h" * 65], True, "1 to 64"),
+                                                 (["host-a"], True, "sender rank 1"),
+                                                 ([], True, "needs trainer_host_id")):
+                call = stub.Broadcast(coordinator_pb2.BroadcastRequest(
+                    idempotency_key=f"hosts-{len(hosts)}-{with_owners}-{expected[:3]}", version=1,
+                    plan=plan.to_proto(), transport=common_pb2.TRANSPORT_KIND_AUTO, store_host="127.0.0.1",
+                    store_port=1234, sender_host_ids=hosts, owners=owners if with_owners else None), timeout=10)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in call:
+                        pass
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (hosts, info.value.details())
+                assert expected in info.value.details(), (hosts, info.value.details())
+        await client.resume()
+        after = await client.get_state(include_digests=True)
+    assert after.weight_version == 0
+    assert [e.weights_digest for e in after.engines] == [e.weights_digest for e in before.engines]
+    assert not any(e.paused or e.torn for e in after.engines)

@@ -102,6 +102,7 @@ class BroadcastRequest(_message.Message):
     TRAINER_HOST_ID_FIELD_NUMBER: _builtins.int
     OWNERS_FIELD_NUMBER: _builtins.int
     GROUP_LAYOUT_FIELD_NUMBER: _builtins.int
+    SENDER_HOST_IDS_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     transport: _common_pb2.TransportKind.ValueType
@@ -130,6 +131,14 @@ class BroadcastRequest(_message.Message):
     def owners(self) -> _common_pb2.Owners:
         """a sharded trainer: which rank sends which parts (one lane per rank)"""
 
+    @_builtins.property
+    def sender_host_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """or "auto" (flattened when every engine of the round takes it)
+        auto, a sharded trainer (owners): each rank's host id, by rank (entry r is rank r's).
+        Every sender's lanes are then laid out from its own host: shm to the engines there,
+        a relay on every other host with several engines. Empty: trainer_host_id for all.
+        """
+
     def __init__(
         self,
         *,
@@ -147,10 +156,11 @@ class BroadcastRequest(_message.Message):
         trainer_host_id: _builtins.str = ...,
         owners: _common_pb2.Owners | None = ...,
         group_layout: _builtins.str = ...,
+        sender_host_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["owners", b"owners", "plan", b"plan", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_layout", b"group_layout", "idempotency_key", b"idempotency_key", "owners", b"owners", "plan", b"plan", "probe", b"probe", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_layout", b"group_layout", "idempotency_key", b"idempotency_key", "owners", b"owners", "plan", b"plan", "probe", b"probe", "sender_host_ids", b"sender_host_ids", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
