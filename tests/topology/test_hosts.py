@@ -247,18 +247,22 @@ def test_a_sharded_trainers_ranks_on_one_host_send_each_part_once_to_every_other
         assert 0.95 * payload <= got <= 1.3 * payload, (host.name, got / payload)
 
 
+@pytest.mark.parametrize("ranks_on", ["a,a", "a,b"])
 def test_a_relay_killed_mid_round_of_a_sharded_trainer_fails_its_hosts_engines_promptly_and_no_other(
-        fleet_factory, tmp_path):
+        fleet_factory, tmp_path, ranks_on):
     """As above, with host b's engines taking 0.3 s per bucket in round 2 and b-0's
-    agent (b's relay for both ranks' lanes) killed mid-transfer: b-0 and b-1 fail
-    (torn, b-1 not left waiting for its deadline), a-0, c-0 and c-1 end equal to the
-    trainer's model, and both ranks return the same failed result within seconds."""
+    agent killed mid-transfer: b-0 and b-1 fail (torn, b-1 not left waiting for its
+    deadline), a-0, c-0 and c-1 end equal to the trainer's model, and both ranks return
+    the same failed result within seconds. Ranks on a and a: b-0 is b's relay for both
+    ranks' lanes. Ranks on a and b: b-0 relays rank 0's lane, and rank 1 on b itself
+    reads into b-0 and b-1 over shm, while its lanes to a-0 and c's relay go on."""
     fleet = fleet_factory(faults={"b": {"op": "receive", "action": "delay", "seconds": 0.3, "version": 2,
                                         "times": 0}})
-    a = fleet.hosts["a"]
+    hosts = [fleet.hosts[name] for name in ranks_on.split(",")]
     with TrainerRanks(str(tmp_path / "ranks"), fleet.coordinator, 2,
                       ["--model", MODEL, "--rounds", "2", "--transport", "auto", "--timeout", "90",
-                       "--bucket-bytes", str(2**20), "--check-digests", "--verify-digest"], hosts=[a, a]) as ranks:
+                       "--bucket-bytes", str(2**20), "--check-digests", "--verify-digest"], hosts=hosts,
+                      env={"GLOO_SOCKET_IFNAME": "eth0"}) as ranks:
         first = ranks.wait_for(0, lambda line: line.get("round") == 1, 120)
         assert first["ok"] and first["digest_ok"], ranks.tail()
         _wait_for_text(os.path.join(fleet.folder, "b-1.log"), "'version': 2", 60)
