@@ -212,10 +212,7 @@ def sender_lanes(transport: int, members: list[EngineRecord], trainer_host_id: s
         one_host = next(iter(hosts.values())) if len(set(hosts.values())) == 1 else ""
         same_host = bool(one_host) and all(r.state.host_id == one_host for r in members)
         if all(hosts.values()) and not same_host:
-            layouts: dict[str, list[LanePlan]] = {}  # one per senders' host
-            for host in hosts.values():
-                if host not in layouts:
-                    layouts[host] = plan_lanes(transport, members, host)
+            layouts = {host: plan_lanes(transport, members, host) for host in set(hosts.values())}
             return [LanePlan(f"{lane.name}/sender{s}", lane.transport, lane.receivers, relayed_by=lane.relayed_by,
                              serves=lane.serves, sender=s)
                     for s in senders for lane in layouts[hosts[s]]]
