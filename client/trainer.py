@@ -383,17 +383,24 @@ class TrainerClient(AsyncClient):
     # ----- the three calls ---------------------------------------------------------------
 
     async def pause(self, *, mode: str = "keep", offload_kv: bool = False, required_engines: Iterable[str] = (),
-                    key: str | None = None, timeout_s: float | None = None) -> coordinator_pb2.PauseResponse:
+                    key: str | None = None, timeout_s: float | None = None, version: int = 0,
+                    sync_key: str = "") -> coordinator_pb2.PauseResponse:
         """Pauses every available engine (a new round). ``mode``: keep | abort | wait.
 
         Returns each engine's outcome; engines that failed to pause are left out of
         the round. Raises the (typed) failure when no engine paused at all.
+        ``version``: the version about to be broadcast; one that is not newer than the
+        fleet's is refused (``FailedPrecondition``, ``VERSION_NOT_NEWER``) before any
+        engine pauses. ``sync_key``: the logical sync (``update_weights``' key) this
+        Pause starts, so that the coordinator can tell a retry of the whole sync from
+        a Pause of its own.
         """
         if mode not in PAUSE_MODES:
             raise InvalidArgument(f"pause mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
         stub = self._ready()
         request = coordinator_pb2.PauseRequest(idempotency_key=key or new_key("pause"), mode=PAUSE_MODES[mode],
-                                               offload_kv=offload_kv, required_engines=list(required_engines))
+                                               offload_kv=offload_kv, required_engines=list(required_engines),
+                                               version=version, sync_key=sync_key)
         with deadline.scope(timeout_s, operation="pause"), deadline.operation("pause"):
             async def attempt(left):
                 request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
@@ -408,10 +415,12 @@ class TrainerClient(AsyncClient):
         return response
 
     async def resume(self, *, allow_torn: bool = False, key: str | None = None,
-                     timeout_s: float | None = None) -> coordinator_pb2.ResumeResponse:
-        """Resumes the round's engines; torn ones stay paused unless ``allow_torn``."""
+                     timeout_s: float | None = None, sync_key: str = "") -> coordinator_pb2.ResumeResponse:
+        """Resumes the round's engines; torn ones stay paused unless ``allow_torn``.
+        ``sync_key``: the logical sync this Resume ends (see ``pause``)."""
         stub = self._ready()
-        request = coordinator_pb2.ResumeRequest(idempotency_key=key or new_key("resume"), allow_torn=allow_torn)
+        request = coordinator_pb2.ResumeRequest(idempotency_key=key or new_key("resume"), allow_torn=allow_torn,
+                                                sync_key=sync_key)
         with deadline.scope(timeout_s, operation="resume"), deadline.operation("resume"):
             async def attempt(left):
                 request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
@@ -420,14 +429,15 @@ class TrainerClient(AsyncClient):
 
     async def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                         transport: str | None = None, key: str | None = None, timeout_s: float | None = None,
-                        verify_digest: bool = False, attest: AttestArg = None) -> SyncResult:
+                        verify_digest: bool = False, attest: AttestArg = None, sync_key: str = "") -> SyncResult:
         """Sends ``named_tensors`` as weight ``version`` to the paused engines.
 
         ``attest``: a ``Probe``, or a function returning one (``lambda:
         Probe.from_model(model, sequences)``), which the client calls on its worker
         thread, never on the event loop. Every engine then scores the probe after
         loading and before it may resume; ``EngineResult.attest_max_diff`` reports how
-        far each was from the trainer's log-probs.
+        far each was from the trainer's log-probs. ``sync_key``: the logical sync this
+        Broadcast belongs to (see ``pause``).
 
         Raises:
             EngineOutputMismatch: every failed engine loaded the bytes but computes
@@ -459,7 +469,7 @@ class TrainerClient(AsyncClient):
                 plan=prepared.plan.reference_proto() if by_reference else prepared.plan.to_proto(),
                 store_host=self.host, store_port=store_port, store_secret=secret, weights_digest=prepared.digest,
                 group_backend=prepared.group_backend(kind), trainer_host_id=trainer_host,
-                sender_host_ids=sender_hosts,
+                sender_host_ids=sender_hosts, sync_key=sync_key,
                 group_layout=self.group_layout if kind == common_pb2.TRANSPORT_KIND_GROUP else "",
                 probe=prepared.probe.to_proto() if prepared.probe is not None else None,
                 owners=prepared.owners.to_proto() if prepared.owners is not None else None))
@@ -677,10 +687,13 @@ class TrainerClient(AsyncClient):
                              key: str | None = None) -> SyncResult:
         """Pause -> Broadcast -> Resume. Returns the broadcast's SyncResult with timings.
 
-        ``key``: the idempotency key of this logical sync (default: a new one). Its
-        three steps use keys derived from it, so a trainer that restarts and calls
-        ``update_weights`` again with the same key and the same weights and version
-        gets the first run's outcome, and no step runs twice.
+        ``key``: the idempotency key of this logical sync (default: a new one). Called
+        again with the same key, weights, version and mode -- after a cancelled call, or
+        from a trainer restarted after a SIGKILL, wherever the first call stopped -- it
+        ends with every available engine at ``version``, or returns (raises) the first
+        call's outcome if that call had finished; a transfer that completed never runs
+        again. The coordinator keeps the sync's attempts under the key
+        (``docs/architecture.md``, "One logical sync").
 
         ``attest`` (see ``broadcast``): engines prove they compute with the new weights
         before they resume; one that does not stays paused and torn, and this raises
@@ -689,8 +702,11 @@ class TrainerClient(AsyncClient):
         Do not modify the tensors until this returns: they are read on the worker thread.
         """
         started = time.monotonic()
-        keys = {step: derive_key(validate_key(key), step) if key else new_key(step)
-                for step in ("pause", "broadcast", "resume")}
+        if version <= 0:
+            raise InvalidArgument("version must be a positive integer")
+        sync_key = validate_key(key) if key else new_key("sync")
+        keys = {step: derive_key(sync_key, step) for step in ("pause", "broadcast", "resume")}
+        keys["sync"] = sync_key
         probe = LoopLagProbe().start() if self.measure_loop_lag else None
         try:
             result = await self._update_weights(named_tensors, version=version, transport=transport, mode=mode,
@@ -717,12 +733,12 @@ class TrainerClient(AsyncClient):
                 t0 = time.monotonic()
                 try:
                     paused = await self.pause(mode=mode, offload_kv=offload_kv, required_engines=required_engines,
-                                              key=keys["pause"])
+                                              key=keys["pause"], version=version, sync_key=keys["sync"])
                 except (WeightSyncError, asyncio.CancelledError) as exc:
                     # Release the engines that did pause -- also when the caller cancelled:
                     # the coordinator finishes a Pause it started, and nothing else would
                     # ever resume those engines.
-                    await self._resume_after(exc, keys["resume"])
+                    await self._resume_after(exc, keys)
                     raise
                 pause_s = time.monotonic() - t0
                 skipped = tuple(EngineResult.from_proto(o) for o in paused.engines if not o.ok)
@@ -731,13 +747,14 @@ class TrainerClient(AsyncClient):
             try:
                 with deadline.operation("broadcast"):
                     result = await self.broadcast(named_tensors, version=version, transport=transport,
-                                                  verify_digest=verify_digest, attest=attest, key=keys["broadcast"])
+                                                  verify_digest=verify_digest, attest=attest, key=keys["broadcast"],
+                                                  sync_key=keys["sync"])
             except BaseException as exc:
                 primary = exc
                 raise
             finally:
                 t1 = time.monotonic()
-                resumed = await self._resume_after(primary, keys["resume"])
+                resumed = await self._resume_after(primary, keys)
                 resume_s = time.monotonic() - t1
         assert result is not None
         return SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
@@ -745,14 +762,14 @@ class TrainerClient(AsyncClient):
                           resume_seconds=resume_s, total_seconds=time.monotonic() - started,
                           resumed=tuple(resumed), skipped=skipped)
 
-    async def _resume_after(self, primary: BaseException | None, key: str) -> list[str]:
+    async def _resume_after(self, primary: BaseException | None, keys: dict[str, str]) -> list[str]:
         """Resume that always runs, with at least ``resume_grace_s`` even if the sync's
         deadline is spent: engines must not stay paused because the trainer ran late."""
         left = deadline.remaining()
         budget = max(left or 0.0, self.resume_grace_s)
         try:
             with deadline.fresh(budget, operation="resume"), deadline.operation("resume"):
-                response = await self.resume(key=key)
+                response = await self.resume(key=keys["resume"], sync_key=keys["sync"])
         except WeightSyncError as exc:
             if primary is None:
                 raise

@@ -36,7 +36,8 @@ from weightsync.security import INSECURE, Security
 from weightsync.server.agent_calls import call_agent
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry, unreachable_reason
-from weightsync.server.round import SyncRound
+from weightsync.server.round import DEFAULT_PAUSE_TIMEOUT_S, SyncRound
+from weightsync.server.sync_ledger import SyncLedger, attempt_key
 from weightsync.server.serving import WILDCARD_HOSTS
 from weightsync.statedb import StateDB
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -82,8 +83,9 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         self._load()
         # An agent's next heartbeat after a restart comes within its interval plus the
         # channel's reconnect backoff (at most 1 s); the heartbeat timeout bounds both.
+        self.ledger = SyncLedger(db, retention_s=idempotency_retention_s, max_records=idempotency_max_records)
         self.round = SyncRound(db, self.registry, emit=self.emit, rejoin_window_s=heartbeat_timeout_s + 1.0,
-                               faults=faults)
+                               ledger=self.ledger, faults=faults)
 
     # ----- persistent state -------------------------------------------------------------
 
@@ -120,8 +122,26 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     # ----- Pause ------------------------------------------------------------------------
 
     async def Pause(self, request, context):
-        return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self.idempotency.execute(
-            request.idempotency_key, "pause", request, lambda: self.round.pause(request), coordinator_pb2.PauseResponse))
+        return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self._pause(request))
+
+    async def _pause(self, request) -> coordinator_pb2.PauseResponse:
+        """A Pause under its key -- under the key of its attempt when it starts a logical
+        sync (``sync_key``; ``server/sync_ledger.py``)."""
+        validate_key(request.idempotency_key)
+        sync = None
+        if request.sync_key:
+            validate_key(request.sync_key)
+            # A Broadcast still running (its trainer may have died mid-transfer) decides
+            # by its result whether this Pause continues its attempt or starts the next.
+            await self.round.wait_idle(request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S)
+            attempt = self.ledger.attempt_for_pause(request.sync_key, round_id=self.round.round_id,
+                                                    phase=self.round.phase)
+            request.idempotency_key = attempt_key(request.idempotency_key, attempt)
+            OPERATION_KEY.set(request.idempotency_key)
+            sync = (request.sync_key, attempt)
+        return await self.idempotency.execute(request.idempotency_key, "pause", request,
+                                              lambda: self.round.pause(request, sync=sync),
+                                              coordinator_pb2.PauseResponse)
 
     # ----- Broadcast --------------------------------------------------------------------
 
@@ -135,6 +155,15 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         # that attaches to it -- gets its progress events, the ones so far included;
         # but only once the idempotency store accepted the request as the same one (a
         # conflicting request must never see another round's rendezvous).
+        sync = None
+        if request.sync_key:
+            try:
+                validate_key(request.sync_key)
+            except WeightSyncError as exc:
+                await abort_with(context, exc)
+            attempt = self.ledger.attempt(request.sync_key)
+            request.idempotency_key = attempt_key(request.idempotency_key, attempt)
+            sync = (request.sync_key, attempt)
         key = request.idempotency_key
         progress: asyncio.Queue[coordinator_pb2.BroadcastEvent] = asyncio.Queue()
         subscribed: list[BroadcastProgress] = []
@@ -150,7 +179,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 del self._progress[key]
 
         try:
-            operation = asyncio.ensure_future(self._guard_broadcast(request, accepted))
+            operation = asyncio.ensure_future(self._guard_broadcast(request, accepted, sync))
             operation.add_done_callback(forget_channel)
             while True:
                 getter = asyncio.ensure_future(progress.get())
@@ -177,14 +206,15 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             return
         yield coordinator_pb2.BroadcastEvent(result=result)
 
-    async def _guard_broadcast(self, request, accepted: Callable[[], None]) -> coordinator_pb2.BroadcastResult:
+    async def _guard_broadcast(self, request, accepted: Callable[[], None],
+                               sync: tuple[str, int] | None) -> coordinator_pb2.BroadcastResult:
         OPERATION_KEY.set(request.idempotency_key)  # this task's context; the operation's task copies it
         if not self.accepting:
             raise EngineUnavailable("coordinator is shutting down", reason="SHUTTING_DOWN")
         async def run() -> coordinator_pb2.BroadcastResult:
             channel = self._progress[request.idempotency_key]
             try:
-                return await self.round.broadcast(request, channel)
+                return await self.round.broadcast(request, channel, sync=sync)
             finally:
                 channel.finish()
 
@@ -194,10 +224,26 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
     # ----- Resume -----------------------------------------------------------------------
 
     async def Resume(self, request, context):
-        return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self.idempotency.execute(
-            request.idempotency_key, "resume", request, lambda: self.round.resume(request),
+        return await self._guard(context, key=request.idempotency_key, coro_fn=lambda: self._resume(request))
+
+    async def _resume(self, request) -> coordinator_pb2.ResumeResponse:
+        validate_key(request.idempotency_key)
+        sync = None
+        if request.sync_key:
+            validate_key(request.sync_key)
+            record = self.ledger.get(request.sync_key)
+            sync = (request.sync_key, record.attempt if record is not None else 1)
+            if record is None:
+                # No Pause of this sync has finished (a cancel that came during it): a
+                # Resume runs safely again, and recording it would make the retry's own
+                # Resume replay this one instead of releasing the retry's round.
+                return await self.round.resume(request, sync=sync)
+            request.idempotency_key = attempt_key(request.idempotency_key, record.attempt)
+            OPERATION_KEY.set(request.idempotency_key)
+        return await self.idempotency.execute(
+            request.idempotency_key, "resume", request, lambda: self.round.resume(request, sync=sync),
             # Paused engines serve nothing: a Resume runs even when the disk cannot record it.
-            coordinator_pb2.ResumeResponse, record_optional=True))
+            coordinator_pb2.ResumeResponse, record_optional=True)
 
     # ----- registry ---------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from weightsync.retry import RetryPolicy, retry
 from weightsync.server.agent_calls import call_agent, engine_error
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry
+from weightsync.server.sync_ledger import SyncLedger
 from weightsync.sharding import Owners
 from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.transport import AUTO_LAYOUT, FLATTENED, LAYOUTS, TENSORS, is_relay_upstream
@@ -276,12 +277,15 @@ class SyncRound:
         emit: the coordinator's event stream.
         rejoin_window_s: after a restart, how long a round waits for known engines'
             first heartbeats before deciding on its members.
+        ledger: the logical syncs (``update_weights``' keys) whose steps this round
+            records, each under the lock, in the order they happened.
         faults: test-only fault injection.
     """
 
     def __init__(self, db: StateDB, registry: EngineRegistry, *, emit: Emit, rejoin_window_s: float,
-                 faults: FaultInjector | None = None) -> None:
+                 ledger: SyncLedger | None = None, faults: FaultInjector | None = None) -> None:
         self.db = db
+        self.ledger = ledger
         self.registry = registry
         self.emit = emit
         self.faults = faults
@@ -356,14 +360,42 @@ class SyncRound:
                 return
             await asyncio.sleep(0.05)
 
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Waits (at most ``timeout_s``) until no step of a round is running."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self.lock:
+                    pass
+        except TimeoutError:
+            pass  # the caller's own step queues on the lock, under its own deadline
+
+    async def _record_sync(self, sync: tuple[str, int] | None, step: str, ok: bool = False) -> None:
+        """Tells the ledger how far the logical sync ``sync`` (key, attempt) got."""
+        if sync is None or self.ledger is None:
+            return
+        key, attempt = sync
+        if step == "pause":
+            await self.ledger.paused(key, attempt, self.round_id)
+        elif step == "broadcast":
+            await self.ledger.broadcast_done(key, attempt, ok)
+        else:
+            await self.ledger.resumed(key, attempt)
+
     # ----- pause ------------------------------------------------------------------------
 
-    async def pause(self, request: coordinator_pb2.PauseRequest) -> coordinator_pb2.PauseResponse:
+    async def pause(self, request: coordinator_pb2.PauseRequest, *,
+                    sync: tuple[str, int] | None = None) -> coordinator_pb2.PauseResponse:
         check_pause_mode(request.mode)
         check_timeout(request.timeout_s)
         timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
         async with self.lock:
             with nothing_changed():
+                if request.version and request.version <= self.weight_version:
+                    # Before any engine pauses: a round that could only be refused later.
+                    raise FailedPrecondition(
+                        f"version {request.version} is not newer than the fleet's version {self.weight_version}: "
+                        f"nothing was paused; sync a version above {self.weight_version}",
+                        reason="VERSION_NOT_NEWER")
                 members = await self._pause_members(request, timeout_s)
 
             def call(record: EngineRecord):
@@ -383,6 +415,8 @@ class SyncRound:
             self.round_engines = [o.engine_id for o in outcomes if o.ok]
             self.phase = "paused" if self.round_engines else "idle"
             await self.save_after_change("a pause")
+            if self.round_engines:
+                await self._record_sync(sync, "pause")
             self._report("pause", outcomes, ok=bool(self.round_engines))
             metrics.ROUND_ID.set(self.round_id)
             await self.emit("paused", round_id=self.round_id, engines=",".join(self.round_engines),
@@ -418,8 +452,8 @@ class SyncRound:
 
     # ----- broadcast --------------------------------------------------------------------
 
-    async def broadcast(self, request: coordinator_pb2.BroadcastRequest,
-                        progress: BroadcastProgress) -> coordinator_pb2.BroadcastResult:
+    async def broadcast(self, request: coordinator_pb2.BroadcastRequest, progress: BroadcastProgress, *,
+                        sync: tuple[str, int] | None = None) -> coordinator_pb2.BroadcastResult:
         """Phase 1 (nothing changes anywhere): the request checked here and by every
         member. Phase 2: the transfer, its result recorded."""
         async with self.lock:
@@ -435,7 +469,9 @@ class SyncRound:
                 self.phase, self.target_version = before  # nothing moved: the round is as it was
                 raise
             try:
-                return await self._transfer(request, setup, progress)
+                result = await self._transfer(request, setup, progress)
+                await self._record_sync(sync, "broadcast", result.ok)
+                return result
             except BaseException as exc:
                 if self.phase == "broadcasting":
                     # Whatever broke (a bug, a cancellation at shutdown), the round must not
@@ -444,6 +480,7 @@ class SyncRound:
                     self.epoch += 1  # never reuse a group that saw a failure
                     metrics.BROADCAST_IN_PROGRESS.set(0)
                     await asyncio.shield(self.save_after_change("a failed broadcast"))
+                    await asyncio.shield(self._record_sync(sync, "broadcast", False))
                     await self.emit("broadcast_failed", version=request.version, error=repr(exc))
                 raise
 
@@ -706,10 +743,12 @@ class SyncRound:
 
     # ----- resume -----------------------------------------------------------------------
 
-    async def resume(self, request: coordinator_pb2.ResumeRequest) -> coordinator_pb2.ResumeResponse:
+    async def resume(self, request: coordinator_pb2.ResumeRequest, *,
+                     sync: tuple[str, int] | None = None) -> coordinator_pb2.ResumeResponse:
         check_timeout(request.timeout_s)
         async with self.lock:
             if self.phase == "idle" or not self.round_engines:
+                await self._record_sync(sync, "resume")
                 return coordinator_pb2.ResumeResponse()
             timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
 
@@ -723,6 +762,7 @@ class SyncRound:
             self.round_engines = still_paused  # they stay members until a good round
             self.phase = "failed" if still_paused else "idle"
             await self.save_after_change("a resume")
+            await self._record_sync(sync, "resume")
             self._report("resume", outcomes, ok=not still_paused)
             await self.emit("resumed", engines=",".join(o.engine_id for o in outcomes if o.ok),
                             still_paused=",".join(still_paused))

@@ -212,6 +212,13 @@ class IdempotencyStore:
         """Whether the operation of ``key`` is running now."""
         return key in self._running
 
+    async def wait_for(self, key: str) -> None:
+        """Waits until the operation of ``key`` (if running) has ended, whatever its
+        outcome (the operation's own deadline bounds the wait)."""
+        task = self._running.get(key)
+        if task is not None:
+            await asyncio.wait({task})
+
     def _count_replay(self) -> None:
         self.replays += 1
         from weightsync import metrics  # lazy: agents and unit tests need no exporter

@@ -32,6 +32,9 @@ CREATE TABLE IF NOT EXISTS idempotency (
     state TEXT NOT NULL, response BLOB, error_code INTEGER, error_reason TEXT,
     error_message TEXT, error_metadata TEXT, created_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency(created_at);
+CREATE TABLE IF NOT EXISTS syncs (
+    key TEXT PRIMARY KEY, attempt INTEGER NOT NULL, stage TEXT NOT NULL, round_id INTEGER NOT NULL,
+    ok INTEGER NOT NULL, created_at REAL NOT NULL);
 """
 
 

@@ -34,12 +34,22 @@ class PauseRequest(_message.Message):
     OFFLOAD_KV_FIELD_NUMBER: _builtins.int
     REQUIRED_ENGINES_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    SYNC_KEY_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     mode: _common_pb2.PauseMode.ValueType
     offload_kv: _builtins.bool
     """also put the engines' KV cache to sleep"""
     timeout_s: _builtins.float
     """per-engine deadline; 0 = server default"""
+    version: _builtins.int
+    """The version the round will broadcast, when known (update_weights): one that is
+    not newer than the fleet's is refused before any engine is paused. 0: unchecked.
+    """
+    sync_key: _builtins.str
+    """The logical sync this Pause starts (update_weights' key): see "one logical sync"
+    in docs/architecture.md. Empty: a Pause of its own.
+    """
     @_builtins.property
     def required_engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """fail if any of these is unavailable"""
@@ -52,10 +62,12 @@ class PauseRequest(_message.Message):
         offload_kv: _builtins.bool = ...,
         required_engines: _abc.Iterable[_builtins.str] | None = ...,
         timeout_s: _builtins.float = ...,
+        version: _builtins.int = ...,
+        sync_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "mode", b"mode", "offload_kv", b"offload_kv", "required_engines", b"required_engines", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "mode", b"mode", "offload_kv", b"offload_kv", "required_engines", b"required_engines", "sync_key", b"sync_key", "timeout_s", b"timeout_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -103,6 +115,7 @@ class BroadcastRequest(_message.Message):
     OWNERS_FIELD_NUMBER: _builtins.int
     GROUP_LAYOUT_FIELD_NUMBER: _builtins.int
     SENDER_HOST_IDS_FIELD_NUMBER: _builtins.int
+    SYNC_KEY_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     version: _builtins.int
     transport: _common_pb2.TransportKind.ValueType
@@ -121,6 +134,8 @@ class BroadcastRequest(_message.Message):
     """auto: the trainer's host id (engines with the same one get shm)"""
     group_layout: _builtins.str
     """group transport only: "tensors" (the default when empty), "flattened","""
+    sync_key: _builtins.str
+    """the logical sync this Broadcast belongs to (PauseRequest.sync_key)"""
     @_builtins.property
     def plan(self) -> _common_pb2.WeightPlan: ...
     @_builtins.property
@@ -157,10 +172,11 @@ class BroadcastRequest(_message.Message):
         owners: _common_pb2.Owners | None = ...,
         group_layout: _builtins.str = ...,
         sender_host_ids: _abc.Iterable[_builtins.str] | None = ...,
+        sync_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["owners", b"owners", "plan", b"plan", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_layout", b"group_layout", "idempotency_key", b"idempotency_key", "owners", b"owners", "plan", b"plan", "probe", b"probe", "sender_host_ids", b"sender_host_ids", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_backend", b"group_backend", "group_layout", b"group_layout", "idempotency_key", b"idempotency_key", "owners", b"owners", "plan", b"plan", "probe", b"probe", "sender_host_ids", b"sender_host_ids", "store_host", b"store_host", "store_port", b"store_port", "store_secret", b"store_secret", "sync_key", b"sync_key", "timeout_s", b"timeout_s", "trainer_host_id", b"trainer_host_id", "transport", b"transport", "version", b"version", "weights_digest", b"weights_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -240,20 +256,24 @@ class ResumeRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     ALLOW_TORN_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    SYNC_KEY_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     allow_torn: _builtins.bool
     """resume engines that hold torn weights"""
     timeout_s: _builtins.float
+    sync_key: _builtins.str
+    """the logical sync this Resume ends (PauseRequest.sync_key)"""
     def __init__(
         self,
         *,
         idempotency_key: _builtins.str = ...,
         allow_torn: _builtins.bool = ...,
         timeout_s: _builtins.float = ...,
+        sync_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_torn", b"allow_torn", "idempotency_key", b"idempotency_key", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_torn", b"allow_torn", "idempotency_key", b"idempotency_key", "sync_key", b"sync_key", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
