@@ -57,6 +57,16 @@ class LoopChannel(Generic[Stub]):
         self.opened += 1
         return self._stub
 
+    async def connects_within(self, timeout_s: float) -> bool:
+        """Whether the channel (of the running loop) connects within ``timeout_s``."""
+        self.stub()
+        assert self._channel is not None
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     def _abandon(self) -> None:
         """Lets go of a channel whose loop is closed or stopped: it cannot be awaited from
         here, and grpc closes a channel it no longer has a reference to (its ``__del__``)."""

@@ -16,7 +16,7 @@ from typing import TypeVar
 import grpc
 
 from weightsync import deadline
-from weightsync.errors import from_rpc_error
+from weightsync.errors import coordinator_error
 from weightsync.retry import RetryPolicy, retry
 
 T = TypeVar("T")
@@ -35,11 +35,12 @@ def new_key(operation: str) -> str:
 
 
 async def call_with_retry(policy: RetryPolicy, attempt_fn: Callable[[float | None], Awaitable[T]], *,
-                          operation: str) -> T:
+                          operation: str, coordinator: str | None = None) -> T:
     """Calls ``attempt_fn(timeout_s)`` until it succeeds, fails for good, or time runs out.
 
     The timeout passed in is what is left of the current deadline (None without one).
-    gRPC errors come out as typed ``WeightSyncError``s naming ``operation``.
+    gRPC errors come out as typed ``WeightSyncError``s naming ``operation`` (a
+    ``CoordinatorUnavailable`` naming ``coordinator`` when the calls never reached it).
     """
     def attempt() -> Awaitable[T]:
         left = deadline.remaining()
@@ -50,7 +51,7 @@ async def call_with_retry(policy: RetryPolicy, attempt_fn: Callable[[float | Non
     try:
         return await retry(attempt, policy=policy, retryable=is_transient, time_left=deadline.remaining)
     except grpc.aio.AioRpcError as exc:
-        raise from_rpc_error(exc, operation=operation) from exc
+        raise coordinator_error(exc, coordinator=coordinator, operation=operation) from exc
 
 
 __all__ = ["RetryPolicy", "call_with_retry", "is_transient", "new_key", "TRANSIENT"]

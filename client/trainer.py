@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -40,16 +41,24 @@ from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.channel import LoopChannel
 from weightsync.client.context import AsyncClient
 from weightsync.client.loop_lag import LoopLagProbe
-from weightsync.client.retry import RetryPolicy, call_with_retry, is_transient, new_key
+from weightsync.client.retry import (
+    RetryPolicy,
+    call_with_retry,
+    is_transient,
+    new_key,
+)
 from weightsync.client.verify import WeightsCheck, check_engines, trainer_digest, validate_request
 from weightsync.dtypes import dtype_name, on_wire
 from weightsync.errors import (
+    CoordinatorUnavailable,
     EngineOutputMismatch,
+    EngineUnavailable,
     InvalidArgument,
     PlanUnknown,
     StepTimeoutError,
     TransferError,
     WeightSyncError,
+    coordinator_error,
     from_rpc_error,
     outcome_error,
 )
@@ -71,6 +80,7 @@ from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 T = TypeVar("T")
+log = logging.getLogger("weightsync.client")
 
 PAUSE_MODES = {"keep": common_pb2.PAUSE_MODE_KEEP, "abort": common_pb2.PAUSE_MODE_ABORT,
                "wait": common_pb2.PAUSE_MODE_WAIT}
@@ -78,7 +88,21 @@ PAUSE_MODES = {"keep": common_pb2.PAUSE_MODE_KEEP, "abort": common_pb2.PAUSE_MOD
 
 @dataclass(frozen=True)
 class EngineResult:
-    """One engine's part in a sync."""
+    """One engine's part in a sync.
+
+    Attributes:
+        engine_id: the engine's id (``--engine-id`` of its agent).
+        ok: it took the step (paused, received and loaded, resumed).
+        weight_version: the version it serves -- after a failure too (asked of the
+            engine at the end of the round; its last heartbeat's if it cannot answer).
+        torn: it holds partly updated weights; it stays paused until a good round.
+        paused: it was paused when this was reported.
+        seconds: its time in the step.
+        error_reason, error_message: why it failed (the typed error's reason).
+        attest_max_diff: largest log-prob difference on the attestation probe, if attested.
+        transport: what its bytes came over (``shm``, ``gloo``...; ``""`` if none came).
+        relayed_by: the engine on its host whose relay fed it over shm, if any.
+    """
 
     engine_id: str
     ok: bool
@@ -90,12 +114,14 @@ class EngineResult:
     attest_max_diff: float | None = None  # largest |log-prob difference| on the probe, when attested
     transport: str = ""  # what it received over (with "auto": shm or gloo); "" if it never got to it
     relayed_by: str = ""  # the host relay it got the bytes from (over shm), if any
+    paused: bool = False  # whether it was paused when this was reported (a failed engine stays paused)
 
     @classmethod
     def from_proto(cls, o: common_pb2.EngineOutcome) -> EngineResult:
-        return cls(o.engine_id, o.ok, o.weight_version, o.torn, o.seconds, o.error_reason, o.error_message,
-                   o.attest_max_diff if o.attested else None, transports.KIND_NAMES.get(o.transport, ""),
-                   o.relayed_by)
+        return cls(engine_id=o.engine_id, ok=o.ok, weight_version=o.weight_version, torn=o.torn, seconds=o.seconds,
+                   error_reason=o.error_reason, error_message=o.error_message,
+                   attest_max_diff=o.attest_max_diff if o.attested else None,
+                   transport=transports.KIND_NAMES.get(o.transport, ""), relayed_by=o.relayed_by, paused=o.paused)
 
 
 @dataclass(frozen=True)
@@ -277,14 +303,21 @@ class TrainerClient(AsyncClient):
             ``load_format="flattened_bucket"``, which SGLang releases since late 2025
             accept, and an agent started with ``--sglang-flattened-bucket`` says so;
             much faster with many tensors). weightsync's own engines take both.
+        connect_timeout_s: how long ``start()`` (``async with``) waits for the
+            coordinator to answer before it raises ``CoordinatorUnavailable``; raise
+            it to wait for a coordinator that is still starting.
     """
 
     def __init__(self, coordinator: str, *, transport: str = "auto", host: str = "127.0.0.1",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, wire_dtype: torch.dtype | None = None,
                  default_timeout_s: float = 300.0, resume_grace_s: float = 30.0,
                  retry: RetryPolicy | None = None, security: Security | None = None,
-                 measure_loop_lag: bool = False, group_layout: str = AUTO_LAYOUT) -> None:
+                 measure_loop_lag: bool = False, group_layout: str = AUTO_LAYOUT,
+                 connect_timeout_s: float = 10.0) -> None:
         self.coordinator = coordinator
+        if connect_timeout_s <= 0:
+            raise InvalidArgument(f"connect_timeout_s must be positive, got {connect_timeout_s}")
+        self.connect_timeout_s = connect_timeout_s
         if group_layout not in (AUTO_LAYOUT, *LAYOUTS):
             raise InvalidArgument(f"group_layout must be one of {(AUTO_LAYOUT, *LAYOUTS)}, got {group_layout!r}")
         self.group_layout = group_layout
@@ -325,7 +358,8 @@ class TrainerClient(AsyncClient):
     # ----- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> TrainerClient:
-        """Opens the channel, the worker thread and the rendezvous store."""
+        """Opens the channel and the worker threads; waits up to ``connect_timeout_s`` for
+        the coordinator to answer (``CoordinatorUnavailable`` otherwise)."""
         if self._closed:
             raise RuntimeError("TrainerClient is closed")
         if self._executor is None:
@@ -335,7 +369,11 @@ class TrainerClient(AsyncClient):
             self._control = LoopChannel(
                 lambda: self.security.channel(self.coordinator, options=CHANNEL_OPTIONS),
                 coordinator_pb2_grpc.CoordinatorStub, owner="TrainerClient")
-            self._control.stub()
+        if not await self._control.connects_within(self.connect_timeout_s):
+            raise CoordinatorUnavailable(
+                f"no coordinator answers at {self.coordinator} (waited {self.connect_timeout_s:g} s): check the "
+                "address, that `weightsync coordinator` is running there and that its TLS settings match this "
+                "client's; or pass a larger connect_timeout_s to wait for one that is starting", metadata={"coordinator": self.coordinator})
         return self
 
     async def aclose(self) -> None:
@@ -405,7 +443,8 @@ class TrainerClient(AsyncClient):
             async def attempt(left):
                 request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
                 return await stub.Pause(request, timeout=left)
-            response = await call_with_retry(self.retry, attempt, operation="pause")
+            response = await call_with_retry(self.retry, attempt, operation="pause",
+                                              coordinator=self.coordinator)
         if response.engines and not any(o.ok for o in response.engines):
             first = response.engines[0]
             error = outcome_error(first.error_reason, f"no engine paused: {first.engine_id}: {first.error_message}",
@@ -425,7 +464,7 @@ class TrainerClient(AsyncClient):
             async def attempt(left):
                 request.timeout_s = max(0.001, left - 1.0) if left is not None else 0.0
                 return await stub.Resume(request, timeout=left)
-            return await call_with_retry(self.retry, attempt, operation="resume")
+            return await call_with_retry(self.retry, attempt, operation="resume", coordinator=self.coordinator)
 
     async def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                         transport: str | None = None, key: str | None = None, timeout_s: float | None = None,
@@ -493,7 +532,7 @@ class TrainerClient(AsyncClient):
                 result = await retry(lambda: self._attempt_broadcast(stub, request, prepared, send),
                                      policy=self.retry, retryable=is_transient, time_left=deadline.remaining)
             except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc, operation="broadcast") from exc
+                raise coordinator_error(exc, coordinator=self.coordinator, operation="broadcast") from exc
         except BaseException:
             send.stop()
             await send.finish()
@@ -684,8 +723,17 @@ class TrainerClient(AsyncClient):
                              transport: str | None = None, mode: str = "keep", offload_kv: bool = False,
                              timeout_s: float | None = None, verify_digest: bool = False,
                              required_engines: Iterable[str] = (), attest: AttestArg = None,
-                             key: str | None = None) -> SyncResult:
+                             key: str | None = None, min_engines: int | None = None) -> SyncResult:
         """Pause -> Broadcast -> Resume. Returns the broadcast's SyncResult with timings.
+
+        Which engines take part: every registered engine that is available and pauses.
+        The others are left out -- in ``SyncResult.skipped``, each with why, and named
+        in a warning log line -- and are fenced until they catch up. ``SyncResult.ok``
+        means every engine that took part now serves ``version``; it says nothing of
+        the skipped ones. To make a partial sync a failure instead:
+        ``required_engines`` (these ids must take part) and ``min_engines`` (at least
+        this many must). Either one unmet raises ``EngineUnavailable`` before any byte
+        moves, and the engines that paused are resumed.
 
         ``key``: the idempotency key of this logical sync (default: a new one). Called
         again with the same key, weights, version and mode -- after a cancelled call, or
@@ -704,6 +752,8 @@ class TrainerClient(AsyncClient):
         started = time.monotonic()
         if version <= 0:
             raise InvalidArgument("version must be a positive integer")
+        if min_engines is not None and (not isinstance(min_engines, int) or min_engines < 1):
+            raise InvalidArgument(f"min_engines must be a positive integer, got {min_engines!r}")
         sync_key = validate_key(key) if key else new_key("sync")
         keys = {step: derive_key(sync_key, step) for step in ("pause", "broadcast", "resume")}
         keys["sync"] = sync_key
@@ -712,7 +762,7 @@ class TrainerClient(AsyncClient):
             result = await self._update_weights(named_tensors, version=version, transport=transport, mode=mode,
                                                 offload_kv=offload_kv, timeout_s=timeout_s,
                                                 verify_digest=verify_digest, required_engines=required_engines,
-                                                attest=attest, keys=keys)
+                                                attest=attest, keys=keys, min_engines=min_engines)
         finally:
             if probe is not None:
                 await probe.stop()
@@ -725,7 +775,8 @@ class TrainerClient(AsyncClient):
         return dataclasses.replace(result, loop_lag_ms=lag)
 
     async def _update_weights(self, named_tensors, *, version, transport, mode, offload_kv, timeout_s,
-                              verify_digest, required_engines, attest, keys: dict[str, str]) -> SyncResult:
+                              verify_digest, required_engines, attest, keys: dict[str, str],
+                              min_engines: int | None = None) -> SyncResult:
         started = time.monotonic()
         budget = timeout_s if timeout_s is not None else self.default_timeout_s
         with deadline.scope(budget, operation="sync"):
@@ -737,11 +788,14 @@ class TrainerClient(AsyncClient):
                 except (WeightSyncError, asyncio.CancelledError) as exc:
                     # Release the engines that did pause -- also when the caller cancelled:
                     # the coordinator finishes a Pause it started, and nothing else would
-                    # ever resume those engines.
-                    await self._resume_after(exc, keys)
+                    # ever resume those engines. (A coordinator that cannot be reached
+                    # paused nothing, and a Resume would only fail the same way.)
+                    if not isinstance(exc, CoordinatorUnavailable):
+                        await self._resume_after(exc, keys)
                     raise
                 pause_s = time.monotonic() - t0
                 skipped = tuple(EngineResult.from_proto(o) for o in paused.engines if not o.ok)
+                await self._check_taking_part(paused, skipped, version=version, min_engines=min_engines, keys=keys)
             primary: BaseException | None = None
             result: SyncResult | None = None
             try:
@@ -761,6 +815,24 @@ class TrainerClient(AsyncClient):
                           transfer_seconds=result.transfer_seconds, engines=result.engines, pause_seconds=pause_s,
                           resume_seconds=resume_s, total_seconds=time.monotonic() - started,
                           resumed=tuple(resumed), skipped=skipped)
+
+    async def _check_taking_part(self, paused: coordinator_pb2.PauseResponse, skipped: tuple[EngineResult, ...], *,
+                                 version: int, min_engines: int | None, keys: dict[str, str]) -> None:
+        """A partial sync is said out loud: a warning naming every engine left out and
+        why; with ``min_engines`` unmet, EngineUnavailable (the paused engines resumed)."""
+        why = "; ".join(f"{e.engine_id}: {e.error_message or e.error_reason}" for e in skipped)
+        taking_part = len(paused.engines) - len(skipped)
+        if min_engines is not None and taking_part < min_engines:
+            error = EngineUnavailable(
+                f"only {taking_part} engine(s) paused for version {version}, min_engines={min_engines}"
+                + (f"; left out: {why}" if why else "")
+                + ": start or repair the missing engines (weightsync status shows them), or lower min_engines",
+                metadata={"engines": ",".join(e.engine_id for e in skipped), "min_engines": str(min_engines)})
+            await self._resume_after(error, keys)
+            raise error
+        if skipped:
+            log.warning("syncing version %d without %d of %d engine(s) (they are fenced until they catch up): %s",
+                        version, len(skipped), len(paused.engines), why)
 
     async def _resume_after(self, primary: BaseException | None, keys: dict[str, str]) -> list[str]:
         """Resume that always runs, with at least ``resume_grace_s`` even if the sync's
@@ -788,7 +860,7 @@ class TrainerClient(AsyncClient):
         async def attempt(left):
             return await stub.GetState(coordinator_pb2.GetStateRequest(include_digests=include_digests),
                                        timeout=left if left is not None else 60.0)
-        return await call_with_retry(self.retry, attempt, operation="get_state")
+        return await call_with_retry(self.retry, attempt, operation="get_state", coordinator=self.coordinator)
 
     async def check_engines(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                             digest: str = "", version: int | None = None, engines: int | None = None,

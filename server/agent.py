@@ -247,6 +247,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._relay_threads = ThreadPoolExecutor(MAX_RELAYED_LANES, thread_name_prefix="weightsync-relay")
         self._coordinator_heard_at = time.monotonic()  # the last heartbeat that got through
         self.workers = 0  # ranks the engine takes in a group (its worker processes); 0 = not asked yet
+        self.registered = False  # with the coordinator, at least once (the shutdown deregisters then)
         self._plan_fits = ""  # plan_id of the last plan checked against the engine's tensors
         self._idempotency = IdempotencyStore()
         self._receive_task: asyncio.Future | None = None
@@ -291,7 +292,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     def _outcome(self, ok: bool = True, **fields) -> common_pb2.EngineOutcome:
         return common_pb2.EngineOutcome(engine_id=self.engine_id, ok=ok,
                                         weight_version=self.watch.current().weight_version,
-                                        torn=self.torn, **fields)
+                                        torn=self.torn, paused=self.paused, **fields)
 
     async def _handle(self, context, key: str, operation: str, request, fn, response_type):
         """Runs a mutating RPC through the idempotency store; errors become statuses."""
@@ -327,7 +328,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             group_layouts=self.adapter.group_layouts, receives=self.adapter.receives,
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
             weight_version_unknown=not engine.version_known, torn=self.torn,
-            torn_version=self.torn_version, asleep_tags=self._asleep_tags(), model=self.adapter.name,
+            torn_version=self.torn_version, asleep_tags=self._asleep_tags(),
+            model=getattr(self.adapter, "model_label", "") or self.adapter.name,
             weights_digest=digest, digest_withheld=withheld,
             running_requests=engine.running, queued_requests=engine.queued, buckets_done=self._progress[0],
             buckets_total=self._progress[1])

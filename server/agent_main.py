@@ -23,7 +23,7 @@ import grpc
 from weightsync import metrics
 from weightsync.engine import check_engine_choice, make_adapter
 from weightsync.engine.vllm import boot_paused_hint
-from weightsync.errors import from_rpc_error
+from weightsync.errors import CoordinatorUnavailable, WeightSyncError, from_rpc_error
 from weightsync.faults import FaultInjector
 from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.heap import GcPauseMonitor, freeze_startup_heap
@@ -59,15 +59,33 @@ async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
         agent_address=core.address, model=options.model)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + options.register_timeout_s
+    where = options.coordinator
+    log.info("registering %s with the coordinator at %s (trying for up to %g s: --register-timeout-s)",
+             core.engine_id, where, options.register_timeout_s)
 
     def retryable(exc: grpc.aio.AioRpcError) -> bool:
         # ENGINE_ID_IN_USE: our previous incarnation's registration has not expired yet
         # (a restart within the heartbeat timeout); it will.
-        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
+        again = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
             from_rpc_error(exc).reason == "ENGINE_ID_IN_USE"
+        if again and deadline - loop.time() > 0:
+            why = (exc.details() or "").rsplit(": ", 1)[-1][:200]  # "Connection refused", not the channel's story
+            log.info("the coordinator at %s did not take the registration (%s%s); trying again, %.0f s left",
+                     where, exc.code().name, f": {why}" if why else "", deadline - loop.time())
+        return again
 
-    response = await retry(lambda: stub.RegisterEngine(request, timeout=max(0.1, deadline - loop.time())),
-                           policy=REGISTER_RETRY, retryable=retryable, time_left=lambda: deadline - loop.time())
+    try:
+        response = await retry(lambda: stub.RegisterEngine(request, timeout=max(0.1, deadline - loop.time())),
+                               policy=REGISTER_RETRY, retryable=retryable, time_left=lambda: deadline - loop.time())
+    except grpc.aio.AioRpcError as exc:
+        error = from_rpc_error(exc, operation="register")
+        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise error from None  # refused: the coordinator's own words say why
+        raise CoordinatorUnavailable(
+            f"could not register with the coordinator at {where} within {options.register_timeout_s:g} s "
+            f"({exc.code().name}): check --coordinator and that the coordinator is running, or wait longer "
+            "with --register-timeout-s", metadata={"coordinator": where}) from None
+    core.registered = True
     await core.fence.learn(response.weight_version)
     return response.heartbeat_interval_s or 0.5
 
@@ -124,6 +142,8 @@ async def run_agent(options: AgentOptions) -> int:
     try:
         await _start(agent, options)
         await stop.wait()
+    except WeightSyncError as exc:
+        errors.append(exc)  # expected (a coordinator not there, a refusal): one line, below
     except Exception as exc:
         log.error("agent failed: %r", exc)
         errors.append(exc)
@@ -214,7 +234,7 @@ async def _shutdown(agent: _RunningAgent, shutdown: Shutdown, grace: float) -> N
     for task in reversed(agent.tasks):  # heartbeats first: no heartbeat after deregistering
         task.cancel()
         await asyncio.wait({task}, timeout=grace)
-    if agent.channel is not None and core is not None:
+    if agent.channel is not None and core is not None and core.registered:
         stub = coordinator_pb2_grpc.CoordinatorStub(agent.channel)
         await shutdown.step("deregister", lambda: _deregister(stub, core), timeout_s=bound)
     if agent.server is not None:

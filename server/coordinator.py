@@ -37,8 +37,8 @@ from weightsync.server.agent_calls import call_agent
 from weightsync.server.broadcast_progress import BroadcastProgress
 from weightsync.server.registry import EngineRecord, EngineRegistry, unreachable_reason
 from weightsync.server.round import DEFAULT_PAUSE_TIMEOUT_S, SyncRound
-from weightsync.server.sync_ledger import SyncLedger, attempt_key
 from weightsync.server.serving import WILDCARD_HOSTS
+from weightsync.server.sync_ledger import SyncLedger, attempt_key
 from weightsync.statedb import StateDB
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from weightsync.validate import MAX_ENGINE_ID_LEN, check_engine_id

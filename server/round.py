@@ -72,6 +72,7 @@ RECEIVE_PLAN_FIELD = agent_pb2.ReceiveRequest.DESCRIPTOR.fields_by_name["plan"].
 AGENT_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0, jitter=0.0)  # -> agents
 VALIDATE_TIMEOUT_S = 30.0   # an engine's check of a Broadcast (phase 1)
 SENDER_TRANSPORTS = (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_AUTO)
+STATE_PROBE_S = 2.0         # asking a failed engine for its state at the end of a round
 LAPSE_CHECK_S = 0.1         # how often a running Receive checks that its engine still heartbeats
 _PERSISTED = (("weight_version", "0"), ("epoch", "0"), ("round_id", "0"), ("phase", "idle"),
               ("round_engines", "[]"), ("target_version", "0"), ("group_key", ""))
@@ -411,6 +412,7 @@ class SyncRound:
                     why = self.registry.why_unavailable(record)
                     outcomes.append(failed_outcome(record.engine_id, EngineUnavailable(
                         f"engine {record.engine_id} is unavailable: {why}")))
+            await self._with_real_state(outcomes)
             self.round_id += 1
             self.round_engines = [o.engine_id for o in outcomes if o.ok]
             self.phase = "paused" if self.round_engines else "idle"
@@ -692,7 +694,28 @@ class SyncRound:
             o.transport = common_pb2.TRANSPORT_KIND_GLOO if lane.relayed_by else lane.transport
         for engine_id in setup.gone:
             outcomes.append(failed_outcome(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
+        await self._with_real_state(outcomes)
         return await self._record_broadcast(request, setup, outcomes, time.monotonic() - started)
+
+    async def _with_real_state(self, outcomes: list[common_pb2.EngineOutcome]) -> None:
+        """Fills each failed outcome with its engine's state now (version served, torn,
+        paused): an outcome made from an error knows none of it, and an engine a
+        sharded rank's death stopped may have committed, torn, or kept its weights.
+        Asked of each agent (briefly, concurrently); its last heartbeat's otherwise."""
+        async def fill(outcome: common_pb2.EngineOutcome) -> None:
+            record = self.registry.get(outcome.engine_id)
+            if record is None:
+                return
+            state = record.state
+            if self.registry.is_available(record):
+                try:
+                    state = await call_agent(record, lambda: record.stub.GetState(
+                        agent_pb2.AgentStateRequest(), timeout=STATE_PROBE_S), "get_state")
+                except (grpc.aio.AioRpcError, WeightSyncError):
+                    pass
+            outcome.weight_version, outcome.torn, outcome.paused = state.weight_version, state.torn, state.paused
+
+        await asyncio.gather(*(fill(o) for o in outcomes if not o.ok))
 
     async def _unless_it_lapses(self, record: EngineRecord, call: Awaitable[common_pb2.EngineOutcome]):
         """``call`` (an engine's Receive), unless the engine stops heartbeating first: then

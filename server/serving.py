@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from weightsync.errors import InvalidArgument
+from weightsync.errors import InvalidArgument, WeightSyncError
 from weightsync.faults import FaultInjector
 from weightsync.grpc_options import SERVER_OPTIONS
 from weightsync.security import Security
@@ -165,6 +165,11 @@ class Shutdown:
         """0, or 1 after logging every failure of ``what`` together."""
         if not self.errors:
             return 0
+        if all(isinstance(e, WeightSyncError) for e in self.errors):
+            # Expected failures (a refusal, a peer not there): their messages say what to do.
+            for error in self.errors:
+                self.log.error("%s stopped: %s", what, error.message)
+            return 1
         self.log.error("%s stopped with errors: %r", what, ExceptionGroup(f"{what} shutdown", self.errors))
         return 1
 

@@ -13,6 +13,7 @@ WAIT pause is held by a running generation for seconds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -81,11 +82,10 @@ async def test_a_cancelled_update_weights_retried_with_its_key_ends_at_the_versi
         key = f"cancelled-{point}"
         if point == "pause":
             await _hold_a_wait_pause(cluster)
-        loop = asyncio.get_running_loop()
         reached = asyncio.Event()
+        on_reached = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, reached.set)
         model = model_of(version)
-        async with InterruptibleClient(cluster.address, stop_at=point,
-                                       on_reached=lambda: loop.call_soon_threadsafe(reached.set)) as client:
+        async with InterruptibleClient(cluster.address, stop_at=point, on_reached=on_reached) as client:
             task = asyncio.ensure_future(client.update_weights(model.named_parameters(), version=version, key=key,
                                                                mode="wait", timeout_s=60))
             await asyncio.wait_for(reached.wait(), 30)

@@ -149,6 +149,22 @@ class EngineUnavailable(WeightSyncError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class CoordinatorUnavailable(WeightSyncError):
+    """The coordinator cannot be reached at the address the client was given (nothing
+    answers there, or the connection failed): not an engine's fault."""
+
+    reason = "COORDINATOR_UNAVAILABLE"
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def unreachable(error: grpc.RpcError) -> bool:
+    """Whether a failed call never reached a weightsync server: UNAVAILABLE from the
+    channel itself (refused, reset, no route), with no error details of ours."""
+    if not hasattr(error, "code") or error.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    return not hasattr(error, "trailing_metadata") or rpc_status.from_call(error) is None
+
+
 class EngineFault(WeightSyncError):
     """The engine hit a hard fault (for example a step with its KV cache asleep)."""
 
@@ -211,7 +227,7 @@ class StepTimeoutError(WeightSyncError, TimeoutError):
 _BY_REASON: dict[str, type[WeightSyncError]] = {
     cls.reason: cls
     for cls in (InvalidArgument, IdempotencyConflict, FailedPrecondition, PermissionDenied, PlanUnknown,
-                EngineUnavailable,
+                EngineUnavailable, CoordinatorUnavailable,
                 EngineFault, TornWeightsError, EngineOutputMismatch, TransferError, OperationAborted,
                 StateNotWritable)
 }
@@ -277,6 +293,18 @@ def from_rpc_error(error: grpc.RpcError, *, operation: str | None = None) -> Wei
     return result
 
 
+def coordinator_error(error: grpc.RpcError, *, coordinator: str | None, operation: str) -> WeightSyncError:
+    """The typed error of a failed call to the coordinator at ``coordinator``: a call
+    that never reached it is ``CoordinatorUnavailable`` naming the address (not an
+    engine's fault); anything else is the error the server sent."""
+    if coordinator is not None and unreachable(error):
+        return CoordinatorUnavailable(
+            f"cannot reach the coordinator at {coordinator} ({error.details() or error.code().name}) during "
+            f"{operation}: check the address, and that `weightsync coordinator` is running and listening there",
+            metadata={"coordinator": coordinator, "operation": operation})
+    return from_rpc_error(error, operation=operation)
+
+
 def outcome_error(reason: str, message: str, *, operation: str = "unknown", code: int = 0) -> WeightSyncError:
     """Rebuilds the typed error recorded in an ``EngineOutcome`` (reason, then status code)."""
     if reason == StepTimeoutError.reason:
@@ -292,6 +320,6 @@ def outcome_error(reason: str, message: str, *, operation: str = "unknown", code
 
 __all__ = [
     "AFTER_TRANSFER", "DOMAIN", "WeightSyncError", "InvalidArgument", "IdempotencyConflict", "FailedPrecondition",
-    "DigestWithheld", "PermissionDenied", "PlanUnknown", "Unsupported", "EngineUnavailable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
-    "StateNotWritable", "StepTimeoutError", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error",
+    "DigestWithheld", "PermissionDenied", "PlanUnknown", "Unsupported", "EngineUnavailable", "CoordinatorUnavailable", "unreachable", "EngineFault", "TornWeightsError", "EngineOutputMismatch", "TransferError", "OperationAborted",
+    "StateNotWritable", "StepTimeoutError", "bounded", "to_status", "abort_with", "from_status", "from_rpc_error", "outcome_error", "coordinator_error",
 ]

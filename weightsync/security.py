@@ -28,6 +28,9 @@ TOKEN_ENV = "WEIGHTSYNC_TOKEN"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
+_WARNED_PLAINTEXT: list[bool] = []  # the plaintext warning was logged (once per process)
+
+
 @dataclass(frozen=True)
 class Security:
     """How one process talks and listens: TLS material, token, or explicit plaintext."""
@@ -96,7 +99,9 @@ class Security:
         """A server must be told TLS or plaintext explicitly."""
         if self.cert is None and not self.insecure:
             raise InvalidArgument("a server needs --tls-cert/--tls-key, or --insecure to serve plaintext")
-        if self.insecure:
+        if self.insecure and not _WARNED_PLAINTEXT:
+            # Once per process: the command line checks this, and so does the server it starts.
+            _WARNED_PLAINTEXT.append(True)
             log.warning("serving WITHOUT TLS (--insecure): anyone who can reach this port can talk to it%s",
                         "" if self.token else " and no token is required")
 

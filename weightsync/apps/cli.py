@@ -14,7 +14,25 @@ from weightsync.lifecycle import Terminated, exit_without_finalizing, interrupt_
 from weightsync.logs import configure_logging
 from weightsync.options import AGENT_DEFAULTS, COORDINATOR_DEFAULTS
 from weightsync.security import TOKEN_ENV, Security
+from weightsync.sizes import parse_size
 from weightsync.validate import check_engine_id
+
+STATUS_TIMEOUT_S = 10.0
+JSON_HELP = "print the output as JSON instead of a table, or write it to PATH"
+
+
+def _size(text: str) -> int:
+    """``32MiB``, ``1GiB`` or bytes (argparse type)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size_text(text: str) -> str:
+    """A size, checked here and passed on as written (argparse type)."""
+    _size(text)
+    return text
 
 
 def _add_security(p, *, server: bool) -> None:
@@ -46,22 +64,22 @@ def _security(args) -> Security:
 
 def _add_coordinator(sub) -> None:
     C = COORDINATOR_DEFAULTS  # noqa: N806
-    p = sub.add_parser("coordinator", help="run the coordinator service")
+    p = _command(sub, "coordinator", help="run the coordinator service")
     p.add_argument("--listen", default=C.listen, help="HOST:PORT to serve on (port 0 = ephemeral)")
     p.add_argument("--state-db", default=C.state_db, help="SQLite state file (survives restarts)")
     p.add_argument("--port-file", default="", help="write the bound HOST:PORT here once serving")
-    p.add_argument("--heartbeat-interval", type=float, default=C.heartbeat_interval_s, help="seconds between agent heartbeats")
-    p.add_argument("--heartbeat-timeout", type=float, default=C.heartbeat_timeout_s,
+    p.add_argument("--heartbeat-interval-s", "--heartbeat-interval", type=float, default=C.heartbeat_interval_s, help="seconds between agent heartbeats")
+    p.add_argument("--heartbeat-timeout-s", "--heartbeat-timeout", type=float, default=C.heartbeat_timeout_s,
                    help="an engine silent this long is unavailable")
-    p.add_argument("--shutdown-grace", type=float, default=C.shutdown_grace_s, help="seconds in-flight RPCs get at shutdown")
-    p.add_argument("--idempotency-retention", type=float, default=C.idempotency_retention_s,
+    p.add_argument("--shutdown-grace-s", "--shutdown-grace", type=float, default=C.shutdown_grace_s, help="seconds in-flight RPCs get at shutdown")
+    p.add_argument("--idempotency-retention-s", "--idempotency-retention", type=float, default=C.idempotency_retention_s,
                    help="seconds idempotency records are kept")
     p.add_argument("--idempotency-max-records", type=int, default=C.idempotency_max_records,
                    help="most idempotency records kept")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     p.add_argument("--no-catch-up", dest="catch_up", action="store_false",
                    help="leave fenced engines for the next Broadcast instead of catching them up from a ready peer")
-    p.add_argument("--catch-up-bucket-bytes", type=int, default=C.catch_up_bucket_bytes,
+    p.add_argument("--catch-up-bucket-bytes", type=_size, default=C.catch_up_bucket_bytes,
                    help="bucket size of a catch-up from a peer")
     p.add_argument("--catch-up-transport", choices=("auto", "shm", "gloo"), default=C.catch_up_transport,
                    help="auto: shm between agents on one host address, gloo otherwise (gloo where agents share "
@@ -72,7 +90,7 @@ def _add_coordinator(sub) -> None:
 
 def _add_agent(sub) -> None:
     A = AGENT_DEFAULTS  # noqa: N806
-    p = sub.add_parser("agent", help="run an engine agent (sidecar)")
+    p = _command(sub, "agent", help="run an engine agent (sidecar)")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
     p.add_argument("--engine", default=A.engine, choices=ENGINES, help="engine kind")
     p.add_argument("--engine-url", default="", help="vllm, sglang: the server's base URL, e.g. http://127.0.0.1:8000")
@@ -90,12 +108,12 @@ def _add_agent(sub) -> None:
                         "0.0.0.0 or ::, this host's address on the route to the coordinator)")
     p.add_argument("--engine-id", default="", help="engine id (default: random)")
     p.add_argument("--port-file", default="", help="write the bound HOST:PORT here once registered")
-    p.add_argument("--register-timeout", type=float, default=A.register_timeout_s, help="seconds to keep trying to register")
-    p.add_argument("--shutdown-grace", type=float, default=A.shutdown_grace_s,
+    p.add_argument("--register-timeout-s", "--register-timeout", type=float, default=A.register_timeout_s, help="seconds to keep trying to register")
+    p.add_argument("--shutdown-grace-s", "--shutdown-grace", type=float, default=A.shutdown_grace_s,
                    help="seconds a running transfer gets to finish at shutdown")
-    p.add_argument("--step-delay", type=float, default=A.step_delay_s, help="reference engine: sleep between steps (s)")
+    p.add_argument("--step-delay-s", "--step-delay", type=float, default=A.step_delay_s, help="reference engine: sleep between steps (s)")
     p.add_argument("--health-url", default="", help="launched engine's health URL (e.g. http://127.0.0.1:8000/health)")
-    p.add_argument("--launch-timeout", type=float, default=A.launch_timeout_s, help="seconds the launched engine gets to be healthy")
+    p.add_argument("--launch-timeout-s", "--launch-timeout", type=float, default=A.launch_timeout_s, help="seconds the launched engine gets to be healthy")
     p.add_argument("--restart", choices=("no", "on-failure"), default=A.restart,
                    help="relaunch a launched engine that exits or stops answering its health URL (it is fenced "
                         "until it holds the fleet's weights)")
@@ -113,7 +131,7 @@ def _add_agent(sub) -> None:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="coordinator + 2 reference engines + a short training run, synced every step")
+    p = _command(sub, "demo", help="coordinator + 2 reference engines + a short training run, synced every step")
     p.add_argument("--steps", type=int, default=8, help="training steps (one sync each)")
     p.add_argument("--engines", type=int, default=2, help="number of agents")
     p.add_argument("--transport", default="auto", choices=["auto", "gloo", "shm", "group"],
@@ -132,8 +150,8 @@ def _tensor_counts(text: str) -> list[int]:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="measure transfer time against the alternatives, in one run")
-    p.add_argument("--size", default="256MiB", help="payload size, e.g. 1GiB, 256MiB")
+    p = _command(sub, "bench", help="measure transfer time against the alternatives, in one run")
+    p.add_argument("--size", type=_size_text, default="256MiB", help="payload size, e.g. 1GiB, 256MiB")
     p.add_argument("--tensors", type=_tensor_counts, default=[300],
                    help="about how many tensors the payload is split into (default: about a dense 8B model's count; "
                         "mixture-of-experts models have tens of thousands); a comma-separated list "
@@ -179,26 +197,26 @@ def _add_bench(sub) -> None:
                         "gone this many seconds (default 4) without handing a batch of freed memory back to its "
                         "host (where the kernel counts it: /sys/module/page_reporting; at most 60 s; 0: do not "
                         "wait)")
-    p.add_argument("--bucket-bytes", default="32MiB", help="bucket size of the plan")
+    p.add_argument("--bucket-bytes", type=_size, default="32MiB", help="bucket size of the plan")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also run per-tensor-gloo, flat-gloo, disk, grpc-stream, memcpy (with --trainer-ranks: "
                         "the all-gather to rank 0)")
     p.add_argument("--attest", action="store_true",
                    help="also run every weightsync round with the attestation probe (method weightsync+attest)")
-    p.add_argument("--json", default="", help="write the report here")
+    p.add_argument("--json", nargs="?", const="-", default="", metavar="PATH", help=JSON_HELP)
     p.add_argument("--plot", default="", help="write a PNG of throughput per method here")
 
 
 def _add_status(sub) -> None:
-    p = sub.add_parser("status", help="show engines and the current round")
+    p = _command(sub, "status", help="show engines and the current round")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", nargs="?", const="-", default="", metavar="PATH", help=JSON_HELP)
     p.add_argument("--watch", action="store_true", help="then follow the coordinator's event stream")
     _add_security(p, server=False)
 
 
 def _add_pki(sub) -> None:
-    p = sub.add_parser("pki", help="make a CA and mint role certificates (coordinator, agent, trainer)")
+    p = _command(sub, "pki", help="make a CA and mint role certificates (coordinator, agent, trainer)")
     actions = p.add_subparsers(dest="pki_command", required=True)
     init = actions.add_parser("init", help="create a CA in DIR (ca.pem, ca-key.pem)")
     init.add_argument("directory")
@@ -223,11 +241,43 @@ def _pki(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in --help, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, "", False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _logging_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """--log-level and --log-format, before the command or after it (a command's own
+    copy has no default, so it only overrides what was given before)."""
+    parser.add_argument("--log-level", default="INFO" if defaults else argparse.SUPPRESS,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper, help="log threshold")
+    parser.add_argument("--log-format", default="text" if defaults else argparse.SUPPRESS, choices=["text", "json"],
                         help="json: one JSON object per line")
+
+
+def _command(sub, name: str, *, help: str) -> argparse.ArgumentParser:  # noqa: A002 (argparse's name)
+    """A command's parser: its defaults shown, the logging options accepted after it too."""
+    common = argparse.ArgumentParser(add_help=False)
+    _logging_options(common, defaults=False)
+    return sub.add_parser(name, help=help, parents=[common], formatter_class=_Help)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("weightsync")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__, formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=f"weightsync {_version()}")
+    _logging_options(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_coordinator(sub)
     _add_agent(sub)
@@ -263,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             from weightsync.server.coordinator_main import run_coordinator
             return asyncio.run(run_coordinator(CoordinatorOptions(
                 listen=args.listen, state_db=args.state_db, port_file=args.port_file,
-                heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
-                shutdown_grace_s=args.shutdown_grace, idempotency_retention_s=args.idempotency_retention,
+                heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
+                shutdown_grace_s=args.shutdown_grace_s, idempotency_retention_s=args.idempotency_retention_s,
                 idempotency_max_records=args.idempotency_max_records,
                 enable_fault_injection=args.enable_fault_injection, security=_security(args),
                 metrics_port=args.metrics_port, catch_up=args.catch_up,
@@ -275,11 +325,11 @@ def main(argv: list[str] | None = None) -> int:
             return exit_without_finalizing(asyncio.run(run_agent(AgentOptions(
                 coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
                 advertise=args.advertise,
-                engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout,
-                shutdown_grace_s=args.shutdown_grace, step_delay_s=args.step_delay,
+                engine_id=args.engine_id, port_file=args.port_file, register_timeout_s=args.register_timeout_s,
+                shutdown_grace_s=args.shutdown_grace_s, step_delay_s=args.step_delay_s,
                 enable_fault_injection=args.enable_fault_injection,
                 launch=tuple(launch),
-                health_url=args.health_url, launch_timeout_s=args.launch_timeout, security=_security(args),
+                health_url=args.health_url, launch_timeout_s=args.launch_timeout_s, security=_security(args),
                 engine_url=args.engine_url, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port,
                 sglang_flattened=args.sglang_flattened_bucket,
                 ready_port=args.ready_port, restart=args.restart, max_restarts=args.max_restarts))))
@@ -291,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "pki":
             return _pki(args)
         if args.command == "status":
-            return asyncio.run(_status(args.coordinator, as_json=args.json, watch=args.watch,
+            return asyncio.run(_status(args.coordinator, json_to=args.json, watch=args.watch,
                                        security=_security(args)))
     except WeightSyncError as exc:
         print(f"weightsync {args.command}: {exc}", file=sys.stderr)
@@ -314,13 +364,12 @@ def _bench_hosts(args) -> int:
 
 
 def _bench_trainer_ranks(args) -> int:
-    from weightsync.apps.bench.runner import parse_size
     from weightsync.apps.bench.sharded import run_sharded_bench, sharded_table
 
     def run_one(tensors: int, json_path: str = "") -> dict:
         return run_sharded_bench(ranks=args.trainer_ranks, engines=args.engines, size=args.size, tensors=tensors,
                                  rounds=args.steps, transport=(args.transport or ["auto"])[0],
-                                 bucket_bytes=parse_size(args.bucket_bytes), json_path=json_path,
+                                 bucket_bytes=args.bucket_bytes, json_path=json_path,
                                  baselines=args.baselines, parallel=args.trainer_parallel,
                                  shape_profile=args.shape_profile)
 
@@ -333,18 +382,27 @@ def _bench_counts(args, run_one, table, *, row_key: str) -> int:
     from weightsync.apps.bench.count_sweep import sweep_counts, sweep_lines
 
     try:
+        to_file = "" if args.json == "-" else args.json
         if len(args.tensors) == 1:
-            print(table(run_one(args.tensors[0], args.json)))
+            one = run_one(args.tensors[0], to_file)
+            if args.json == "-":
+                _emit_json(one, "-")
+            else:
+                print(table(one))
             return 0
 
         def show(count: int, one: dict) -> None:
             print(f"-- about {count} tensors, {one['results'][0]['payload_bytes']} bytes", flush=True)
             print(table(one), flush=True)
 
-        report = sweep_counts(run_one, args.tensors, row_key=row_key, json_path=args.json, on_report=show)
+        report = sweep_counts(run_one, args.tensors, row_key=row_key, json_path=to_file,
+                              on_report=None if args.json == "-" else show)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
+    if args.json == "-":
+        _emit_json(report, "-")
+        return 0
     for line in sweep_lines(report):
         print(line)
     return 0
@@ -353,7 +411,7 @@ def _bench_counts(args, run_one, table, *, row_key: str) -> int:
 def _bench(args) -> int:
     from weightsync import transport as transports
     from weightsync.apps.bench.returned_memory import QUIET_S
-    from weightsync.apps.bench.runner import against_baselines, parse_size, ratios, run_bench, table
+    from weightsync.apps.bench.runner import against_baselines, ratios, run_bench, table
 
     if (args.hosts or args.trainer_ranks) and args.passes != 1:
         print("weightsync bench: --passes is for the single-trainer benchmark", file=sys.stderr)
@@ -381,13 +439,17 @@ def _bench(args) -> int:
             return 2
     try:
         report = run_bench(size=args.size, tensors=args.tensors, engines=args.engines, transports=chosen,
-                           steps=args.steps, baselines=args.baselines, json_path=args.json, plot_path=args.plot,
-                           bucket_bytes=parse_size(args.bucket_bytes), attest=args.attest,
+                           steps=args.steps, baselines=args.baselines, plot_path=args.plot,
+                           json_path="" if args.json == "-" else args.json,
+                           bucket_bytes=args.bucket_bytes, attest=args.attest,
                            shape_profile=args.shape_profile, trainer_memory=args.trainer_memory,
                            passes=args.passes, settle_s=QUIET_S if args.settle_s is None else args.settle_s)
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
+    if args.json == "-":
+        _emit_json(report, "-")
+        return 0
     print(table(report))
     for line in ratios(report) + against_baselines(report):
         print(line)
@@ -409,30 +471,47 @@ def engine_status(e) -> str:
     return "paused" if e.paused else "serving"
 
 
-async def _status(coordinator: str, *, as_json: bool, watch: bool, security: Security) -> int:
+def _emit_json(data, where: str) -> None:
+    """``--json``: to stdout (``-``) or to the file ``where``."""
+    text = json.dumps(data, indent=2)
+    if where == "-":
+        print(text, flush=True)
+    else:
+        with open(where, "w") as f:
+            f.write(text + "\n")
+
+
+async def _status(coordinator: str, *, json_to: str, watch: bool, security: Security) -> int:
+    """The coordinator's view, over a plain stub: no torch, no trainer client (fast)."""
+    import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from weightsync.client import TrainerClient
-    from weightsync.v1 import coordinator_pb2
+    from weightsync.errors import coordinator_error
+    from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-    async with TrainerClient(coordinator, security=security) as client:
-        state = await client.get_state()
-        if as_json:
-            print(json.dumps(MessageToDict(state, preserving_proto_field_name=True), indent=2), flush=True)
+    async with security.channel(coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            state = await stub.GetState(coordinator_pb2.GetStateRequest(), timeout=STATUS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise coordinator_error(exc, coordinator=coordinator, operation="status") from None
+        if json_to:
+            _emit_json(MessageToDict(state, preserving_proto_field_name=True), json_to)
         else:
             print(f"weight version {state.weight_version}; round {state.round.round_id} ({state.round.phase}"
                   f"{', target v' + str(state.round.target_version) if state.round.target_version else ''})")
-            print(f"{'engine':<16} {'address':<22} {'state':<12} {'ready':<6} {'version':>8} {'behind':>7} "
-                  f"{'torn':<12} {'heartbeat':<10}")
+            print(f"{'engine':<16} {'address':<22} {'model':<14} {'state':<12} {'ready':<6} {'version':>8} "
+                  f"{'behind':>7} {'torn':<12} {'heartbeat':<10}")
             for e in state.engines:
                 age = f"{e.heartbeat_age_s:.1f}s ago" if e.heartbeat_age_s >= 0 else "never"
                 torn = f"yes (v{e.torn_version})" if e.torn else "no"
-                print(f"{e.engine_id:<16} {e.address:<22} {engine_status(e):<12} {'yes' if e.ready else 'no':<6} "
-                      f"{e.weight_version:>8} {e.versions_behind:>7} {torn:<12} {age:<10}", flush=True)
+                model = e.model if len(e.model) <= 14 else e.model[:13] + "~"  # a vLLM's URL
+                print(f"{e.engine_id:<16} {e.address:<22} {model:<14} {engine_status(e):<12} "
+                      f"{'yes' if e.ready else 'no':<6} {e.weight_version:>8} {e.versions_behind:>7} {torn:<12} "
+                      f"{age:<10}", flush=True)
         if watch:
-            call = client._ready().WatchEvents(coordinator_pb2.WatchEventsRequest())
-            async for event in call:
-                if as_json:
+            async for event in stub.WatchEvents(coordinator_pb2.WatchEventsRequest()):
+                if json_to:
                     print(json.dumps(MessageToDict(event, preserving_proto_field_name=True)), flush=True)
                 else:
                     fields = " ".join(f"{k}={v}" for k, v in sorted(event.fields.items()) if v)

@@ -32,15 +32,22 @@ def make_adapter(engine: str, *, url: str = "", checkpoint_dir: str = "", model:
     checkpoint's tensor specs from ``checkpoint_dir``; ``sglang_flattened``: it takes
     the group transport's flattened layout)."""
     check_engine_choice(engine, url)
+    adapter: EngineAdapter
     if engine == "vllm":
         from weightsync.engine.vllm import VllmAdapter
-        return VllmAdapter(url)
-    if engine == "sglang":
+        adapter = VllmAdapter(url)
+    elif engine == "sglang":
         from weightsync.engine.sglang import SglangAdapter
-        return SglangAdapter(url, checkpoint_dir=checkpoint_dir, flattened=sglang_flattened)
-    from weightsync.engine.model import resolve_config
-    from weightsync.engine.reference import ReferenceAdapter
-    return ReferenceAdapter(resolve_config(model), step_delay_s=step_delay_s)
+        adapter = SglangAdapter(url, checkpoint_dir=checkpoint_dir, flattened=sglang_flattened)
+    else:
+        from weightsync.engine.model import PRESETS, resolve_config
+        from weightsync.engine.reference import ReferenceAdapter
+        adapter = ReferenceAdapter(resolve_config(model), step_delay_s=step_delay_s)
+    # What the agent reports as its engine's model (weightsync status shows it): the
+    # reference engine's preset, or the server a vLLM or SGLang agent drives.
+    adapter.model_label = (f"{engine}:{model}" if model in PRESETS else f"{engine}:custom") \
+        if engine == "reference" else f"{engine}@{url}"
+    return adapter
 
 
 __all__ = ["ENGINES", "check_engine_choice", "make_adapter"]

@@ -396,6 +396,7 @@ class EngineOutcome(_message.Message):
     ATTEST_MAX_DIFF_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
     RELAYED_BY_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     ok: _builtins.bool
     error_reason: _builtins.str
@@ -418,6 +419,10 @@ class EngineOutcome(_message.Message):
     the network lane to its host (relayed_by names the relay; the last hop was shm).
     """
     relayed_by: _builtins.str
+    paused: _builtins.bool
+    """With weight_version and torn: the engine's state when the outcome was made, a
+    failure's too (asked of the engine, or its last heartbeat's if it cannot answer).
+    """
     def __init__(
         self,
         *,
@@ -435,10 +440,11 @@ class EngineOutcome(_message.Message):
         attest_max_diff: _builtins.float = ...,
         transport: Global___TransportKind.ValueType = ...,
         relayed_by: _builtins.str = ...,
+        paused: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest_max_diff", b"attest_max_diff", "attested", b"attested", "bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "rank", b"rank", "relayed_by", b"relayed_by", "seconds", b"seconds", "torn", b"torn", "transport", b"transport", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest_max_diff", b"attest_max_diff", "attested", b"attested", "bytes", b"bytes", "engine_id", b"engine_id", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "ok", b"ok", "paused", b"paused", "rank", b"rank", "relayed_by", b"relayed_by", "seconds", b"seconds", "torn", b"torn", "transport", b"transport", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

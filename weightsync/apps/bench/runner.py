@@ -38,35 +38,35 @@ from weightsync.engine.model import SHAPE_PROFILES, ModelConfig, ReferenceLM, co
 from weightsync.lifecycle import die_with_parent, interrupt_on_sigterm
 from weightsync.packing import weights_digest
 from weightsync.plan import DEFAULT_BUCKET_BYTES
+from weightsync.sizes import parse_size
 from weightsync.transport import AUTO_LAYOUT, FLATTENED, TENSORS
-
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-
-
-def parse_size(text: str) -> int:
-    """``1GiB``, ``256MiB``, ``1000000`` -> bytes; ValueError otherwise."""
-    text = text.strip()
-    unit = next((u for u in UNITS if text.endswith(u)), "")  # longest units come first
-    size = int(float(text[: len(text) - len(unit)]) * UNITS.get(unit, 1))
-    if size <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return size
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """The bench's progress bar on stderr (tqdm). Log lines written while it runs are
+    printed above it (``logging_redirect_tqdm`` in ``run_bench``), never into it."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+        self._bar = tqdm(total=total, file=sys.stderr, leave=True, dynamic_ncols=True, unit="step",
+                         bar_format="{l_bar}{bar:30}| {n_fmt}/{total_fmt} {postfix}")
+        # This process's log lines go through tqdm.write while the bar is up.
+        self._redirect = logging_redirect_tqdm()
+        self._redirect.__enter__()
 
     def step(self, label: str) -> None:
-        self.done += 1
-        width = 30
-        filled = int(width * self.done / max(1, self.total))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label:<40}")
-        sys.stderr.flush()
-        if self.done >= self.total:
-            sys.stderr.write("\n")
+        self._bar.set_postfix_str(label, refresh=False)
+        self._bar.update(1)
+        if self._bar.n >= self._bar.total:
+            self.close()
+
+    def close(self) -> None:
+        """Ends the bar and hands the log lines back to their handlers (idempotent)."""
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        self._bar.close()
 
 
 def _summary(method: str, transport: str | None, nbytes: int, tensors: int, engines: int, seconds: list[float],
@@ -300,7 +300,11 @@ def run_bench(*, size: str, tensors: int | list[int], engines: int, transports: 
                   "passes": passes, "settle_s": settle_s}
     if len(counts) == 1:
         cfg = config_for_size(nbytes_requested, counts[0], profile=shape_profile)
-        shape = _run_one_shape(cfg, progress=Progress(per_count), **shape_args)
+        progress = Progress(per_count)
+        try:
+            shape = _run_one_shape(cfg, progress=progress, **shape_args)
+        finally:
+            progress.close()
         results += shape["rows"]
         settles += shape["settles"]
     else:
@@ -374,7 +378,11 @@ def _shape_process(report, parent_pid: int, cfg_json: str, steps_total: int, sha
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         return
     try:
-        results = _run_one_shape(ModelConfig.from_json(cfg_json), progress=Progress(steps_total), **shape_args)
+        progress = Progress(steps_total)
+        try:
+            results = _run_one_shape(ModelConfig.from_json(cfg_json), progress=progress, **shape_args)
+        finally:
+            progress.close()
     except KeyboardInterrupt:
         return
     except Exception as exc:
@@ -488,6 +496,13 @@ def ratios(report: dict) -> list[str]:
     return lines
 
 
+def how_much(speedup: float) -> str:
+    """``2.50x faster`` for a speed-up of 2.5, ``1.16x slower`` for one of 0.86."""
+    if speedup >= 1.0:
+        return f"{speedup:.2f}x faster"
+    return f"{1 / speedup:.2f}x slower" if speedup > 0 else "infinitely slower"
+
+
 def against_baselines(report: dict) -> list[str]:
     """Per tensor count run with the baselines: how the fastest weightsync transport
     compares with each baseline (how many times faster), with two copies of the
@@ -503,7 +518,7 @@ def against_baselines(report: dict) -> list[str]:
         if not ours or not base:
             continue
         best = min(ours, key=ours.get)
-        parts = [f"{base[m] / ours[best]:.2f}x faster than {m}" for m in base if m != "memcpy"]
+        parts = [f"{how_much(base[m] / ours[best])} than {m}" for m in base if m != "memcpy"]
         if "memcpy" in base:
             parts.append(f"{ours[best] / (2 * base['memcpy']):.2f}x two memcpys")
         line = f"{count} tensors: weightsync {best} ({ours[best]:.3f} s) " + ", ".join(parts)
@@ -518,6 +533,8 @@ def plot(report: dict, path: str) -> None:
     count, a line per method."""
     import matplotlib
     matplotlib.use("Agg")
+    import matplotlib.lines
+    import matplotlib.patches
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
@@ -546,12 +563,27 @@ def plot(report: dict, path: str) -> None:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return
-    labels = [r["method"] + (f"\n{r['transport']}" if r["transport"] else "") for r in report["results"]]
-    values = [r["gbps"] for r in report["results"]]
-    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.3), 4))
-    bars = ax.bar(labels, values, color=["tab:blue" if r["method"].startswith("weightsync") else "tab:gray"
-                                         for r in report["results"]])
+    # memcpy is a bound, not a method: a dashed line, and the axis is sized to the
+    # methods (at 5-50x their speed, a memcpy bar would flatten every other bar).
+    rows = [r for r in report["results"] if r["method"] != "memcpy"]
+    bound = next((r["gbps"] for r in report["results"] if r["method"] == "memcpy"), None)
+    labels = [r["method"] + (f"\n{r['transport']}" if r["transport"] else "") for r in rows]
+    values = [r["gbps"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.3), 4.5))
+    ours = [r["method"].startswith("weightsync") for r in rows]
+    bars = ax.bar(labels, values, color=["tab:blue" if o else "tab:gray" for o in ours])
     ax.bar_label(bars, fmt="%.2f")
+    top = max(values, default=1.0) * 1.25
+    handles = [matplotlib.patches.Patch(color="tab:blue", label="weightsync"),
+               matplotlib.patches.Patch(color="tab:gray", label="baseline")]
+    if bound is not None:
+        if bound <= top:
+            handles.append(ax.axhline(bound, color="tab:red", linestyle="--", label=f"memcpy bound ({bound:.1f})"))
+        else:
+            handles.append(matplotlib.lines.Line2D([], [], color="tab:red", linestyle="--",
+                                                   label=f"memcpy bound: {bound:.1f} (off the scale)"))
+    ax.set_ylim(0, top)
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
     ax.set_ylabel("Gbit/s of payload to every engine")
     ax.set_title(f"{r0['bytes'] / 2**20:.0f} MiB, {r0['tensors']} tensors, {r0['engines']} engines")
     fig.tight_layout()
