@@ -129,7 +129,7 @@ def _fused_experts_hint(unknown: list[str], specs) -> str:
         if example is not None:
             return (f"; the engine's checkpoint keeps each expert's matrices apart (e.g. {example!r}) where the "
                     f"plan has one tensor for all of a layer's experts: send the model's tensors by checkpoint "
-                    f"names (README: 'Mixture-of-experts models')")
+                    f"names (docs/guides/trainer.md: 'Mixture-of-experts models')")
     return ""
 
 
@@ -885,7 +885,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             done, _ = await asyncio.wait({task}, timeout=grace_s)
             if not done:
                 # Abandoning is the orderly outcome of a shutdown that ran out of grace,
-                # not a failed cleanup step: the exit code stays 0 (see the README).
+                # not a failed cleanup step: the exit code stays 0 (docs/guides/operations.md)
                 log.warning("abandoning the running transfer after %.1fs of grace: the engine stays paused and torn",
                             grace_s)
                 self.record("transfer_abandoned", grace_s=grace_s)

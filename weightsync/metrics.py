@@ -1,4 +1,4 @@
-"""Prometheus metrics (``--metrics-port``). Names and meanings are listed in the README.
+"""Prometheus metrics (``--metrics-port``). Names and meanings are listed in docs/guides/operations.md.
 
 Metrics live in the process's default registry; each process exposes its own:
 the coordinator its rounds and engines, an agent its loop lag, a trainer its

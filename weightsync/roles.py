@@ -11,7 +11,7 @@ and the policy both servers enforce under mutual TLS.
 
 A peer's role is its certificate's ``spiffe://weightsync/...`` URI SAN (see
 ``weightsync.pki``). Without mutual TLS there is no certificate to read, and this
-policy cannot apply: README's Security section says what is then left unprotected.
+policy cannot apply: docs/guides/security.md says what is then left unprotected.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def host_store(host: str, *, timeout_s: float) -> dist.TCPStore:
     torch's store server listens on every interface whatever host it is given; here it
     gets a socket bound to ``host`` alone, so a trainer that names 127.0.0.1 is not
     reachable from the network. The store has no authentication of its own: anyone who
-    can reach this address can read and write its keys (README, Security).
+    can reach this address can read and write its keys (docs/guides/security.md).
     """
     listener = listen_on(host)
     port = listener.getsockname()[1]
