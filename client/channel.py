@@ -57,14 +57,34 @@ class LoopChannel(Generic[Stub]):
         self.opened += 1
         return self._stub
 
-    async def connects_within(self, timeout_s: float) -> bool:
-        """Whether the channel (of the running loop) connects within ``timeout_s``."""
+    async def connect(self, *, keep_trying_s: float, attempt_timeout_s: float) -> bool:
+        """Whether the channel (of the running loop) gets connected: False once an
+        attempt has failed and ``keep_trying_s`` has passed, or when nothing at all has
+        happened within ``max(keep_trying_s, attempt_timeout_s)`` (an address that
+        never answers, not even with a refusal)."""
         self.stub()
-        assert self._channel is not None
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
-        except TimeoutError:
-            return False
+        channel = self._channel
+        assert channel is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        end = started + max(keep_trying_s, attempt_timeout_s)
+        state = channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY:
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE and loop.time() - started >= keep_trying_s:
+                return False
+            now = loop.time()
+            if now >= end:
+                return False
+            # After a failed attempt, look again once keep_trying_s is up: the channel
+            # may wait out its reconnect back-off in TRANSIENT_FAILURE until then.
+            left = end - now
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                left = min(left, started + keep_trying_s - now)
+            try:
+                await asyncio.wait_for(channel.wait_for_state_change(state), left)
+            except TimeoutError:
+                pass  # the loop decides by the time and the state
+            state = channel.get_state(try_to_connect=True)
         return True
 
     def _abandon(self) -> None:

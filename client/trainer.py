@@ -168,6 +168,7 @@ AttestArg = Probe | Callable[[], Probe] | None
 # hold no storage of its own).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
+CONNECT_ATTEMPT_S = 10.0  # start(): an address that gives no answer at all, not even a refusal
 MAX_CONCURRENT_LANES = 64  # lanes of one round sent at once (a lane per remote host)
 
 
@@ -303,9 +304,11 @@ class TrainerClient(AsyncClient):
             ``load_format="flattened_bucket"``, which SGLang releases since late 2025
             accept, and an agent started with ``--sglang-flattened-bucket`` says so;
             much faster with many tensors). weightsync's own engines take both.
-        connect_timeout_s: how long ``start()`` (``async with``) waits for the
-            coordinator to answer before it raises ``CoordinatorUnavailable``; raise
-            it to wait for a coordinator that is still starting.
+        connect_timeout_s: how long ``start()`` (``async with``) keeps trying to reach
+            the coordinator before it raises ``CoordinatorUnavailable``. 0 (the
+            default) fails at the first refused connection (or after
+            ``CONNECT_ATTEMPT_S`` without any answer); give seconds to wait for a
+            coordinator that is still starting.
     """
 
     def __init__(self, coordinator: str, *, transport: str = "auto", host: str = "127.0.0.1",
@@ -313,10 +316,10 @@ class TrainerClient(AsyncClient):
                  default_timeout_s: float = 300.0, resume_grace_s: float = 30.0,
                  retry: RetryPolicy | None = None, security: Security | None = None,
                  measure_loop_lag: bool = False, group_layout: str = AUTO_LAYOUT,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 0.0) -> None:
         self.coordinator = coordinator
-        if connect_timeout_s <= 0:
-            raise InvalidArgument(f"connect_timeout_s must be positive, got {connect_timeout_s}")
+        if connect_timeout_s < 0:
+            raise InvalidArgument(f"connect_timeout_s must be 0 or more, got {connect_timeout_s}")
         self.connect_timeout_s = connect_timeout_s
         if group_layout not in (AUTO_LAYOUT, *LAYOUTS):
             raise InvalidArgument(f"group_layout must be one of {(AUTO_LAYOUT, *LAYOUTS)}, got {group_layout!r}")
@@ -358,8 +361,8 @@ class TrainerClient(AsyncClient):
     # ----- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> TrainerClient:
-        """Opens the channel and the worker threads; waits up to ``connect_timeout_s`` for
-        the coordinator to answer (``CoordinatorUnavailable`` otherwise)."""
+        """Opens the channel and the worker threads, and connects to the coordinator
+        (``CoordinatorUnavailable`` if it cannot: see ``connect_timeout_s``)."""
         if self._closed:
             raise RuntimeError("TrainerClient is closed")
         if self._executor is None:
@@ -369,11 +372,13 @@ class TrainerClient(AsyncClient):
             self._control = LoopChannel(
                 lambda: self.security.channel(self.coordinator, options=CHANNEL_OPTIONS),
                 coordinator_pb2_grpc.CoordinatorStub, owner="TrainerClient")
-        if not await self._control.connects_within(self.connect_timeout_s):
+        if not await self._control.connect(keep_trying_s=self.connect_timeout_s, attempt_timeout_s=CONNECT_ATTEMPT_S):
+            waited = f" (kept trying for {self.connect_timeout_s:g} s)" if self.connect_timeout_s else ""
             raise CoordinatorUnavailable(
-                f"no coordinator answers at {self.coordinator} (waited {self.connect_timeout_s:g} s): check the "
-                "address, that `weightsync coordinator` is running there and that its TLS settings match this "
-                "client's; or pass a larger connect_timeout_s to wait for one that is starting", metadata={"coordinator": self.coordinator})
+                f"cannot connect to the coordinator at {self.coordinator}{waited}: check the address, that "
+                "`weightsync coordinator` is running there and that its TLS settings match this client's; or "
+                "pass connect_timeout_s=SECONDS to wait for one that is starting",
+                metadata={"coordinator": self.coordinator})
         return self
 
     async def aclose(self) -> None:

@@ -220,7 +220,8 @@ async def test_coordinator_sigterm_during_a_sync_then_restart(cluster_factory):
         try:
             await sync
         except WeightSyncError as exc:  # a typed error, not a hang
-            assert exc.reason in ("UNAVAILABLE", "SHUTTING_DOWN", "ENGINE_UNAVAILABLE", "DEADLINE_EXCEEDED",
+            assert exc.reason in ("UNAVAILABLE", "SHUTTING_DOWN", "ENGINE_UNAVAILABLE", "COORDINATOR_UNAVAILABLE",
+                                  "DEADLINE_EXCEEDED",
                                   "OPERATION_ABORTED", "TRANSFER_FAILED"), exc
         assert time.monotonic() - started < 30
         assert await asyncio.to_thread(cluster.coordinator.proc.wait, 30) == 0

@@ -189,7 +189,7 @@ async def test_a_restarted_trainer_retries_its_whole_sync_with_its_key(cluster):
         assert sorted(e.engine_id for e in again.engines) == ["engine-0", "engine-1"]
         # A trainer that died right after its Pause: the retry replays that Pause and
         # runs the rest once.
-        await restarted.pause(key=derive_key("sync-v2", "pause"))
+        await restarted.pause(key=derive_key("sync-v2", "pause"), version=2, sync_key="sync-v2")
     async with TrainerClient(cluster.address) as third:
         result = await third.update_weights(perturbed(8).named_parameters(), version=2, key="sync-v2",
                                             timeout_s=60)

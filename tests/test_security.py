@@ -109,11 +109,15 @@ async def test_strangers_are_refused(secure_cluster, pki, tmp_path, who):
                                            token_file=str(wrong_token)),
     }[who]
     from weightsync.client import RetryPolicy
-    async with TrainerClient(address, security=security, retry=RetryPolicy(max_attempts=1)) as client:
-        with pytest.raises(WeightSyncError) as info:
+    # A TLS handshake the coordinator refuses fails the client's start (it cannot
+    # connect: CoordinatorUnavailable); a missing or wrong token, its first call.
+    with pytest.raises(WeightSyncError) as info:
+        async with TrainerClient(address, security=security, retry=RetryPolicy(max_attempts=1)) as client:
             await client.pause(timeout_s=5)
     expected = "UNAUTHENTICATED" if "token" in who else "UNAVAILABLE"
     assert expected in (info.value.reason, info.value.code.name)
+    if "token" not in who:
+        assert info.value.reason == "COORDINATOR_UNAVAILABLE" and "TLS settings" in info.value.message
     # the agent refuses commands from anyone without the CA's certificate (and the token) too
     async with EngineClient(agent_address, security=security) as engine:
         with pytest.raises(WeightSyncError):

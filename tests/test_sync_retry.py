@@ -16,6 +16,7 @@ import asyncio
 import functools
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -103,16 +104,21 @@ def _trainer_process(address: str, key: str, version: int, point: str) -> subpro
 
 
 def _wait_for_line(proc: subprocess.Popen, line: str, timeout_s: float) -> None:
-    """Reads the trainer's output (on a thread: off the test's loop) until ``line``."""
+    """Reads the trainer's output (on a thread: off the test's loop) until ``line``, for
+    at most ``timeout_s`` (a trainer that hangs silently fails the test, not the suite)."""
     end = time.monotonic() + timeout_s
     seen = []
-    while time.monotonic() < end:
-        out = proc.stdout.readline()
-        if not out:
-            break
-        seen.append(out)
-        if out.strip() == line:
-            return
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < end:
+            if not selector.select(timeout=max(0.0, end - time.monotonic())):
+                break
+            out = proc.stdout.readline()
+            if not out:
+                break
+            seen.append(out)
+            if out.strip() == line:
+                return
     raise AssertionError(f"the trainer never printed {line}: {''.join(seen)[-3000:]}")
 
 
@@ -125,7 +131,10 @@ async def test_a_sigkilled_trainer_retried_with_its_key_ends_at_the_version_wher
             await _hold_a_wait_pause(cluster)
         proc = _trainer_process(cluster.address, key, version, point)
         try:
-            await asyncio.to_thread(_wait_for_line, proc, "REACHED", 60)
+            try:
+                await asyncio.to_thread(_wait_for_line, proc, "REACHED", 90)
+            except AssertionError as exc:
+                raise AssertionError(f"stopping at {point!r}: {exc}") from None
             proc.send_signal(signal.SIGKILL)
         finally:
             proc.kill()
