@@ -24,6 +24,8 @@ from weightsync.apps.bench.returned_memory import returned_kib, settle
 from weightsync.apps.bench.runner import (
     _check_engines_hold,
     _worst_where_nothing_stolen,
+    bar_figure,
+    how_much,
     parse_size,
 )
 from weightsync.client import TrainerClient
@@ -117,7 +119,7 @@ def test_bench_small_run_reports_every_method(tmp_path):
     ours = median[("weightsync", best)]
     line = next(x for x in proc.stdout.splitlines() if x.startswith(f"{results[0]['tensors']} tensors: weightsync"))
     assert f"weightsync {best} ({ours:.3f} s)" in line
-    assert f"{median[('disk', None)] / ours:.2f}x faster than disk" in line
+    assert f"{how_much(median[('disk', None)] / ours)} than disk" in line
     assert f"{ours / (2 * median[('memcpy', None)]):.2f}x two memcpys" in line
     assert f"weightsync gloo / flat-gloo {median[('weightsync', 'gloo')] / median[('flat-gloo', None)]:.2f}x" in line
 
@@ -523,3 +525,22 @@ def test_paired_rounds_benchmark_alternates_weightsync_with_a_baseline(tmp_path)
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 3
     assert f"{report['ratio_of_medians']:.2f}x" in done.stdout.splitlines()[-1]
+
+
+def test_the_bench_says_slower_when_it_is_and_its_plot_keeps_memcpy_off_the_bars():
+    assert how_much(2.5) == "2.50x faster" and how_much(0.8) == "1.25x slower"
+    rows = [{"method": "weightsync", "transport": "shm", "gbps": 20.0}, {"method": "disk", "transport": None,
+                                                                        "gbps": 5.0},
+            {"method": "memcpy", "transport": None, "gbps": 400.0}]
+    report = {"results": [{**r, "bytes": 1 << 20, "tensors": 89, "engines": 2} for r in rows],
+              "config": {"size": "1MiB"}}
+    figure = bar_figure(report)
+    try:
+        axes = figure.axes[0]
+        assert [t.get_text() for t in axes.get_xticklabels()] == ["weightsync\nshm", "disk"]  # no memcpy bar
+        assert axes.get_ylim()[1] < 400.0  # the axis is the methods' scale
+        legend = [t.get_text() for t in axes.get_legend().get_texts()]
+        assert legend[:2] == ["weightsync", "baseline"] and "memcpy bound: 400.0 (off the scale)" in legend
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(figure)

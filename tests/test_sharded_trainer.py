@@ -330,3 +330,34 @@ def test_a_rank_killed_mid_gather_fails_the_call_and_changes_no_engine(cluster_f
     assert all(s.weight_version == 1 and not s.paused and not s.torn for s in states.values()), states
     started = [e for e in asyncio.run(coordinator_events(cluster.address)) if e.kind == "broadcast_started"]
     assert len(started) == 1, started  # round 1's only
+
+
+def test_a_sharded_job_killed_mid_round_and_restarted_with_its_keys_ends_the_round_once(cluster_factory, tmp_path):
+    """The whole job SIGKILLed while round 2's bytes move (torchrun's restart kills every
+    rank), then started again with the same keys and weights: round 1 replays, round 2
+    runs again (its first attempt failed with nobody to finish it) and lands whole, once."""
+    cluster = cluster_factory(2, agent_args=("--model", MODEL, "--enable-fault-injection"), agent_env=SLOW_ROUND_2)
+    args = rank_args("--rounds", "2", "--key", "job-k", "--transport", "gloo", *SMALL_BUCKETS)
+    with TrainerRanks(str(tmp_path / "job1"), cluster.address, 2, args) as ranks:
+        ranks.wait_for(0, lambda line: line.get("starting") == 2, 120)
+        wait_until_bytes_move(cluster.address)
+        for rank in (0, 1):
+            ranks.signal(rank, signal.SIGKILL)
+        ranks.wait(30)
+    with TrainerRanks(str(tmp_path / "job2"), cluster.address, 2, [*args, "--check-digests"]) as ranks:
+        assert ranks.wait(120) == [0, 0], ranks.tail()
+        assert all(ranks.rounds(r)[v]["ok"] for r in (0, 1) for v in (1, 2)), ranks.tail()
+        assert ranks.rounds(0)[2]["digest_ok"], ranks.tail()
+    states = asyncio.run(engine_states(cluster.address))
+    assert all(not s.torn and not s.paused and s.weight_version == 2 for s in states.values()), states
+
+    async def done_per_engine() -> dict[str, int]:
+        from weightsync.client import EngineClient
+        counts = {}
+        for agent in cluster.agents:
+            async with EngineClient(agent.address) as engine:
+                counts[agent.engine_id] = sum(e.kind == "transfer_done" and e.fields.get("version") == "2"
+                                              for e in await engine.events())
+        return counts
+
+    assert asyncio.run(done_per_engine()) == {"engine-0": 1, "engine-1": 1}

@@ -563,8 +563,23 @@ def plot(report: dict, path: str) -> None:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return
-    # memcpy is a bound, not a method: a dashed line, and the axis is sized to the
-    # methods (at 5-50x their speed, a memcpy bar would flatten every other bar).
+    fig = bar_figure(report)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def bar_figure(report: dict):
+    """One tensor count's throughput per method as bars (matplotlib figure; the caller
+    closes it). memcpy is a bound, not a method: a dashed line, and the axis is sized
+    to the methods (at 5-50x their speed, a memcpy bar would flatten every other bar)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.lines
+    import matplotlib.patches
+    import matplotlib.pyplot as plt
+
+    r0 = report["results"][0]
     rows = [r for r in report["results"] if r["method"] != "memcpy"]
     bound = next((r["gbps"] for r in report["results"] if r["method"] == "memcpy"), None)
     labels = [r["method"] + (f"\n{r['transport']}" if r["transport"] else "") for r in rows]
@@ -586,9 +601,8 @@ def plot(report: dict, path: str) -> None:
     ax.legend(handles=handles, fontsize=8, loc="upper right")
     ax.set_ylabel("Gbit/s of payload to every engine")
     ax.set_title(f"{r0['bytes'] / 2**20:.0f} MiB, {r0['tensors']} tensors, {r0['engines']} engines")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-__all__ = ["run_bench", "parse_size", "table", "ratios", "against_baselines", "plot", "machine"]
+__all__ = ["run_bench", "parse_size", "table", "ratios", "against_baselines", "how_much", "plot", "bar_figure",
+           "machine"]
