@@ -533,8 +533,6 @@ def plot(report: dict, path: str) -> None:
     count, a line per method."""
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.lines
-    import matplotlib.patches
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
