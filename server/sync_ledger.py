@@ -41,8 +41,10 @@ from weightsync.statedb import StateDB
 log = logging.getLogger("weightsync.coordinator")
 
 PAUSED, BROADCAST, FINISHED, UNDONE = "paused", "broadcast", "finished", "undone"
-# Round phases in which a paused round still holds its engines.
-_HOLDING_PHASES = ("paused", "broadcasting", "broadcast_done", "failed")
+# Round phases in which the attempt's round still holds its engines for its Broadcast.
+# Not "failed": that round's Broadcast failed (also one the ledger never heard the end
+# of, the coordinator having died during it), so the sync needs a new attempt.
+_HOLDING_PHASES = ("paused", "broadcasting", "broadcast_done")
 
 
 @dataclass(frozen=True)
