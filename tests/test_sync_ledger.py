@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.server.sync_ledger import BROADCAST, FINISHED, PAUSED, UNDONE, SyncLedger, attempt_key
+from weightsync.server.sync_ledger import (
+    BROADCAST,
+    FINISHED,
+    PAUSED,
+    UNDONE,
+    SyncLedger,
+    attempt_key,
+)
 from weightsync.statedb import StateDB
 
 
