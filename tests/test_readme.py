@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import wait_available
 from tests.readme_blocks import (
     README_ADDRESS,
+    Block,
     as_process,
     commands,
     free_port,
@@ -31,7 +32,7 @@ def test_the_readme_quickstart_runs_against_a_real_cluster(tmp_path):
     trainer = next(b for b in blocks if b.language == "python")
     address = f"127.0.0.1:{free_port()}"
     swap = {README_ADDRESS: address}
-    lines = [as_process(substitute_argv(argv, swap)) for argv in commands(shell)]
+    lines = [as_process(argv) for argv in commands(Block(shell.language, substitute(shell.text, swap)))]
     servers = [(env, argv) for env, argv in lines if argv[3] in ("coordinator", "agent")]
     status = [argv for _, argv in lines if argv[3] == "status"]
     assert len(servers) == 3 and len(status) == 1, "the quickstart starts a coordinator, two agents, asks status"
@@ -53,6 +54,3 @@ def test_the_readme_quickstart_runs_against_a_real_cluster(tmp_path):
         stop(procs)
     assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
 
-
-def substitute_argv(argv: list[str], swap: dict[str, str]) -> list[str]:
-    return [substitute(a, swap) for a in argv]

@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import start_coordinator, wait_available
 from tests.readme_blocks import (
     README_ADDRESS,
+    Block,
     as_process,
     commands,
     free_port,
@@ -37,7 +38,7 @@ from tests.vllm.harness import (
 )
 from weightsync.lifecycle import spawn, stop_process
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                                               reason="vllm is not installed")]
 
 
@@ -65,17 +66,18 @@ async def test_the_readme_vllm_quickstart_syncs_a_real_vllm(tmp_path):
     port = free_port()
     swap = {README_ADDRESS: address, "MODEL_DIR": model_dir, "127.0.0.1:8000": f"127.0.0.1:{port}",
             "--port 8000": f"--port {port}"}
-    [line] = commands(agent_block)
-    env, argv = as_process([substitute(a, swap) for a in line])
+    [line] = commands(Block(agent_block.language, substitute(agent_block.text, swap)))
+    env, argv = as_process(line)
     agent = None
     try:
         with open(tmp_path / "agent.log", "w") as log:
             agent = spawn(argv, env={**vllm_env(), **env}, stdout=log, stderr=log)
-        await _registered_while_alive(address, agent, timeout_s=420)
+        await _registered_while_alive(address, agent, timeout_s=620)
         run = subprocess.run([sys.executable, "-c", substitute(trainer_block.text, swap)], capture_output=True,
                              text=True, timeout=300, env=vllm_env(), cwd=tmp_path)
         assert run.returncode == 0, run.stdout + run.stderr[-4000:]
         assert "('vllm-0', 1, 'shm')" in run.stdout, run.stdout
+        assert f"--port {port}" in " ".join(argv), "the README's vLLM port was not substituted"
         url = f"http://127.0.0.1:{port}"
         await ready_for_a_test(address, url)
         model = trainer_model(model_dir, [(n, t * 1.01) for n, t in checkpoint(model_dir)])
