@@ -98,8 +98,31 @@ def test_servers_start_without_torchs_distributed_tensor():
     """``torch.distributed.tensor`` takes about half a second to import, in every
     coordinator, agent and trainer process a test or a user starts; only a trainer
     holding DTensors needs it, and it has imported it already (``sharding``)."""
-    code = ("import sys, weightsync.server.coordinator_main, weightsync.server.agent_main, weightsync.client; "
+    code = ("import sys, weightsync.server.coordinator.main, weightsync.server.agent.main, weightsync.client; "
             "print('torch.distributed.tensor' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+SIDES = {"coordinator": "weightsync.server.agent", "agent": "weightsync.server.coordinator"}
+
+
+def test_each_server_process_keeps_to_its_side():
+    """server/coordinator/ never imports the agent's side, server/agent/ never the
+    coordinator's, server/common/ neither; and nothing imports the source folders by
+    their own names (``server.``, ``client.``): they are installed as weightsync.*."""
+    offenders = []
+    for side, forbidden in SIDES.items():
+        for p in sorted((ROOT / "server" / side).rglob("*.py")):
+            offenders += [(str(p.relative_to(ROOT)), n) for n in imports_of(p.read_text())
+                          if n == forbidden or n.startswith(forbidden + ".")]
+    for p in sorted((ROOT / "server" / "common").rglob("*.py")):
+        offenders += [(str(p.relative_to(ROOT)), n) for n in imports_of(p.read_text())
+                      if any(n == f or n.startswith(f + ".") for f in SIDES.values())]
+    for folder in ("weightsync", "server", "client", "tests", "benchmarks"):
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            offenders += [(str(p.relative_to(ROOT)), n) for n in imports_of(p.read_text())
+                          if n.split(".")[0] in ("server", "client")]
+    assert offenders == []
+    assert sorted(p.name for p in (ROOT / "server").glob("*.py")) == ["__init__.py"], "a module outside the sides"

@@ -1,4 +1,4 @@
-"""The round's state machine in process (``server/round.py``): phases, epochs, members
+"""The round's state machine in process (``server/coordinator/round.py``): phases, epochs, members
 and what survives a restart, beside the real-process tests of the whole service.
 
 The engines here are registrations at ports nothing listens on (closed sockets, as an
@@ -18,8 +18,14 @@ import torch
 
 from weightsync.errors import EngineUnavailable, FailedPrecondition
 from weightsync.plan import BucketPlan
-from weightsync.server.registry import EngineRegistry
-from weightsync.server.round import BroadcastSetup, LanePlan, SyncRound, plan_lanes, sender_lanes
+from weightsync.server.coordinator.registry import EngineRegistry
+from weightsync.server.coordinator.round import (
+    BroadcastSetup,
+    LanePlan,
+    SyncRound,
+    plan_lanes,
+    sender_lanes,
+)
 from weightsync.sharding import Owners, SenderParts
 from weightsync.statedb import StateDB
 from weightsync.v1 import common_pb2, coordinator_pb2

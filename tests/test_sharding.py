@@ -822,7 +822,7 @@ def test_a_rank_whose_read_ack_loses_its_answer_to_rank_0_closing_still_has_the_
     has read the round's end already, so the ack must not turn into 'rank 0 went away'
     (seen under load in CI). Here the host closes right after storing the key, every
     time, before it answers."""
-    from client.distributed import acknowledge_read
+    from weightsync.client.distributed import acknowledge_read
     from weightsync.transport.secure_store import _SET, SecureStore, StoreHost
 
     def ack_with(set_key: Callable[[SecureStore, str], None]) -> bytes | None:

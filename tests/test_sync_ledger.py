@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.server.sync_ledger import (
+from weightsync.server.coordinator.sync_ledger import (
     BROADCAST,
     FINISHED,
     PAUSED,

@@ -28,7 +28,7 @@ import pytest
 
 from weightsync.engine.vllm import VllmAdapter, worker_deadline_s
 from weightsync.errors import DigestWithheld, EngineFault, EngineUnavailable, StepTimeoutError
-from weightsync.server.engine_watch import EngineWatch
+from weightsync.server.agent.engine_watch import EngineWatch
 
 
 class StandIn:
@@ -271,7 +271,7 @@ async def test_a_vllm_seen_booted_again_is_not_resumed_by_the_pause_keeper(vllm)
     import asyncio
     import types
 
-    from weightsync.server.pause_keeper import PauseKeeper
+    from weightsync.server.agent.pause_keeper import PauseKeeper
 
     adapter = VllmAdapter(vllm.url, timeout_s=5)
     watch = EngineWatch(adapter)

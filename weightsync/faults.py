@@ -16,7 +16,7 @@ of that engine id honours the rule; the others drop it).
   receive, and ``skip_post_load`` has vLLM's worker reload as vLLM does by itself
   (tied layers not re-processed, expert kernels not laid out anew): two broken
   loads that attestation must catch.
-- ``op: "rpc"`` (any server, see ``server/fault_interceptor.py``), matched by
+- ``op: "rpc"`` (any server, see ``server/common/fault_interceptor.py``), matched by
   ``method`` (e.g. "Broadcast"): ``drop_response`` (the handler runs, the caller
   gets UNAVAILABLE instead of the answer), ``duplicate`` (the request is delivered
   twice, concurrently), ``delay`` (the hop takes ``seconds`` longer), ``drop_stream``

@@ -54,7 +54,7 @@ def _security(args) -> Security:
         security.require_role("coordinator")
     elif args.command == "agent":
         if args.advertise:
-            from weightsync.server.serving import check_advertise
+            from weightsync.server.common.serving import check_advertise
             check_advertise(args.advertise)
         if args.engine_id:
             check_engine_id(args.engine_id)
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "coordinator":
             from weightsync.options import CoordinatorOptions
-            from weightsync.server.coordinator_main import run_coordinator
+            from weightsync.server.coordinator.main import run_coordinator
             return asyncio.run(run_coordinator(CoordinatorOptions(
                 listen=args.listen, state_db=args.state_db, port_file=args.port_file,
                 heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 catch_up_bucket_bytes=args.catch_up_bucket_bytes, catch_up_transport=args.catch_up_transport)))
         if args.command == "agent":
             from weightsync.options import AgentOptions
-            from weightsync.server.agent_main import run_agent
+            from weightsync.server.agent.main import run_agent
             return exit_without_finalizing(asyncio.run(run_agent(AgentOptions(
                 coordinator=args.coordinator, engine=args.engine, model=args.model, listen=args.listen,
                 advertise=args.advertise,

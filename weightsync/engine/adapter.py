@@ -136,7 +136,7 @@ class EngineAdapter(abc.ABC):
     def paused_now(self) -> bool | None:
         """Whether the engine itself says it is paused, asked now (blocking: the agent
         calls it on its watch's thread); None when the engine cannot say, or cannot be
-        asked now. The agent puts a differing engine back (``server/pause_keeper.py``).
+        asked now. The agent puts a differing engine back (``server/agent/pause_keeper.py``).
         By default the engine cannot say."""
         return None
 

@@ -47,7 +47,7 @@ NAMES: dict[str, common_pb2.TransportKind.ValueType] = {
     "cuda-ipc": common_pb2.TRANSPORT_KIND_CUDA_IPC,
     "group": common_pb2.TRANSPORT_KIND_GROUP,
     # Not a transport of its own: per engine, shm on the trainer's host, gloo elsewhere
-    # (the coordinator splits the round into lanes; see server/round.py::plan_lanes).
+    # (the coordinator splits the round into lanes; see server/coordinator/round.py::plan_lanes).
     "auto": common_pb2.TRANSPORT_KIND_AUTO,
 }
 KIND_NAMES = {v: k for k, v in NAMES.items()}

@@ -18,15 +18,15 @@ from weightsync import metrics
 from weightsync.faults import FaultInjector
 from weightsync.heap import GcPauseMonitor, freeze_startup_heap
 from weightsync.options import CoordinatorOptions
-from weightsync.server.catch_up import CatchUp
-from weightsync.server.coordinator import CoordinatorCore
-from weightsync.server.serving import (
+from weightsync.server.common.serving import (
     Shutdown,
     set_not_serving,
     start_server,
     stop_on_signals,
     write_port_file,
 )
+from weightsync.server.coordinator.catch_up import CatchUp
+from weightsync.server.coordinator.service import CoordinatorCore
 from weightsync.statedb import StateDB
 from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 

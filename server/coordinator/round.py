@@ -53,10 +53,10 @@ from weightsync.faults import FaultInjector
 from weightsync.idempotency import derive_key
 from weightsync.plan import BucketPlan, is_reference
 from weightsync.retry import RetryPolicy, retry
-from weightsync.server.agent_calls import call_agent, engine_error
-from weightsync.server.broadcast_progress import BroadcastProgress
-from weightsync.server.registry import EngineRecord, EngineRegistry
-from weightsync.server.sync_ledger import SyncLedger
+from weightsync.server.coordinator.agent_calls import call_agent, engine_error
+from weightsync.server.coordinator.broadcast_progress import BroadcastProgress
+from weightsync.server.coordinator.registry import EngineRecord, EngineRegistry
+from weightsync.server.coordinator.sync_ledger import SyncLedger
 from weightsync.sharding import Owners
 from weightsync.statedb import StateDB, get_meta, set_meta
 from weightsync.transport import AUTO_LAYOUT, FLATTENED, LAYOUTS, TENSORS, is_relay_upstream

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from weightsync.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from weightsync.server.agent import AgentCore
+    from weightsync.server.agent.service import AgentCore
 
 log = logging.getLogger("weightsync.agent")
 

@@ -3,8 +3,8 @@
 Thin handlers: each validates its call, runs it once per idempotency key (the
 SQLite-backed ``IdempotencyStore``) and maps errors to statuses. The sync round
 itself -- Pause, Broadcast, Resume, its state and persistence -- is ``SyncRound``
-(``server/round.py``); registrations and availability are ``EngineRegistry``
-(``server/registry.py``); a running Broadcast's progress for its callers is
+(``server/coordinator/round.py``); registrations and availability are ``EngineRegistry``
+(``server/coordinator/registry.py``); a running Broadcast's progress for its callers is
 ``BroadcastProgress``. Heartbeats, the event stream (``WatchEvents``) and
 ``GetState`` are here.
 """
@@ -33,12 +33,12 @@ from weightsync.faults import FaultInjector
 from weightsync.idempotency import IdempotencyStore, validate_key
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.security import INSECURE, Security
-from weightsync.server.agent_calls import call_agent
-from weightsync.server.broadcast_progress import BroadcastProgress
-from weightsync.server.registry import EngineRecord, EngineRegistry, unreachable_reason
-from weightsync.server.round import DEFAULT_PAUSE_TIMEOUT_S, SyncRound
-from weightsync.server.serving import WILDCARD_HOSTS
-from weightsync.server.sync_ledger import SyncLedger, attempt_key
+from weightsync.server.common.serving import WILDCARD_HOSTS
+from weightsync.server.coordinator.agent_calls import call_agent
+from weightsync.server.coordinator.broadcast_progress import BroadcastProgress
+from weightsync.server.coordinator.registry import EngineRecord, EngineRegistry, unreachable_reason
+from weightsync.server.coordinator.round import DEFAULT_PAUSE_TIMEOUT_S, SyncRound
+from weightsync.server.coordinator.sync_ledger import SyncLedger, attempt_key
 from weightsync.statedb import StateDB
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from weightsync.validate import MAX_ENGINE_ID_LEN, check_engine_id
@@ -126,7 +126,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _pause(self, request) -> coordinator_pb2.PauseResponse:
         """A Pause under its key -- under the key of its attempt when it starts a logical
-        sync (``sync_key``; ``server/sync_ledger.py``)."""
+        sync (``sync_key``; ``server/coordinator/sync_ledger.py``)."""
         validate_key(request.idempotency_key)
         sync = None
         if request.sync_key:

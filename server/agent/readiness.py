@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from grpc_health.v1 import health, health_pb2
 
 if TYPE_CHECKING:
-    from weightsync.server.agent import AgentCore
+    from weightsync.server.agent.service import AgentCore
 
 log = logging.getLogger("weightsync.agent")
 READY_SERVICE = "weightsync.ready"

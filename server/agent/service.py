@@ -58,11 +58,11 @@ from weightsync.host_identity import host_id
 from weightsync.idempotency import IdempotencyStore
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.plan import BucketPlan, is_reference
-from weightsync.server.engine_watch import EngineWatch
-from weightsync.server.fence import VersionFence
-from weightsync.server.launcher import EngineLauncher
-from weightsync.server.pause_keeper import PauseKeeper
-from weightsync.server.weight_export import WeightExporter
+from weightsync.server.agent.engine_watch import EngineWatch
+from weightsync.server.agent.fence import VersionFence
+from weightsync.server.agent.launcher import EngineLauncher
+from weightsync.server.agent.pause_keeper import PauseKeeper
+from weightsync.server.agent.weight_export import WeightExporter
 from weightsync.sharding import MAX_SENDERS, Owners
 from weightsync.threads import run_in
 from weightsync.transport.base import Receiver
@@ -482,7 +482,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     # ----- RPCs: weights --------------------------------------------------------------
 
     async def Export(self, request, context):
-        """Catch-up source: see ``server/weight_export.py``. Not through the idempotency
+        """Catch-up source: see ``server/agent/weight_export.py``. Not through the idempotency
         store: it changes nothing here, and the coordinator never retries it (a new
         attempt has a new key)."""
         if not self.accepting:

@@ -23,9 +23,9 @@ from weightsync.errors import InvalidArgument, WeightSyncError
 from weightsync.faults import FaultInjector
 from weightsync.grpc_options import SERVER_OPTIONS
 from weightsync.security import Security
-from weightsync.server.decode_guard import DecodeGuard
-from weightsync.server.fault_interceptor import FaultInterceptor
-from weightsync.server.health_service import HealthServicer
+from weightsync.server.common.decode_guard import DecodeGuard
+from weightsync.server.common.fault_interceptor import FaultInterceptor
+from weightsync.server.common.health_service import HealthServicer
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -34,7 +34,7 @@ async def add_health_and_reflection(server: grpc.aio.Server, service_names: list
     An asyncio health servicer, not the thread-based one: a client that holds a
     ``Watch`` stream open (load balancers and probes do) would otherwise pin a thread
     that the server's shutdown waits for forever; and one whose watches end once the
-    server shuts down (``server/health_service.py``), so they do not hold the shutdown
+    server shuts down (``server/common/health_service.py``), so they do not hold the shutdown
     for its whole grace period."""
     servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)

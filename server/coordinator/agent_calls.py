@@ -19,7 +19,7 @@ from typing import TypeVar
 import grpc
 
 from weightsync.errors import EngineUnavailable, WeightSyncError, from_rpc_error
-from weightsync.server.registry import EngineRecord
+from weightsync.server.coordinator.registry import EngineRecord
 
 T = TypeVar("T")
 

@@ -30,10 +30,10 @@ import grpc
 from weightsync import transport as transports
 from weightsync.errors import EngineUnavailable, TransferError, WeightSyncError, from_rpc_error
 from weightsync.idempotency import derive_key
-from weightsync.server.agent_calls import call_agent
-from weightsync.server.coordinator import OPERATION_KEY
-from weightsync.server.registry import EngineRecord, EngineRegistry
-from weightsync.server.round import RPC_MARGIN_S, SyncRound
+from weightsync.server.coordinator.agent_calls import call_agent
+from weightsync.server.coordinator.registry import EngineRecord, EngineRegistry
+from weightsync.server.coordinator.round import RPC_MARGIN_S, SyncRound
+from weightsync.server.coordinator.service import OPERATION_KEY
 from weightsync.v1 import agent_pb2, common_pb2
 
 log = logging.getLogger("weightsync.coordinator")

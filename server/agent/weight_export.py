@@ -1,6 +1,6 @@
 """Export: an agent sends its engine's weights to a lagging peer (catch-up).
 
-The coordinator (``server/catch_up.py``) asks a ready engine's agent to ``Export`` the
+The coordinator (``server/coordinator/catch_up.py``) asks a ready engine's agent to ``Export`` the
 fleet's version. The agent checks that its engine holds exactly that version and is
 ready, takes the engine's live weight tensors (``EngineAdapter.export_weights``; an
 engine that cannot export refuses), plans them like a trainer, hosts an authenticated
@@ -35,7 +35,7 @@ from weightsync.v1 import agent_pb2, common_pb2
 from weightsync.validate import check_timeout
 
 if TYPE_CHECKING:
-    from weightsync.server.agent import AgentCore
+    from weightsync.server.agent.service import AgentCore
 
 log = logging.getLogger("weightsync.agent")
 EXPORT_TRANSPORTS = (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM)

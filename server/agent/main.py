@@ -3,7 +3,7 @@
 Start-up: engine, gRPC server (EngineAgent + health + reflection), port file,
 registration with the coordinator (retried until a deadline), heartbeats.
 With ``launch``, the engine command is started first (under the reaper, see
-``server/launcher.py``) and must become healthy before the agent registers.
+``server/agent/launcher.py``) and must become healthy before the agent registers.
 Shutdown (first signal; later ones are ignored so they cannot cut cleanup short):
 health NOT_SERVING, stop taking work, let a running receive finish within the grace
 period (else abandon it: the engine stays paused and torn), deregister, stop the
@@ -30,10 +30,10 @@ from weightsync.heap import GcPauseMonitor, freeze_startup_heap
 from weightsync.options import AgentOptions
 from weightsync.retry import RetryPolicy, retry
 from weightsync.security import Security
-from weightsync.server.agent import AgentCore
-from weightsync.server.launcher import EngineLauncher
-from weightsync.server.readiness import publish_readiness, serve_ready_http
-from weightsync.server.serving import (
+from weightsync.server.agent.launcher import EngineLauncher
+from weightsync.server.agent.readiness import publish_readiness, serve_ready_http
+from weightsync.server.agent.service import AgentCore
+from weightsync.server.common.serving import (
     Shutdown,
     advertised_address,
     set_not_serving,

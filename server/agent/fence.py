@@ -25,7 +25,7 @@ from weightsync.errors import FailedPrecondition
 from weightsync.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from weightsync.server.agent import AgentCore
+    from weightsync.server.agent.service import AgentCore
 
 log = logging.getLogger("weightsync.agent")
 FENCE_PAUSE_TIMEOUT_S = 30.0

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from weightsync.engine.adapter import EngineAdapter
-from weightsync.server.launcher import EngineLauncher
+from weightsync.server.agent.launcher import EngineLauncher
 from weightsync.threads import run_in
 
 log = logging.getLogger("weightsync.agent")
