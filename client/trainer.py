@@ -187,6 +187,21 @@ class _Prepared:
         return "nccl" if any(t.is_cuda for t in self.sources) else "gloo"
 
 
+@dataclass(frozen=True)
+class _PlanCache:
+    """The last step's plan and what it was made from (``_prepare`` replays it while
+    the tensors keep their names, dtypes and shapes). ``native``: the plan's dtypes are
+    the tensors' own (no wire cast), so their bytes can be read where they lie."""
+
+    bucket_bytes: int
+    wire_dtype: torch.dtype | None
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    plan: BucketPlan
+    native: bool
+
+
 @dataclass
 class _Lane:
     """One lane's send: its future and the flag that stops it."""
@@ -349,9 +364,9 @@ class TrainerClient(AsyncClient):
         self._store_host: StoreHost | None = None
         self._plain_store = None
         self._senders: dict[tuple[int, str], Sender] = {}  # by (transport, lane)
-        # (bucket_bytes, wire dtype, names, dtypes, shapes, plan) of the last step: a
-        # trainer syncs the same tensors every step
-        self._plan_cache: tuple | None = None
+        # The last step's plan and what it was made from: a trainer syncs the same
+        # tensors every step.
+        self._plan_cache: _PlanCache | None = None
         # Plan ids this client's coordinator has taken in whole: later Broadcasts name
         # them by id (a megabyte less per step at 20k tensors). A coordinator that no
         # longer holds one answers PLAN_UNKNOWN and gets the whole plan again.
@@ -663,8 +678,9 @@ class TrainerClient(AsyncClient):
                 wire = self.wire_dtype
                 wire_dtypes = [on_wire(d, wire) for d in dtypes]
                 plan = BucketPlan.build(zip(names, wire_dtypes, shapes, strict=True), bucket_bytes=self.bucket_bytes)
-                self._plan_cache = (self.bucket_bytes, wire, names, dtypes, shapes, plan,
-                                    list(plan.dtypes) == dtypes)
+                self._plan_cache = _PlanCache(bucket_bytes=self.bucket_bytes, wire_dtype=wire, names=names,
+                                              dtypes=dtypes, shapes=shapes, plan=plan,
+                                              native=list(plan.dtypes) == dtypes)
                 sources = [t.contiguous() for _, t in pairs]  # the tensor itself when already contiguous
         except (TypeError, ValueError, AttributeError):
             raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs") from None
@@ -693,9 +709,9 @@ class TrainerClient(AsyncClient):
         collector does not track.
         """
         cached = self._plan_cache
-        if cached is None or cached[0] != self.bucket_bytes or cached[1] != self.wire_dtype:
+        if cached is None or cached.bucket_bytes != self.bucket_bytes or cached.wire_dtype != self.wire_dtype:
             return list(items)
-        _, _, names, dtypes, shapes, plan, native = cached
+        names, dtypes, shapes, plan, native = cached.names, cached.dtypes, cached.shapes, cached.plan, cached.native
         count = len(names)
         # Addresses only where the bytes on the wire are the tensors' own (no wire dtype
         # cast) and every tensor is a plain CPU tensor (a subclass may hold no storage).

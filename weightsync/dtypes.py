@@ -1,4 +1,4 @@
-"""The torch dtypes of a plan's wire dtypes (``weightsync.plan.WIRE_DTYPES``).
+"""The torch dtypes of a plan's wire dtypes (``weightsync.wire_dtypes.WIRE_DTYPES``).
 
 Kept apart from the plan so that a process that only checks and lays out plans (the
 coordinator) never imports torch; the processes that hold tensors use these tables.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from weightsync.errors import InvalidArgument
-from weightsync.plan import WIRE_DTYPES
+from weightsync.wire_dtypes import WIRE_DTYPES
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name, _ in WIRE_DTYPES}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}

@@ -33,6 +33,7 @@ import numpy as np
 
 from weightsync.errors import InvalidArgument, PlanUnknown
 from weightsync.v1 import common_pb2
+from weightsync.wire_dtypes import WIRE_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -54,12 +55,6 @@ _VIEW_BUFFERS = 4  # bucket buffers whose views a plan remembers: a sender's or 
 _NAME_SEP = "\0"  # between names in the wire column (a name is printable, so never holds one)
 _PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
 
-# The wire's dtypes (``WeightPlan.dtypes`` holds a code per tensor: an index here) and
-# their bytes per element. Append only. Their torch dtypes are in ``weightsync.dtypes``.
-WIRE_DTYPES: tuple[tuple[str, int], ...] = (
-    ("float32", 4), ("float64", 8), ("float16", 2), ("bfloat16", 2), ("int64", 8),
-    ("int32", 4), ("int16", 2), ("int8", 1), ("uint8", 1), ("bool", 1),
-)
 _ITEMSIZES = np.array([size for _, size in WIRE_DTYPES], dtype=np.int64)
 
 

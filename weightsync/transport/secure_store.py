@@ -48,7 +48,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from weightsync.errors import StepTimeoutError, TransferError
-from weightsync.transport.store import listen_on
+from weightsync.transport.listen import listen_on
 
 log = logging.getLogger("weightsync.store")
 

@@ -12,7 +12,6 @@ peer's error key in one blocking call per slice instead.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from weightsync.errors import StepTimeoutError, TransferError
+from weightsync.transport.listen import listen_on
 
 _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.005
@@ -30,24 +30,6 @@ _BLOCK_SLICE_S = 0.025  # a wait blocking in the store looks at its abort flag t
 def session_key(rendezvous, *parts: object) -> str:
     """The store key ``parts`` of one Broadcast: ``ws/<group_id>/<session_id>/...``."""
     return "/".join(["ws", rendezvous.group_id, rendezvous.session_id, *map(str, parts)])
-
-
-def listen_on(host: str) -> socket.socket:
-    """A listening socket bound to ``host`` alone, on an ephemeral port; TransferError if
-    the name does not resolve or is not an address of this machine."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise TransferError(f"cannot resolve the store host {host!r}: {exc.strerror}") from None
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(1024)
-    except OSError as exc:
-        listener.close()
-        raise TransferError(f"cannot listen on {host!r} for the rendezvous store: {exc.strerror}") from None
-    return listener
 
 
 def host_store(host: str, *, timeout_s: float) -> dist.TCPStore:
