@@ -7,6 +7,11 @@ is never sent). The test then cancels the task or, with this file run as a scrip
 SIGKILLs the process once it printed ``REACHED``:
 
     python tests/interrupted_trainer.py COORDINATOR KEY VERSION POINT MODE
+
+As a script it prints ``READY`` once connected and starts the sync only when a line
+comes on stdin: the test sets the fleet up (a generation holding a WAIT pause) after
+the process's slow start, not before it, so a loaded machine cannot let the
+generation end before the Pause arrives.
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ async def _main(coordinator: str, key: str, version: int, point: str, mode: str)
 
     model = model_of(version)
     async with InterruptibleClient(coordinator, stop_at=point, on_reached=reached) as client:
+        print("READY", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
         await client.update_weights(model.named_parameters(), version=version, key=key, mode=mode, timeout_s=60)
     print("FINISHED", flush=True)
     await asyncio.Event().wait()  # the test kills this process, after or before the call's end

@@ -99,8 +99,8 @@ async def test_a_cancelled_update_weights_retried_with_its_key_ends_at_the_versi
 
 def _trainer_process(address: str, key: str, version: int, point: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "interrupted_trainer.py"), address, key,
-                             str(version), point, "wait"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=ROOT)
+                             str(version), point, "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
 
 
 def _wait_for_line(proc: subprocess.Popen, line: str, timeout_s: float) -> None:
@@ -127,11 +127,14 @@ async def test_a_sigkilled_trainer_retried_with_its_key_ends_at_the_version_wher
     cluster = cluster_factory(2, agent_args=ENGINE_ARGS, agent_env=SLOW_RESUME)
     for version, point in enumerate(POINTS, start=1):
         key = f"killed-{point}"
-        if point == "pause":
-            await _hold_a_wait_pause(cluster)
         proc = _trainer_process(cluster.address, key, version, point)
         try:
             try:
+                await asyncio.to_thread(_wait_for_line, proc, "READY", 90)
+                if point == "pause":
+                    await _hold_a_wait_pause(cluster)
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
                 await asyncio.to_thread(_wait_for_line, proc, "REACHED", 90)
             except AssertionError as exc:
                 raise AssertionError(f"stopping at {point!r}: {exc}") from None
@@ -139,5 +142,6 @@ async def test_a_sigkilled_trainer_retried_with_its_key_ends_at_the_version_wher
         finally:
             proc.kill()
             await asyncio.to_thread(proc.wait, 30)
+            proc.stdin.close()
             proc.stdout.close()
         await _retry_and_check(cluster, key=key, version=version, point=point, how="SIGKILLed")
