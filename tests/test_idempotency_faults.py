@@ -1,5 +1,5 @@
 """Retries, duplicates, lost responses and a coordinator crash never run anything twice
-(invariant 4) — on the real stack, with faults injected by the servers' test-only
+(invariant one-key-one-execution) — on the real stack, with faults injected by the servers' test-only
 interceptor and execution counts read back from the agents' event logs."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Process lifecycle with real processes and real signals (invariants 7, 8, 9).
+"""Process lifecycle with real processes and real signals (invariants
+every-wait-has-a-deadline, children-die-with-sidecar, teardown-reports-all).
 
 The launched "engine" is ``tests/engine_tree.py``: a real multi-process tree (workers,
 grandchildren, one that ignores SIGTERM) with an HTTP health check.

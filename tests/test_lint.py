@@ -1,4 +1,4 @@
-"""Static guard for invariant 5: no blocking call inside async code of the library."""
+"""Static guard for invariant trainer-loop-free: no blocking call inside async code of the library."""
 
 from __future__ import annotations
 

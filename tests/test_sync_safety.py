@@ -1,7 +1,9 @@
 """The trainer's loop never stalls and the engine-side order holds whatever happens
-(invariants 1, 2, 3, 5, 6, 7). Real coordinator and agents as processes with real
-transfers; the only fake is the agents' fault injection, which slows a transfer down
-or makes it fail on cue (keyed by version and bucket)."""
+(invariants kv-awake, no-resume-mid-transfer, no-torn-serving, trainer-loop-free,
+cancel-waits-for-transfer, every-wait-has-a-deadline; docs/invariants.md). Real
+coordinator and agents as processes with real transfers; the only fake is the agents'
+fault injection, which slows a transfer down or makes it fail on cue (keyed by version
+and bucket)."""
 
 from __future__ import annotations
 

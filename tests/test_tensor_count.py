@@ -1,4 +1,4 @@
-"""A round's cost grows with its bytes, not with its tensor count (invariant 15).
+"""A round's cost grows with its bytes, not with its tensor count (invariant cost-by-bytes).
 
 Real processes (a coordinator, two reference-engine agents), the same payload size in
 ~100 and in ~20,000 tensors, rounds timed in this one run. Per-tensor work that is

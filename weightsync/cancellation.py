@@ -1,4 +1,5 @@
-"""Waiting for work that must finish even when the waiter is cancelled (invariant 6).
+"""Waiting for work that must finish even when the waiter is cancelled
+(invariant cancel-waits-for-transfer, docs/invariants.md).
 
 A transfer, or a step on an engine, cannot be abandoned half-way; the caller's
 cancellation is remembered and re-raised once the work has ended.

@@ -13,7 +13,7 @@ state at every poll, and puts a differing engine back, under the fence's lock (w
 Pause, Resume and the fence take too): paused again (KEEP) while the agent holds it,
 resumed with all of its memory woken first while the agent lets it run
 (``EngineAdapter.resume_awake``: a sleep that landed late pauses vLLM as well, and
-leaves the ledger of what sleeps wrong; Invariant 1). Until then readiness says the
+leaves the ledger of what sleeps wrong; invariant kv-awake). Until then readiness says the
 engine is not serving (``mismatch``).
 
 An engine that cannot say (SGLang) is put back on doubt instead: a pause or resume

@@ -398,7 +398,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         timeout_s = check_timeout(request.timeout_s) or DEFAULT_TIMEOUT_S
         task = self._receive_task
         if task is not None and not task.done():
-            # Invariant 2: never resume while bytes are still landing in the engine.
+            # Invariant no-resume-mid-transfer: never resume while bytes still land.
             self.record("resume_waits_for_receive")
             done, _ = await asyncio.wait({task}, timeout=timeout_s)
             if not done:
@@ -452,12 +452,12 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     def found_torn(self, version: int) -> None:
         """At start-up: the engine records a receive to ``version`` that never finished
         (an agent before this one died during it). Its weights are torn: it stays paused,
-        as after a failed transfer here, until a good broadcast (Invariant 3)."""
+        as after a failed transfer here, until a good broadcast (invariant no-torn-serving)."""
         self.torn, self.torn_version, self.paused = True, version, True
         self.record("torn_found", version=version)
 
     async def release_engine(self) -> None:
-        """Lets the engine run: its KV cache awake first (Invariant 1), then resumed."""
+        """Lets the engine run: its KV cache awake first (invariant kv-awake), then resumed."""
         if "kv_cache" in self._asleep_tags():
             await self._wake_tags(["kv_cache"])
         await self._command(self.adapter.resume)
@@ -690,8 +690,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     async def _receive_steps(self, job: _ReceiveJob) -> None:
         """The bytes, then the checks that decide whether they are good (digest, the
-        attestation probe), then the version commit. Invariant 6 on the engine side: a
-        cancellation still waits for each step, so the receive always settles."""
+        attestation probe), then the version commit. Invariant cancel-waits-for-transfer
+        on the engine side: a cancellation still waits for each step, so the receive
+        always settles."""
         request, plan = job.request, job.plan
         restore_stale = self._inject_stale_tensor(plan, request.version)
         await job.wait(self._start_transfer(job))
@@ -708,7 +709,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             elif job.error is None and digest != request.weights_digest:
                 job.error = TransferError("received weights do not match the trainer's digest")
         if job.error is None and job.probe is not None:
-            # Invariant 11: the engine's own outputs, not the bytes, decide "ok".
+            # Invariant ok-means-computed: the engine's own outputs, not the bytes, decide "ok".
             attested = await job.wait(asyncio.ensure_future(self._attest(job.probe, request.version,
                                                                          job.deadline_at)))
             if attested is not None:

@@ -143,7 +143,7 @@ class EngineAdapter(abc.ABC):
     def resume_awake(self) -> None:
         """Resumes the engine with all of its memory awake, whatever the ledger says (the
         pause keeper's repair of an engine found paused: a sleep may have landed
-        unseen, and a resume onto memory asleep is what Invariant 1 forbids). By
+        unseen, and a resume onto memory asleep is what invariant kv-awake forbids). By
         default: wake what the ledger says is asleep, then resume."""
         self.wake(self.asleep)
         self.resume()

@@ -176,7 +176,7 @@ class VllmAdapter(HttpEngineAdapter):
                 # It may have landed, or land later (a stalled server takes it when it
                 # goes on): counted asleep, so every resume wakes first. vLLM's wake of
                 # memory that is awake does nothing, and a resume onto memory asleep is
-                # the engine fault Invariant 1 forbids.
+                # the engine fault invariant kv-awake forbids.
                 self._asleep.update(newly)
                 raise
             self._asleep.update(newly)
