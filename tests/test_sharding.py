@@ -252,12 +252,12 @@ def _cuts(extent: int, pieces: int, rng) -> list[tuple[int, int]]:
 
 
 def test_the_grid_check_agrees_with_a_block_by_block_one_on_random_layouts():
-    """Owners' whole-array grid check against ``_tiles`` (the plain statement of what a
+    """Owners' whole-array grid check against ``grid_tiles`` (the plain statement of what a
     grid tiling is) on random grids of 2-3 dimensional tensors, one block per sender,
     before and after one block is moved, resized or dropped."""
     import random
 
-    from weightsync.sharding import _tiles
+    from weightsync.sharding import grid_tiles
     rng = random.Random(7)
     agreed = {True: 0, False: 0}
     for _ in range(300):
@@ -282,7 +282,7 @@ def test_the_grid_check_agrees_with_a_block_by_block_one_on_random_layouts():
         plan = BucketPlan.from_tensors([("x", torch.zeros(shape)), ("y", torch.zeros(3))], bucket_bytes=64)
         senders = [blocks_of(r, b) for r, b in enumerate(blocks)]
         senders[0] = blocks_of(0, blocks[0], and_y=True)
-        expected = _tiles(shape, [tuple(b) for b in blocks])
+        expected = grid_tiles(shape, [tuple(b) for b in blocks])
         try:
             Owners(plan, senders)
             accepted = True
@@ -688,11 +688,11 @@ def test_every_mesh_coordinates_slices_are_where_torch_puts_them(mesh, placement
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    from weightsync.sharding import _block, _slices_of, _tiles
+    from weightsync.sharding import grid_tiles, part_block, slices_held
     full = torch.arange(int(np.prod(shape))).reshape(shape)
     seen = set()
     for coordinate in np.ndindex(*mesh):
-        slices = _slices_of("t", shape, placements, mesh, coordinate, Shard)
+        slices = slices_held("t", shape, placements, mesh, coordinate, Shard)
         local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh, coordinate.__getitem__,
                                                                      placements, False)
         block = [(0, n) for n in shape]
@@ -716,22 +716,22 @@ def test_every_mesh_coordinates_slices_are_where_torch_puts_them(mesh, placement
             got = got.narrow(dim, start, rows)
         assert torch.equal(got, expected), (coordinate, slices)
         if all(r for _, r in block):
-            seen.add(_block(shape, slices[0][0], slices[0][1], slices[0][2], tuple(slices[1:])) if slices
-                     else _block(shape, 0, 0, shape[0]))
-    assert _tiles(shape, sorted(seen)), seen
+            seen.add(part_block(shape, slices[0][0], slices[0][1], slices[0][2], tuple(slices[1:])) if slices
+                     else part_block(shape, 0, 0, shape[0]))
+    assert grid_tiles(shape, sorted(seen)), seen
 
 
 def test_a_strided_shard_placed_otherwise_than_fsdp2_over_tensor_parallel_is_refused():
     from torch.distributed.tensor import Partial, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from weightsync.sharding import _slices_of
+    from weightsync.sharding import slices_held
     for placements in ([_StridedShard(0, split_factor=2)], [Shard(0), _StridedShard(0, split_factor=2)],
                        [_StridedShard(0, split_factor=3), Shard(0)]):
         with pytest.raises(InvalidArgument, match="_StridedShard is supported as FSDP2 over tensor parallel"):
-            _slices_of("w", (8, 4), placements, (2, 2)[:len(placements)], (0,) * len(placements), Shard)
+            slices_held("w", (8, 4), placements, (2, 2)[:len(placements)], (0,) * len(placements), Shard)
     with pytest.raises(InvalidArgument, match="'w': placements .*Partial"):
-        _slices_of("w", (8, 4), [Shard(0), Partial()], (2, 2), (0, 0), Shard)
+        slices_held("w", (8, 4), [Shard(0), Partial()], (2, 2), (0, 0), Shard)
 
 
 def test_an_unsupported_dtensor_placement_is_a_clear_error():

@@ -25,7 +25,7 @@ import xxhash
 from weightsync.errors import InvalidArgument
 from weightsync.packing import byte_view
 from weightsync.plan import BucketPlan
-from weightsync.sharding import Owners, _block
+from weightsync.sharding import Owners, part_block
 
 
 def part_hash(tensor: torch.Tensor) -> bytes:
@@ -62,7 +62,7 @@ def _parts_by_tensor(plan: BucketPlan, owners: Owners) -> list[list[tuple[tuple,
         extras = s.extras()
         for i, (t, start, rows, dim) in enumerate(zip(s.tensors.tolist(), s.starts.tolist(), s.rows.tolist(),
                                                       s.dims.tolist(), strict=True)):
-            block = _block(shapes[t], dim, start, rows, extras.get(i, ())) if shapes[t] else ()
+            block = part_block(shapes[t], dim, start, rows, extras.get(i, ())) if shapes[t] else ()
             found[t].append((block, s.sender, i))
     for parts in found:
         if len(parts) > 1:
