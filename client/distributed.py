@@ -71,16 +71,11 @@ from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.context import AsyncClient
+from weightsync.client.lane_sends import MAX_CONCURRENT_LANES, Lane
+from weightsync.client.prepared_weights import Prepared
+from weightsync.client.results import EngineResult, SyncFailed, SyncResult
 from weightsync.client.retry import RetryPolicy
-from weightsync.client.trainer import (
-    MAX_CONCURRENT_LANES,
-    EngineResult,
-    SyncFailed,
-    SyncResult,
-    TrainerClient,
-    _Lane,
-    _Prepared,
-)
+from weightsync.client.trainer import TrainerClient
 from weightsync.errors import (
     InvalidArgument,
     StepTimeoutError,
@@ -259,7 +254,7 @@ class _ShardedDriver(TrainerClient):
             return []
         return [self.rank_hosts[rank] for rank in range(self.owner.world_size)]
 
-    def _prepare(self, named_tensors, with_digest: bool, attest=None, *, addresses: bool = False) -> _Prepared:
+    def _prepare(self, named_tensors, with_digest: bool, attest=None, *, addresses: bool = False) -> Prepared:
         _refuse_a_function_as_probe(attest)
         if self.owner.gathers:  # the full tensors, gathered into this rank: a plain round
             return super()._prepare(named_tensors, with_digest, attest, addresses=addresses)
@@ -272,7 +267,7 @@ class _ShardedDriver(TrainerClient):
         digest = ""
         if with_digest:  # the parts' digest (weightsync/parts_digest.py): engines hash the same slices
             digest = combine(plan, owners, {s: sender_hashes(owners, s, hashes[s]) for s in owners.sender_ranks})
-        return _Prepared(plan, sources, digest, attest, owners)
+        return Prepared(plan, sources, digest, attest, owners)
 
     def assigned(self, named_tensors, with_digest: bool) -> tuple[BucketPlan, Owners, list]:
         """This rank's holdings and every other rank's (each waited for in the store),
@@ -317,7 +312,7 @@ class _ShardedDriver(TrainerClient):
         _, plan, owners = self._assigned
         return plan, owners, hashes
 
-    def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
+    def _remote_send(self, rendezvous, prepared: Prepared) -> Lane:
         """Hands rank ``rendezvous.sender`` one of its lanes (it may send several: shm to
         the engines on its host, gloo to each other host's relay) and its part layout;
         the lane's future ends when that rank says its send on it ended (or it goes
@@ -328,7 +323,7 @@ class _ShardedDriver(TrainerClient):
         handed = self._handed[1]  # the event loop's: lanes come one by one
         index = handed[rendezvous.sender] = handed.get(rendezvous.sender, -1) + 1
         # On the send pool, not the event loop: a rank's part plan may list 20k parts.
-        return _Lane(rendezvous, run_in(self._send_pool, self.follow_rank(rendezvous, prepared.owners, abort, index)),
+        return Lane(rendezvous, run_in(self._send_pool, self.follow_rank(rendezvous, prepared.owners, abort, index)),
                      abort)
 
     def follow_rank(self, rendezvous, owners: Owners, abort: threading.Event,

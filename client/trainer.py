@@ -25,22 +25,22 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-import numpy as np
 import torch
 
 from weightsync import deadline, metrics
 from weightsync import transport as transports
-from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.channel import LoopChannel
 from weightsync.client.context import AsyncClient
+from weightsync.client.lane_sends import ADDRESSED_KINDS, MAX_CONCURRENT_LANES, Lane, LaneSends
 from weightsync.client.loop_lag import LoopLagProbe
+from weightsync.client.prepared_weights import AttestArg, PlanCache, Prepared, WeightsPreparer
+from weightsync.client.results import EngineResult, SyncFailed, SyncResult, sync_result_of
 from weightsync.client.retry import (
     RetryPolicy,
     call_with_retry,
@@ -48,33 +48,27 @@ from weightsync.client.retry import (
     new_key,
 )
 from weightsync.client.verify import WeightsCheck, check_engines, trainer_digest, validate_request
-from weightsync.dtypes import dtype_name, on_wire
+from weightsync.dtypes import dtype_name
 from weightsync.errors import (
     CoordinatorUnavailable,
-    EngineOutputMismatch,
     EngineUnavailable,
     InvalidArgument,
     PlanUnknown,
-    StepTimeoutError,
     TransferError,
     WeightSyncError,
     coordinator_error,
     from_rpc_error,
     outcome_error,
 )
-from weightsync.gil import HAND_OVER_EVERY, hand_over_gil
 from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.host_identity import host_id
 from weightsync.idempotency import derive_key, validate_key
-from weightsync.packing import weights_digest
-from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan, is_reference
+from weightsync.plan import DEFAULT_BUCKET_BYTES, is_reference
 from weightsync.retry import retry
 from weightsync.security import Security
-from weightsync.sharding import Owners
 from weightsync.threads import run_in
 from weightsync.transport import AUTO_LAYOUT, LAYOUTS, is_relayed
 from weightsync.transport.base import Sender
-from weightsync.transport.cross_memory import AddressedTensors
 from weightsync.transport.secure_store import StoreHost
 from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -82,214 +76,10 @@ from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 T = TypeVar("T")
 log = logging.getLogger("weightsync.client")
 
+CONNECT_ATTEMPT_S = 10.0  # start(): an address that gives no answer at all, not even a refusal
+
 PAUSE_MODES = {"keep": common_pb2.PAUSE_MODE_KEEP, "abort": common_pb2.PAUSE_MODE_ABORT,
                "wait": common_pb2.PAUSE_MODE_WAIT}
-
-
-@dataclass(frozen=True)
-class EngineResult:
-    """One engine's part in a sync.
-
-    Attributes:
-        engine_id: the engine's id (``--engine-id`` of its agent).
-        ok: it took the step (paused, received and loaded, resumed).
-        weight_version: the version it serves -- after a failure too (asked of the
-            engine at the end of the round; its last heartbeat's if it cannot answer).
-        torn: it holds partly updated weights; it stays paused until a good round.
-        paused: it was paused when this was reported.
-        seconds: its time in the step.
-        error_reason, error_message: why it failed (the typed error's reason).
-        attest_max_diff: largest log-prob difference on the attestation probe, if attested.
-        transport: what its bytes came over (``shm``, ``gloo``...; ``""`` if none came).
-        relayed_by: the engine on its host whose relay fed it over shm, if any.
-    """
-
-    engine_id: str
-    ok: bool
-    weight_version: int
-    torn: bool
-    seconds: float
-    error_reason: str = ""
-    error_message: str = ""
-    attest_max_diff: float | None = None  # largest |log-prob difference| on the probe, when attested
-    transport: str = ""  # what it received over (with "auto": shm or gloo); "" if it never got to it
-    relayed_by: str = ""  # the host relay it got the bytes from (over shm), if any
-    paused: bool = False  # whether it was paused when this was reported (a failed engine stays paused)
-
-    @classmethod
-    def from_proto(cls, o: common_pb2.EngineOutcome) -> EngineResult:
-        return cls(engine_id=o.engine_id, ok=o.ok, weight_version=o.weight_version, torn=o.torn, seconds=o.seconds,
-                   error_reason=o.error_reason, error_message=o.error_message,
-                   attest_max_diff=o.attest_max_diff if o.attested else None,
-                   transport=transports.KIND_NAMES.get(o.transport, ""), relayed_by=o.relayed_by, paused=o.paused)
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    """What a broadcast (or a whole ``update_weights``) did."""
-
-    version: int
-    ok: bool
-    bytes: int                    # stream bytes delivered to each engine
-    transfer_seconds: float       # trainer side: first bucket packed -> last acknowledged
-    engines: tuple[EngineResult, ...]
-    pause_seconds: float = 0.0
-    resume_seconds: float = 0.0
-    total_seconds: float = 0.0
-    resumed: tuple[str, ...] = ()   # engines serving again after the sync
-    skipped: tuple[EngineResult, ...] = ()  # registered engines left out (unavailable, pause failed)
-    loop_lag_ms: dict[str, float] | None = None  # {"max", "p99"} when measure_loop_lag is on
-
-    @property
-    def failed(self) -> tuple[EngineResult, ...]:
-        return tuple(e for e in self.engines if not e.ok)
-
-
-class SyncFailed(TransferError):
-    """A broadcast finished with at least one engine failed; ``result`` says which."""
-
-    def __init__(self, message: str, *, result: SyncResult) -> None:
-        super().__init__(message, metadata={"failed": ",".join(e.engine_id for e in result.failed)})
-        self.result = result
-
-    def __reduce__(self):
-        # Pickled whole (a bench sweep's child process raises it to its parent): the
-        # default would call __init__ without ``result`` and lose the failure's message.
-        return _sync_failed, (self.message, self.result)
-
-
-def _sync_failed(message: str, result: SyncResult) -> SyncFailed:
-    return SyncFailed(message, result=result)
-
-
-AttestArg = Probe | Callable[[], Probe] | None
-
-# Tensor types whose data_ptr is their bytes' address (a subclass such as DTensor may
-# hold no storage of its own).
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-CONNECT_ATTEMPT_S = 10.0  # start(): an address that gives no answer at all, not even a refusal
-MAX_CONCURRENT_LANES = 64  # lanes of one round sent at once (a lane per remote host)
-
-
-@dataclass
-class _Prepared:
-    plan: BucketPlan
-    sources: list[torch.Tensor]
-    digest: str
-    probe: Probe | None = None
-    owners: Owners | None = None  # a sharded trainer: who sends what; ``sources`` are this rank's parts
-
-    def group_backend(self, kind) -> str:
-        """For the group transport: nccl when the weights are on a GPU, else gloo."""
-        if kind != common_pb2.TRANSPORT_KIND_GROUP:
-            return ""
-        return "nccl" if any(t.is_cuda for t in self.sources) else "gloo"
-
-
-@dataclass(frozen=True)
-class _PlanCache:
-    """The last step's plan and what it was made from (``_prepare`` replays it while
-    the tensors keep their names, dtypes and shapes). ``native``: the plan's dtypes are
-    the tensors' own (no wire cast), so their bytes can be read where they lie."""
-
-    bucket_bytes: int
-    wire_dtype: torch.dtype | None
-    names: list[str]
-    dtypes: list[torch.dtype]
-    shapes: list[tuple[int, ...]]
-    plan: BucketPlan
-    native: bool
-
-
-@dataclass
-class _Lane:
-    """One lane's send: its future and the flag that stops it."""
-
-    rendezvous: common_pb2.Rendezvous
-    transfer: asyncio.Future
-    abort: threading.Event
-
-
-# The transports that use the tensors' addresses (``_prepare``): not nccl or cuda-ipc,
-# whose tensors are on a GPU.
-_ADDRESSED_KINDS = (common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_AUTO, common_pb2.TRANSPORT_KIND_GLOO,
-                    common_pb2.TRANSPORT_KIND_GROUP)
-
-
-class _Send:
-    """The sends a Broadcast started, one per lane (a rendezvous: its own group and
-    transport), shared by the call's attempts. An engine's failure stops its own lane;
-    the others go on, so one host's failure never tears another host's engines."""
-
-    def __init__(self, tell_relayed: Callable[[common_pb2.Rendezvous, str], None] | None = None) -> None:
-        self.lanes: dict[str, _Lane] = {}  # by session id: a retry replays the same rendezvous
-        # A host's shm lane fed by its relay, by relay: sent by the relay, not by us.
-        self.relayed: dict[str, list[common_pb2.Rendezvous]] = {}
-        self._tell_relayed = tell_relayed
-
-    def stop(self, engine_id: str | None = None) -> None:
-        """Stops the lane sending to ``engine_id``, or every lane. A stopped lane to a
-        host's relay also tells that host's engines to stop waiting (their abort key):
-        the relay, if it died, never will."""
-        for lane in self.lanes.values():
-            if engine_id is None or engine_id in lane.rendezvous.engine_ids:
-                lane.abort.set()
-                for relayed in self.relayed.get(lane.rendezvous.relayed_by, ()):
-                    if self._tell_relayed is not None:
-                        self._tell_relayed(relayed, f"the trainer stopped sending to relay "
-                                                    f"{lane.rendezvous.relayed_by}")
-
-    async def finish(self) -> None:
-        """Waits for every lane's send to end (each is bounded by the round's deadline)."""
-        for lane in list(self.lanes.values()):
-            await wait_through_cancellation(lane.transfer)
-
-    def error(self) -> BaseException | None:
-        """The first lane's failure, or None. Retrieves every lane's, so an aborted lane's
-        error is not logged as unhandled when its future is collected."""
-        errors = [lane.transfer.exception() for lane in self.lanes.values()
-                  if lane.transfer.done() and not lane.transfer.cancelled()]
-        return next((e for e in errors if e is not None), None)
-
-    def seconds(self) -> float:
-        """Trainer-side transfer time: the slowest lane."""
-        return max((lane.transfer.result().seconds for lane in self.lanes.values()), default=0.0)
-
-
-def _sync_result(result: coordinator_pb2.BroadcastResult, send: _Send) -> SyncResult:
-    """The caller's result of a finished round, or its typed error: every engine's
-    attestation mismatch or timeout as one error of that kind, otherwise ``SyncFailed``
-    (chained to the sender's error, if it failed too); a sender that failed in a round
-    the engines report good is a ``TransferError``."""
-    send_error = send.error()
-    send_seconds = send.seconds() if send.lanes and send_error is None else 0.0
-    sync = SyncResult(version=result.version, ok=result.ok, bytes=result.bytes,
-                      transfer_seconds=send_seconds or result.seconds,
-                      engines=tuple(EngineResult.from_proto(o) for o in result.engines))
-    if result.ok:
-        if send_error is not None:
-            raise TransferError(f"sender failed: {send_error}") from send_error
-        return sync
-    failed = "; ".join(f"{e.engine_id}: [{e.error_reason}] {e.error_message}" for e in sync.failed)
-    error = SyncFailed(f"broadcast of version {result.version} failed on {len(sync.failed)} "
-                       f"engine(s): {failed}", result=sync)
-    if all(e.error_reason == EngineOutputMismatch.reason for e in sync.failed):
-        worst = max(e.attest_max_diff or 0.0 for e in sync.failed)
-        mismatch = EngineOutputMismatch(
-            f"engines loaded version {result.version} but do not compute with it: {failed}",
-            metadata={"failed": ",".join(e.engine_id for e in sync.failed), "max_diff": f"{worst:.6g}"})
-        mismatch.result = sync  # type: ignore[attr-defined]
-        raise mismatch from error
-    if all(e.error_reason == StepTimeoutError.reason for e in sync.failed):
-        # The engines' deadline fired first; the caller sees the same error as if its
-        # own had: a timeout naming the operation.
-        timeout = StepTimeoutError(f"deadline exceeded during broadcast: {failed}", operation="broadcast")
-        timeout.result = sync  # type: ignore[attr-defined]
-        raise timeout from error
-    if send_error is not None:
-        raise error from send_error
-    raise error
 
 
 class TrainerClient(AsyncClient):
@@ -364,9 +154,9 @@ class TrainerClient(AsyncClient):
         self._store_host: StoreHost | None = None
         self._plain_store = None
         self._senders: dict[tuple[int, str], Sender] = {}  # by (transport, lane)
-        # The last step's plan and what it was made from: a trainer syncs the same
-        # tensors every step.
-        self._plan_cache: _PlanCache | None = None
+        # Each step's weights made ready, the last step's plan replayed: a trainer syncs
+        # the same tensors every step.
+        self._preparer = WeightsPreparer()
         # Plan ids this client's coordinator has taken in whole: later Broadcasts name
         # them by id (a megabyte less per step at 20k tensors). A coordinator that no
         # longer holds one answers PLAN_UNKNOWN and gets the whole plan again.
@@ -515,7 +305,7 @@ class TrainerClient(AsyncClient):
             # Addresses for shm's direct reads, and for the network transports' runs of
             # memory (``memory_runs``, ``whole_buckets``): taken in the per-step pass.
             # (Taking them turns nothing on: shm asks ``direct_enabled`` itself.)
-            addresses = kind in _ADDRESSED_KINDS
+            addresses = kind in ADDRESSED_KINDS
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest,
                                              addresses=addresses)
             auto = kind == common_pb2.TRANSPORT_KIND_AUTO
@@ -542,11 +332,11 @@ class TrainerClient(AsyncClient):
                 raise asyncio.CancelledError("broadcast cancelled") from cause
             return round_task.result()
 
-    async def _broadcast(self, stub, request, prepared: _Prepared) -> SyncResult:
+    async def _broadcast(self, stub, request, prepared: Prepared) -> SyncResult:
         """The Broadcast call, retried with the same key (a retry attaches to the running
         round, never re-runs it), and the send it starts; the send always ends before
         this returns or raises."""
-        send = _Send(self._abort_relayed_lane)
+        send = LaneSends(self._abort_relayed_lane)
         try:
             try:
                 result = await retry(lambda: self._attempt_broadcast(stub, request, prepared, send),
@@ -559,9 +349,9 @@ class TrainerClient(AsyncClient):
             send.error()  # retrieved: the round's own error is the one that matters
             raise
         await send.finish()
-        return _sync_result(result, send)
+        return sync_result_of(result, send)
 
-    async def _attempt_broadcast(self, stub, request, prepared: _Prepared, send: _Send) -> coordinator_pb2.BroadcastResult:
+    async def _attempt_broadcast(self, stub, request, prepared: Prepared, send: LaneSends) -> coordinator_pb2.BroadcastResult:
         """One attempt. A coordinator that answers PLAN_UNKNOWN to a plan named by id
         (it restarted, or forgot the plan) ran nothing: the same key with the whole plan
         is the same request, sent at once, not a retry."""
@@ -574,7 +364,7 @@ class TrainerClient(AsyncClient):
             self._plans_sent.discard(prepared.plan.plan_id)
             await self._in_thread(request.plan.CopyFrom, prepared.plan.to_proto())
 
-    async def _follow_round(self, stub, request, prepared: _Prepared, send: _Send) -> coordinator_pb2.BroadcastResult:
+    async def _follow_round(self, stub, request, prepared: Prepared, send: LaneSends) -> coordinator_pb2.BroadcastResult:
         """One Broadcast call, followed to its result: the rendezvous starts the send, an
         engine's failure stops it."""
         left = deadline.remaining()
@@ -624,12 +414,12 @@ class TrainerClient(AsyncClient):
         they run). One process: none, ``trainer_host_id`` says it."""
         return []
 
-    def _remote_send(self, rendezvous, prepared: _Prepared) -> _Lane:
+    def _remote_send(self, rendezvous, prepared: Prepared) -> Lane:
         """A lane another trainer rank sends (a sharded trainer: see DistributedTrainerClient)."""
         raise TransferError(f"the round has a lane for trainer rank {rendezvous.sender}; this client is one "
                             "process (use DistributedTrainerClient)")
 
-    def _start_send(self, rendezvous, prepared: _Prepared) -> _Lane:
+    def _start_send(self, rendezvous, prepared: Prepared) -> Lane:
         """Starts one lane's send on the send pool (lanes run concurrently). Each lane has
         its own sender (its own group, buffers and store connection), kept for the next
         round while the lane's name stays. A sharded trainer's lane of another rank is
@@ -649,94 +439,17 @@ class TrainerClient(AsyncClient):
             with torch.no_grad():  # sources are the caller's tensors, not detached copies
                 return sender.send(rendezvous, plan, prepared.sources, deadline_at=deadline_at, abort=abort)
 
-        return _Lane(rendezvous, run_in(self._send_pool, send), abort)
+        return Lane(rendezvous, run_in(self._send_pool, send), abort)
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], with_digest: bool,
-                 attest: AttestArg = None, *, addresses: bool = False) -> _Prepared:
-        """Worker thread: the tensors to send, the plan (cached), optional digest and probe.
+                 attest: AttestArg = None, *, addresses: bool = False) -> Prepared:
+        """Worker thread: this step's tensors, plan, digest and probe (``WeightsPreparer``)."""
+        return self._preparer.prepare(named_tensors, with_digest, attest, addresses=addresses,
+                                      bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype)
 
-        Runs every step, so it stays one cheap pass over the tensors (20k of them in a
-        mixture-of-experts model): no ``detach`` (the senders read under ``no_grad``), no
-        copy of a tensor that is already contiguous, and the cached plan is checked
-        against the names, dtypes and shapes, not rebuilt. ``addresses``: also take each
-        tensor's address in that pass (shm's direct reads, the network transports' runs
-        of memory).
-        """
-        try:
-            replayed = self._replay_plan(iter(named_tensors), addresses)
-            if isinstance(replayed, tuple):
-                plan, sources = replayed
-            else:  # plan once, replay every step
-                pairs = replayed
-                if not pairs:
-                    raise InvalidArgument("no tensors to send")
-                names = [n for n, _ in pairs]
-                dtypes = [t.dtype for _, t in pairs]
-                # Plain tuples, not torch.Size: the collector stops tracking tuples of ints,
-                # so 20k cached shapes add nothing to every full collection of the heap.
-                shapes = [tuple(t.shape) for _, t in pairs]
-                wire = self.wire_dtype
-                wire_dtypes = [on_wire(d, wire) for d in dtypes]
-                plan = BucketPlan.build(zip(names, wire_dtypes, shapes, strict=True), bucket_bytes=self.bucket_bytes)
-                self._plan_cache = _PlanCache(bucket_bytes=self.bucket_bytes, wire_dtype=wire, names=names,
-                                              dtypes=dtypes, shapes=shapes, plan=plan,
-                                              native=list(plan.dtypes) == dtypes)
-                sources = [t.contiguous() for _, t in pairs]  # the tensor itself when already contiguous
-        except (TypeError, ValueError, AttributeError):
-            raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs") from None
-        digest = ""
-        if with_digest:
-            digest = weights_digest((name, t.to(dtype) if t.dtype != dtype else t)
-                                    for name, dtype, t in zip(plan.names, plan.dtypes, sources, strict=True))
-        probe = attest() if callable(attest) else attest
-        if probe is not None and not isinstance(probe, Probe):
-            raise InvalidArgument(f"attest must be a Probe or a function returning one, got {type(probe).__name__}")
-        return _Prepared(plan, sources, digest, probe)
-
-    def _replay_plan(self, items: Iterator, addresses: bool) -> tuple[BucketPlan, list[torch.Tensor]] | list:
-        """The last step's plan and this step's sources, if the (name, tensor) pairs of
-        ``items`` still have the plan's names, dtypes and shapes; else every pair, as a
-        list, for the caller to plan again.
-
-        One pass does every per-tensor step (check, ``contiguous``, address): most of
-        its cost is fetching each tensor's objects from memory, paid once. It reads
-        ``items`` as it goes, so the pairs a generator makes (``model.named_parameters()``,
-        a new tuple per tensor) die one by one, and it keeps no per-tensor object alive but
-        the sources: 20k objects kept through every step are promoted by the garbage
-        collector and soon trigger a full collection of the trainer's whole heap (117 ms
-        with a 20k-tensor model passed as ``model.named_parameters()``, holding the GIL:
-        the trainer's event loop stalled throughout). Addresses are plain ints, which the
-        collector does not track.
-        """
-        cached = self._plan_cache
-        if cached is None or cached.bucket_bytes != self.bucket_bytes or cached.wire_dtype != self.wire_dtype:
-            return list(items)
-        names, dtypes, shapes, plan, native = cached.names, cached.dtypes, cached.shapes, cached.plan, cached.native
-        count = len(names)
-        # Addresses only where the bytes on the wire are the tensors' own (no wire dtype
-        # cast) and every tensor is a plain CPU tensor (a subclass may hold no storage).
-        addresses = addresses and native
-        sources, where = [], []
-        for i, pair in enumerate(items):
-            if i and not i % HAND_OVER_EVERY:
-                hand_over_gil()  # ~20 ms of Python at 20k tensors: the event loop gets in
-            name, tensor = pair
-            if i >= count or name != names[i] or tensor.dtype != dtypes[i] or tensor.shape != shapes[i]:
-                # Changed: every pair, those read so far included (each source is its
-                # tensor, or a contiguous copy of it with the same name, dtype and shape).
-                return [*zip(names[:i], sources, strict=True), pair, *items]
-            source = tensor.contiguous()  # the tensor itself when already contiguous
-            sources.append(source)
-            if addresses:
-                if source.is_cpu and type(source) in _PLAIN_TENSORS:
-                    where.append(source.data_ptr())
-                else:
-                    addresses = False
-        if len(sources) != count:  # fewer tensors than the plan
-            return list(zip(names[:len(sources)], sources, strict=True))
-        if not addresses:
-            return plan, sources
-        return plan, AddressedTensors(sources, np.array(where, dtype=np.uint64), plan.sizes)
+    @property
+    def _plan_cache(self) -> PlanCache | None:
+        return self._preparer.cache
 
     # ----- the whole sync -----------------------------------------------------------------
 

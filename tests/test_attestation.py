@@ -19,7 +19,7 @@ import torch
 from tests.conftest import Cluster
 from weightsync.attest import MAX_SEQUENCES, Probe, default_tolerance
 from weightsync.client import EngineClient, SyncFailed, TrainerClient
-from weightsync.client import trainer as trainer_module
+from weightsync.client import prepared_weights as trainer_module
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.engine.reference import ReferenceEngine
 from weightsync.errors import EngineOutputMismatch, InvalidArgument

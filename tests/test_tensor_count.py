@@ -132,7 +132,7 @@ def test_a_step_over_twenty_thousand_tensors_hands_the_gil_to_the_event_loop_as_
     loop waiting up to the interpreter's 5 ms switch interval at every wake-up. It lets
     go every ``HAND_OVER_EVERY`` tensors (``weightsync.gil``), and still replays the
     same plan and sources."""
-    import weightsync.client.trainer as trainer_module
+    import weightsync.client.prepared_weights as trainer_module
 
     named = list(ReferenceLM(config_for_size(16 << 20, 20_000)).named_parameters())
     client = TrainerClient("127.0.0.1:1", transport="shm")  # never connects: preparation only
