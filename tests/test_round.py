@@ -18,14 +18,10 @@ import torch
 
 from weightsync.errors import EngineUnavailable, FailedPrecondition
 from weightsync.plan import BucketPlan
+from weightsync.server.coordinator.broadcast_setup import BroadcastSetup
+from weightsync.server.coordinator.lanes import LanePlan, plan_lanes, sender_lanes
 from weightsync.server.coordinator.registry import EngineRegistry
-from weightsync.server.coordinator.round import (
-    BroadcastSetup,
-    LanePlan,
-    SyncRound,
-    plan_lanes,
-    sender_lanes,
-)
+from weightsync.server.coordinator.round import SyncRound
 from weightsync.sharding import Owners, SenderParts
 from weightsync.statedb import StateDB
 from weightsync.v1 import common_pb2, coordinator_pb2

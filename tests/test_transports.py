@@ -618,8 +618,8 @@ def test_segments_of_senders_that_died_are_removed_and_no_live_one(tmp_path):
 
 
 def test_auto_flattens_a_plan_of_small_tensors_that_every_engine_takes():
+    from weightsync.server.coordinator.lanes import FLATTEN_BELOW_MEAN_BYTES, pick_group_layout
     from weightsync.server.coordinator.registry import EngineRecord
-    from weightsync.server.coordinator.round import FLATTEN_BELOW_MEAN_BYTES, pick_group_layout
 
     def engine(*layouts: str) -> EngineRecord:
         return EngineRecord("e", "127.0.0.1:1", "reference", channel=None, stub=None,

@@ -19,9 +19,11 @@ from typing import TypeVar
 import grpc
 
 from weightsync.errors import EngineUnavailable, WeightSyncError, from_rpc_error
-from weightsync.server.coordinator.registry import EngineRecord
+from weightsync.server.coordinator.registry import EngineRecord, EngineRegistry
+from weightsync.v1 import agent_pb2, common_pb2
 
 T = TypeVar("T")
+STATE_PROBE_S = 2.0  # asking a failed engine for its state at the end of a round
 
 
 def engine_error(record: EngineRecord, exc: grpc.aio.AioRpcError, operation: str) -> WeightSyncError:
@@ -58,4 +60,27 @@ async def call_agent(record: EngineRecord, call: Callable[[], Awaitable[T]], ope
         raise closed from None
 
 
-__all__ = ["call_agent", "channel_closed", "engine_error"]
+
+
+async def fill_real_state(registry: EngineRegistry, outcomes: list[common_pb2.EngineOutcome]) -> None:
+    """Fills each failed outcome with its engine's state now (version served, torn,
+    paused): an outcome made from an error knows none of it, and an engine a
+    sharded rank's death stopped may have committed, torn, or kept its weights.
+    Asked of each agent (briefly, concurrently); its last heartbeat's otherwise."""
+    async def fill(outcome: common_pb2.EngineOutcome) -> None:
+        record = registry.get(outcome.engine_id)
+        if record is None:
+            return
+        state = record.state
+        if registry.is_available(record):
+            try:
+                state = await call_agent(record, lambda: record.stub.GetState(
+                    agent_pb2.AgentStateRequest(), timeout=STATE_PROBE_S), "get_state")
+            except (grpc.aio.AioRpcError, WeightSyncError):
+                pass
+        outcome.weight_version, outcome.torn, outcome.paused = state.weight_version, state.torn, state.paused
+
+    await asyncio.gather(*(fill(o) for o in outcomes if not o.ok))
+
+
+__all__ = ["call_agent", "channel_closed", "engine_error", "fill_real_state", "STATE_PROBE_S"]

@@ -1,4 +1,6 @@
-"""The sync round: its state, how it persists, and its three steps.
+"""The sync round and its three steps (its lanes, request checks, persisted fields
+and per-engine calls live in ``lanes``, ``broadcast_setup``, ``round_meta``,
+``receive_call`` and ``fan_out`` beside it).
 
 A round is ``pause`` -> ``broadcast`` -> ``resume`` (the Coordinator service's
 handlers validate the call, run it under its idempotency key and map errors; the
@@ -30,14 +32,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from weightsync import metrics
 from weightsync import transport as transports
-from weightsync.attest import Probe
 from weightsync.errors import (
     AFTER_TRANSFER,
     EngineUnavailable,
@@ -46,227 +46,38 @@ from weightsync.errors import (
     PlanUnknown,
     StateNotWritable,
     WeightSyncError,
-    from_rpc_error,
     nothing_changed,
 )
 from weightsync.faults import FaultInjector
 from weightsync.idempotency import derive_key
-from weightsync.plan import BucketPlan, is_reference
-from weightsync.retry import RetryPolicy, retry
-from weightsync.server.coordinator.agent_calls import call_agent, engine_error
+from weightsync.plan import is_reference
+from weightsync.server.coordinator.agent_calls import call_agent, engine_error, fill_real_state
 from weightsync.server.coordinator.broadcast_progress import BroadcastProgress
+from weightsync.server.coordinator.broadcast_setup import BroadcastSetup, check_broadcast_request
+from weightsync.server.coordinator.fan_out import call_with_retry, failed_outcome, fan_out
+from weightsync.server.coordinator.lanes import (
+    LanePlan,
+    pick_group_layout,
+    plan_lanes,
+    sender_lanes,
+)
+from weightsync.server.coordinator.receive_call import call_receive
 from weightsync.server.coordinator.registry import EngineRecord, EngineRegistry
+from weightsync.server.coordinator.round_meta import load_round_meta, save_round_meta
 from weightsync.server.coordinator.sync_ledger import SyncLedger
-from weightsync.sharding import Owners
-from weightsync.statedb import StateDB, get_meta, set_meta
-from weightsync.transport import AUTO_LAYOUT, FLATTENED, LAYOUTS, TENSORS, is_relay_upstream
+from weightsync.statedb import StateDB
+from weightsync.transport import TENSORS
 from weightsync.v1 import agent_pb2, common_pb2, coordinator_pb2
-from weightsync.validate import check_pause_mode, check_port, check_timeout
+from weightsync.validate import check_pause_mode, check_timeout
 
 log = logging.getLogger("weightsync.coordinator")
 
 DEFAULT_PAUSE_TIMEOUT_S = 60.0
 DEFAULT_TRANSFER_TIMEOUT_S = 300.0
 RPC_MARGIN_S = 5.0          # an agent's own deadline fires before the coordinator's RPC one
-RECEIVE_PLAN_FIELD = agent_pb2.ReceiveRequest.DESCRIPTOR.fields_by_name["plan"].number
-AGENT_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0, jitter=0.0)  # -> agents
 VALIDATE_TIMEOUT_S = 30.0   # an engine's check of a Broadcast (phase 1)
-SENDER_TRANSPORTS = (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM, common_pb2.TRANSPORT_KIND_AUTO)
-STATE_PROBE_S = 2.0         # asking a failed engine for its state at the end of a round
 LAPSE_CHECK_S = 0.1         # how often a running Receive checks that its engine still heartbeats
-_PERSISTED = (("weight_version", "0"), ("epoch", "0"), ("round_id", "0"), ("phase", "idle"),
-              ("round_engines", "[]"), ("target_version", "0"), ("group_key", ""))
-
 Emit = Callable[..., Awaitable[None]]  # emit(kind, engine_id="", **fields): the coordinator's event stream
-
-
-def failed_outcome(engine_id: str, error: WeightSyncError) -> common_pb2.EngineOutcome:
-    """An engine's outcome for ``error``."""
-    outcome = common_pb2.EngineOutcome(engine_id=engine_id, ok=False, error_reason=error.reason,
-                                       error_message=error.message, error_code=error.code.value[0])
-    if "max_diff" in error.metadata:  # an attestation that ran and failed: report how far off
-        try:
-            outcome.attested, outcome.attest_max_diff = True, float(error.metadata["max_diff"])
-        except ValueError:
-            pass
-    return outcome
-
-
-async def fan_out(records: list[EngineRecord], call: Callable[[EngineRecord], Awaitable], *, operation: str,
-                  retry: bool = True) -> list[common_pb2.EngineOutcome]:
-    """Calls every engine concurrently; each failure becomes that engine's outcome."""
-    async def one(record: EngineRecord) -> common_pb2.EngineOutcome:
-        try:
-            outcome = await call_agent(record, lambda: call_with_retry(record, call) if retry else call(record),
-                                       operation)
-            outcome.engine_id = record.engine_id
-            return outcome
-        except grpc.aio.AioRpcError as exc:
-            return failed_outcome(record.engine_id, engine_error(record, exc, operation))
-        except WeightSyncError as exc:
-            return failed_outcome(record.engine_id, exc)
-    return list(await asyncio.gather(*(one(r) for r in records)))
-
-
-async def call_with_retry(record: EngineRecord, call: Callable[[EngineRecord], Awaitable]):
-    """A few quick retries of UNAVAILABLE. Safe because every agent call carries a key
-    derived from the trainer's: a retry attaches to, or replays, the first."""
-    return await retry(lambda: call(record), policy=AGENT_RETRY)
-
-
-@dataclass
-class BroadcastSetup:
-    """What a Broadcast settles before anything changes: the plan, who takes part, in
-    which lane (a data-plane group with its own transport and rendezvous) at which
-    rank, and by when."""
-
-    plan: BucketPlan
-    members: list[EngineRecord]
-    gone: list[str]                 # round members no longer available: reported as failed
-    lanes: list[common_pb2.Rendezvous]
-    timeout_s: float
-    widths: dict[str, int]          # ranks each engine takes in its lane (its worker processes)
-
-    owners: Owners | None = None    # a sharded trainer: one lane per sending rank
-
-    def __post_init__(self) -> None:
-        # Each engine receives in exactly one lane (a relay's upstream lane is not its own),
-        # from its first rank; its workers take the ranks after it. With several senders
-        # it receives in one lane of every sender, at the same rank in each (every lane
-        # holds one host's engines in engine-id order, or all of them); the transports
-        # may differ (shm from a rank on its host, gloo or a relay from one on another);
-        # lane_of is sender 0's.
-        receiving = [lane for lane in self.lanes if not is_relay_upstream(lane)]
-        self.lane_of = {}
-        self.lane_by_sender: dict[str, dict[int, common_pb2.Rendezvous]] = {}
-        for lane in receiving:
-            for e in lane.engine_ids:
-                self.lane_of.setdefault(e, lane)
-                self.lane_by_sender.setdefault(e, {})[lane.sender] = lane
-        self.ranks = {}
-        for lane in receiving:
-            rank = 1
-            for e in lane.engine_ids:
-                self.ranks[e], rank = rank, rank + self.widths[e]
-        upstream = [lane for lane in self.lanes if is_relay_upstream(lane)]
-        # One sender: the relay's upstream lane goes in ReceiveRequest.relay. Several: in
-        # each sender's parts (SenderParts.relay), beside the host's lane of that sender.
-        self.relay_of = {lane.relayed_by: lane for lane in upstream} if self.owners is None else {}
-        self.relays_by_sender: dict[str, dict[int, common_pb2.Rendezvous]] = {}
-        if self.owners is not None:
-            for lane in upstream:
-                self.relays_by_sender.setdefault(lane.relayed_by, {})[lane.sender] = lane
-        self.owners_proto = self.owners.to_proto() if self.owners is not None else None
-        self._owners_for: dict[tuple, common_pb2.Owners] = {}
-
-    def owners_for(self, engine_id: str) -> common_pb2.Owners | None:
-        """What ``engine_id`` is told of a sharded trainer's round: each sender's parts,
-        the lane it receives that sender in and, for a host's relay, the sender's lane
-        it forwards. Built once per distinct set of lanes (the engines of a host share one)."""
-        if self.owners_proto is None:
-            return None
-        lanes = self.lane_by_sender[engine_id]
-        relays = self.relays_by_sender.get(engine_id, {})
-        key = tuple((s, lanes[s].session_id, relays[s].session_id if s in relays else "") for s in sorted(lanes))
-        told = self._owners_for.get(key)
-        if told is None:
-            told = common_pb2.Owners()
-            told.CopyFrom(self.owners_proto)
-            for parts in told.senders:
-                parts.lane.CopyFrom(lanes[parts.sender])
-                if parts.sender in relays:
-                    parts.relay.CopyFrom(relays[parts.sender])
-            self._owners_for[key] = told
-        return told
-
-
-@dataclass
-class LanePlan:
-    """One lane of a round: ``receivers`` in rank order (1, 2, ...). A host relay's
-    upstream lane has the relay as its one receiver and ``serves`` its host's engines
-    (the trainer stops it when any of them fails); its host's shm lane is
-    ``relayed_by`` the relay."""
-
-    name: str
-    transport: int
-    receivers: list[str]
-    relayed_by: str = ""
-    serves: list[str] | None = None
-    sender: int = 0  # the trainer rank that sends it (a sharded trainer)
-
-
-def sender_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str,
-                 senders: list[int], sender_host_ids: Sequence[str] = ()) -> list[LanePlan]:
-    """A sharded trainer's lanes, each member at the same rank in its lane of every
-    sender. ``auto`` is one shm lane per sender when every sender and every member share
-    one host. Otherwise, where every sender's host is known (``sender_host_ids``, by
-    rank; without them ``trainer_host_id``, which the trainer sets only when all its
-    ranks share a host), each sender's lanes are one trainer's from its own host
-    (``plan_lanes``): shm to the engines there, and on every other host with several
-    engines a gloo lane to a relay there that re-shares over the host's shm, so each
-    rank's parts cross a remote host's link once, not once per engine there. Each lane
-    holds one host's engines in engine-id order, so an engine's rank is the same in
-    every sender's lane. A sender of unknown host, or a named transport: one lane per
-    sender over every member."""
-    if transport == common_pb2.TRANSPORT_KIND_AUTO:
-        hosts = {s: sender_host_ids[s] if sender_host_ids else trainer_host_id for s in senders}
-        shm = common_pb2.TRANSPORT_KIND_SHM
-        one_host = next(iter(hosts.values())) if len(set(hosts.values())) == 1 else ""
-        same_host = bool(one_host) and all(r.state.host_id == one_host for r in members)
-        if all(hosts.values()) and not same_host:
-            layouts = {host: plan_lanes(transport, members, host) for host in set(hosts.values())}
-            return [LanePlan(f"{lane.name}/sender{s}", lane.transport, lane.receivers, relayed_by=lane.relayed_by,
-                             serves=lane.serves, sender=s)
-                    for s in senders for lane in layouts[hosts[s]]]
-        transport = shm if same_host and transports.available(shm) else common_pb2.TRANSPORT_KIND_GLOO
-    receivers = [r.engine_id for r in sorted(members, key=lambda r: r.engine_id)]
-    name = transports.KIND_NAMES[transport]
-    return [LanePlan(f"{name}/sender{s}", transport, receivers, sender=s) for s in senders]
-
-
-def plan_lanes(transport: int, members: list[EngineRecord], trainer_host_id: str) -> list[LanePlan]:
-    """The round's lanes. A named transport: one lane for every member. ``auto``: shm
-    for the engines on the trainer's host; for every other host its own gloo lane (no
-    host's engines carry another host's bytes, and a host that fails takes only its
-    own lanes down), and where that host has several engines, the bytes cross the
-    network once, to a relay there that re-shares them over the host's shm. Engines
-    that report no host id (older agents) share one plain gloo lane."""
-    if transport != common_pb2.TRANSPORT_KIND_AUTO:
-        return [LanePlan(transports.KIND_NAMES[transport], transport, [r.engine_id for r in members])]
-    gloo, shm = common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM
-    by_host: dict[str, list[str]] = {}
-    for record in sorted(members, key=lambda r: r.engine_id):
-        by_host.setdefault(record.state.host_id, []).append(record.engine_id)
-    lanes = []
-    for host, engines in sorted(by_host.items()):
-        if host and host == trainer_host_id and transports.available(shm):
-            lanes.append(LanePlan("shm", shm, engines))
-        elif host and len(engines) > 1:
-            relay = engines[0]
-            lanes.append(LanePlan(f"gloo@{host}", gloo, [relay], relayed_by=relay, serves=engines))
-            lanes.append(LanePlan(f"shm@{host}", shm, engines, relayed_by=relay))
-        else:
-            lanes.append(LanePlan(f"gloo@{host or 'unknown'}", gloo, engines))
-    return lanes
-
-
-# ``auto`` flattens a plan whose mean tensor is smaller than this. Measured on CPU (1
-# GiB, two engines, one sweep): with a broadcast per tensor at about 0.3 ms each
-# against packing and unpacking every byte of the flattened runs, 509 tensors (2 MiB
-# on average) went faster one by one (0.70 s against 0.91), 2045 (0.5 MiB) flattened
-# (0.65 against 1.13 s), 20k (50 KB) flattened by 8.7x; 89 tensors tied.
-FLATTEN_BELOW_MEAN_BYTES = 1 << 20
-
-
-def pick_group_layout(asked: str, members: list[EngineRecord], plan: BucketPlan) -> str:
-    """The group transport's layout for a round: what the trainer asked for, or for
-    ``auto`` the flattened layout (a broadcast per run of tensors) when the plan's
-    tensors are small on average and every engine of the round takes that layout,
-    else a broadcast per tensor."""
-    if asked != AUTO_LAYOUT:
-        return asked
-    small = plan.total_bytes < len(plan) * FLATTEN_BELOW_MEAN_BYTES
-    return FLATTENED if small and all(FLATTENED in r.state.group_layouts for r in members) else TENSORS
 
 
 class SyncRound:
@@ -298,18 +109,7 @@ class SyncRound:
     # ----- state ------------------------------------------------------------------------
 
     def _load(self) -> None:
-        def read(conn):
-            meta = {key: get_meta(conn, key, default) for key, default in _PERSISTED}
-            if meta["phase"] == "broadcasting":
-                # A Broadcast was running when we died: its transfer did not complete
-                # here, so the next one must build a fresh group.
-                meta["phase"] = "failed"
-                meta["epoch"] = str(int(meta["epoch"]) + 1)
-                set_meta(conn, "phase", meta["phase"])
-                set_meta(conn, "epoch", meta["epoch"])
-            return meta
-
-        meta = self.db.run_sync(read)
+        meta = self.db.run_sync(load_round_meta)
         self.weight_version = int(meta["weight_version"])
         self.epoch = int(meta["epoch"])
         self.round_id = int(meta["round_id"])
@@ -322,12 +122,7 @@ class SyncRound:
         values = {"round_id": self.round_id, "phase": self.phase, "round_engines": json.dumps(self.round_engines),
                   "epoch": self.epoch, "weight_version": self.weight_version,
                   "target_version": self.target_version, "group_key": self.group_key}
-
-        def save(conn):
-            for key, value in values.items():
-                set_meta(conn, key, value)
-
-        await self.db.run(save)
+        await self.db.run(lambda conn: save_round_meta(conn, values))
 
     async def save_after_change(self, what: str) -> None:
         """Saves state that records a change already made (``what``). A database that
@@ -412,7 +207,7 @@ class SyncRound:
                     why = self.registry.why_unavailable(record)
                     outcomes.append(failed_outcome(record.engine_id, EngineUnavailable(
                         f"engine {record.engine_id} is unavailable: {why}")))
-            await self._with_real_state(outcomes)
+            await fill_real_state(self.registry, outcomes)
             self.round_id += 1
             self.round_engines = [o.engine_id for o in outcomes if o.ok]
             self.phase = "paused" if self.round_engines else "idle"
@@ -486,55 +281,9 @@ class SyncRound:
                     await self.emit("broadcast_failed", version=request.version, error=repr(exc))
                 raise
 
-    def _check_request(self, request) -> tuple[BucketPlan, Owners | None]:
-        """Runs on a worker thread: a plan may hold a million tensors."""
-        plan = BucketPlan.from_proto(request.plan)
-        if request.transport not in transports.KIND_NAMES:
-            raise InvalidArgument(f"unknown transport {request.transport}")
-        if request.transport == common_pb2.TRANSPORT_KIND_AUTO and not (request.trainer_host_id
-                                                                        or request.sender_host_ids):
-            raise InvalidArgument("the auto transport needs trainer_host_id (the trainer's host id), or a "
-                                  "sharded trainer's sender_host_ids")
-        if len(request.trainer_host_id) > 64:
-            raise InvalidArgument("trainer_host_id is at most 64 characters")
-        if request.sender_host_ids:
-            if not request.HasField("owners"):
-                raise InvalidArgument("sender_host_ids apply to a sharded trainer's round (owners) only")
-            if any(not h or len(h) > 64 for h in request.sender_host_ids):
-                raise InvalidArgument("every sender_host_ids entry is a host id of 1 to 64 characters")
-        if request.group_backend not in ("", "gloo", "nccl"):
-            raise InvalidArgument(f"group_backend must be gloo or nccl, got {request.group_backend!r}")
-        if request.group_backend and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
-            raise InvalidArgument("group_backend applies to the group transport only")
-        if request.group_layout not in ("", AUTO_LAYOUT, *LAYOUTS):
-            raise InvalidArgument(f"group_layout must be one of {(*LAYOUTS, AUTO_LAYOUT)}, "
-                                  f"got {request.group_layout!r}")
-        if request.group_layout and request.transport != common_pb2.TRANSPORT_KIND_GROUP:
-            raise InvalidArgument("group_layout applies to the group transport only")
-        if not request.store_host:
-            raise InvalidArgument("store_host is required")
-        check_port(request.store_port, "store_port")
-        if len(request.store_secret) > 128 or any(c not in "0123456789abcdef" for c in request.store_secret):
-            raise InvalidArgument("store_secret must be at most 128 lowercase hex characters")
-        check_timeout(request.timeout_s)
-        if request.HasField("probe"):
-            Probe.from_proto(request.probe)  # InvalidArgument before any engine is asked
-        owners = None
-        if request.HasField("owners"):
-            if request.transport not in SENDER_TRANSPORTS:
-                raise InvalidArgument("a sharded trainer's round (owners) takes transport gloo, shm or auto")
-            owners = Owners.from_proto(request.owners, plan)
-            if request.sender_host_ids and len(request.sender_host_ids) <= max(owners.sender_ranks):
-                raise InvalidArgument(f"sender_host_ids lists {len(request.sender_host_ids)} ranks' hosts; the "
-                                      f"owners name sender rank {max(owners.sender_ranks)}")
-        if request.version <= self.weight_version:
-            raise FailedPrecondition(f"version {request.version} is not newer than the current version "
-                                     f"{self.weight_version}", reason="VERSION_NOT_NEWER")
-        return plan, owners
-
     async def _set_up(self, request) -> BroadcastSetup:
         try:
-            plan, owners = await asyncio.to_thread(self._check_request, request)
+            plan, owners = await asyncio.to_thread(check_broadcast_request, request, self.weight_version)
         except PlanUnknown:  # the trainer sends the whole plan again, same key
             await self.emit("plan_unknown", plan_id=request.plan.plan_id)
             raise
@@ -595,45 +344,11 @@ class SyncRound:
             await self.save()
         return f"e{self.epoch}-{group_key}"
 
-    @staticmethod
-    def _receive_request(request, setup: BroadcastSetup, record: EngineRecord, validate_only: bool,
-                         by_reference: bool) -> bytes:
-        """One engine's Receive, serialised. The whole plan is encoded once and appended
-        (protobuf merges concatenated messages): not copied and re-encoded per engine."""
-        head = agent_pb2.ReceiveRequest(
-            idempotency_key=derive_key(request.idempotency_key, record.engine_id), version=request.version,
-            plan=setup.plan.reference_proto() if by_reference else None, rendezvous=setup.lane_of[record.engine_id],
-            rank=setup.ranks[record.engine_id], weights_digest=request.weights_digest, timeout_s=setup.timeout_s,
-            validate_only=validate_only, probe=request.probe if request.HasField("probe") else None,
-            relay=setup.relay_of.get(record.engine_id), owners=setup.owners_for(record.engine_id),
-        ).SerializeToString()
-        return head if by_reference else head + setup.plan.embedded(RECEIVE_PLAN_FIELD)
-
-    async def _call_receive(self, request, setup: BroadcastSetup, record: EngineRecord, validate_only: bool,
-                            rpc_timeout_s: float) -> common_pb2.EngineOutcome:
-        """One engine's Receive. Built on a worker thread: a whole plan may name 20k
-        tensors. An agent that took this plan before gets its id alone; one that forgot
-        it (PLAN_UNKNOWN: nothing ran) gets the whole plan again."""
-        plan_id = setup.plan.plan_id
-        by_reference = plan_id in record.plans_held
-        payload = await asyncio.to_thread(self._receive_request, request, setup, record, validate_only, by_reference)
-        try:
-            outcome = await record.receive_serialized(payload, timeout=rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if not (by_reference and isinstance(from_rpc_error(exc), PlanUnknown)):
-                raise
-            record.plans_held.discard(plan_id)
-            await self.emit("plan_unknown", engine_id=record.engine_id, plan_id=plan_id)
-            payload = await asyncio.to_thread(self._receive_request, request, setup, record, validate_only, False)
-            outcome = await record.receive_serialized(payload, timeout=rpc_timeout_s)
-        record.plans_held.add(plan_id)
-        return outcome
-
     async def _check_with_every_engine(self, request, setup: BroadcastSetup) -> None:
         """Phase 1: every engine checks the request (``validate_only``); one refusal
         refuses the Broadcast, and nothing has changed anywhere."""
-        checks = await fan_out(setup.members, lambda r: self._call_receive(request, setup, r, True,
-                                                                           VALIDATE_TIMEOUT_S),
+        checks = await fan_out(setup.members, lambda r: call_receive(request, setup, r, True, VALIDATE_TIMEOUT_S,
+                                                                     emit=self.emit),
                                operation="validate")
         rejected = [o for o in checks if not o.ok]
         if not rejected:
@@ -667,7 +382,8 @@ class SyncRound:
         async def receive(record: EngineRecord) -> common_pb2.EngineOutcome:
             try:
                 return await self._unless_it_lapses(record, call_agent(record, lambda: call_with_retry(
-                    record, lambda r: self._call_receive(request, setup, r, False, setup.timeout_s + RPC_MARGIN_S)),
+                    record, lambda r: call_receive(request, setup, r, False, setup.timeout_s + RPC_MARGIN_S,
+                                                         emit=self.emit)),
                     "broadcast"))
             except EngineUnavailable as exc:  # its heartbeats stopped mid-transfer, or its channel closed
                 progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id, exc)))
@@ -694,28 +410,8 @@ class SyncRound:
             o.transport = common_pb2.TRANSPORT_KIND_GLOO if lane.relayed_by else lane.transport
         for engine_id in setup.gone:
             outcomes.append(failed_outcome(engine_id, EngineUnavailable(f"engine {engine_id} stopped heartbeating")))
-        await self._with_real_state(outcomes)
+        await fill_real_state(self.registry, outcomes)
         return await self._record_broadcast(request, setup, outcomes, time.monotonic() - started)
-
-    async def _with_real_state(self, outcomes: list[common_pb2.EngineOutcome]) -> None:
-        """Fills each failed outcome with its engine's state now (version served, torn,
-        paused): an outcome made from an error knows none of it, and an engine a
-        sharded rank's death stopped may have committed, torn, or kept its weights.
-        Asked of each agent (briefly, concurrently); its last heartbeat's otherwise."""
-        async def fill(outcome: common_pb2.EngineOutcome) -> None:
-            record = self.registry.get(outcome.engine_id)
-            if record is None:
-                return
-            state = record.state
-            if self.registry.is_available(record):
-                try:
-                    state = await call_agent(record, lambda: record.stub.GetState(
-                        agent_pb2.AgentStateRequest(), timeout=STATE_PROBE_S), "get_state")
-                except (grpc.aio.AioRpcError, WeightSyncError):
-                    pass
-            outcome.weight_version, outcome.torn, outcome.paused = state.weight_version, state.torn, state.paused
-
-        await asyncio.gather(*(fill(o) for o in outcomes if not o.ok))
 
     async def _unless_it_lapses(self, record: EngineRecord, call: Awaitable[common_pb2.EngineOutcome]):
         """``call`` (an engine's Receive), unless the engine stops heartbeating first: then
@@ -792,5 +488,4 @@ class SyncRound:
             return coordinator_pb2.ResumeResponse(engines=outcomes)
 
 
-__all__ = ["SyncRound", "BroadcastSetup", "LanePlan", "plan_lanes", "fan_out", "call_with_retry", "failed_outcome",
-           "DEFAULT_PAUSE_TIMEOUT_S", "DEFAULT_TRANSFER_TIMEOUT_S", "RPC_MARGIN_S"]
+__all__ = ["SyncRound", "DEFAULT_PAUSE_TIMEOUT_S", "DEFAULT_TRANSFER_TIMEOUT_S", "RPC_MARGIN_S"]
