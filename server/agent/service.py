@@ -4,13 +4,13 @@ It serves the ``EngineAgent`` RPCs, drives its engine through an ``EngineAdapter
 joins the data plane to receive weights, and enforces the engine-side invariants
 whatever its callers send:
 
-1. KV before resume: ``Resume`` wakes the KV cache first; a receive that ran with the
-   KV cache offloaded wakes it when it ends, on success, failure and cancellation.
-2. No resume during a receive: ``Resume`` waits for a running receive to end.
-3. No torn weights served: a failed receive leaves the engine paused and ``torn``
-   (with the version it was moving to) until a good receive, unless the resume says
-   ``allow_torn``.
-10. Versions only go up: a receive for a version <= the served one is refused.
+- kv-awake: ``Resume`` wakes the KV cache first; a receive that ran with the KV cache
+  offloaded wakes it when it ends, on success, failure and cancellation.
+- no-resume-mid-transfer: ``Resume`` waits for a running receive to end.
+- no-torn-serving: a failed receive leaves the engine paused and ``torn`` (with the
+  version it was moving to) until a good receive, unless the resume says ``allow_torn``.
+- monotonic-versions: a receive for a version <= the served one is refused
+  (``receive_checks.py``, with every other check made before anything changes).
 
 Every mutating RPC goes through an in-memory ``IdempotencyStore`` (keys derived by
 the coordinator), so a retried Receive can never start a second transfer. Engine
@@ -26,22 +26,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from itertools import islice
 from typing import TypeVar
 
 from weightsync import transport as transports
 from weightsync.attest import Probe
-from weightsync.cancellation import wait_through_cancellation
-from weightsync.dtypes import dtype_name
 from weightsync.engine.adapter import Delivery, EngineAdapter, validate_tags
 from weightsync.errors import (
-    AFTER_TRANSFER,
-    MAX_MESSAGE_BYTES,
     DigestWithheld,
     EngineFault,
     EngineOutputMismatch,
-    EngineUnavailable,
     FailedPrecondition,
     InvalidArgument,
     StepTimeoutError,
@@ -49,7 +42,6 @@ from weightsync.errors import (
     TransferError,
     WeightSyncError,
     abort_with,
-    bounded,
 )
 from weightsync.event_log import EventLog
 from weightsync.faults import FaultInjector
@@ -62,14 +54,15 @@ from weightsync.server.agent.engine_watch import EngineWatch
 from weightsync.server.agent.fence import VersionFence
 from weightsync.server.agent.launcher import EngineLauncher
 from weightsync.server.agent.pause_keeper import PauseKeeper
+from weightsync.server.agent.receive_checks import ReceiveChecks
+from weightsync.server.agent.receive_job import ReceiveJob, never_started
 from weightsync.server.agent.weight_export import WeightExporter
-from weightsync.sharding import MAX_SENDERS, Owners
+from weightsync.sharding import MAX_SENDERS
 from weightsync.threads import run_in
 from weightsync.transport.base import Receiver
-from weightsync.transport.from_senders import SenderLane
 from weightsync.transport.relay import HostRelay
 from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
-from weightsync.validate import check_pause_mode, check_port, check_timeout
+from weightsync.validate import check_pause_mode, check_timeout
 
 log = logging.getLogger("weightsync.agent")
 T = TypeVar("T")
@@ -85,138 +78,6 @@ EXPORT_END_WAIT_S = 10.0  # how long a receive waits for an export that is endin
 # A relay's threads, made as they are needed: one per lane it forwards at once (a
 # sharded trainer's round: one per sender, as many as a round may have).
 MAX_RELAYED_LANES = MAX_SENDERS
-
-
-# Segments torch's wrappers put in front of a module's parameter names: torch.compile
-# (``_orig_mod``), DistributedDataParallel (``module``), FSDP1 and activation
-# checkpointing when their names are not cleaned.
-WRAPPER_SEGMENTS = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def _unwrapped(name: str) -> str:
-    """``name`` without the wrapper segments (anywhere in it: wrappers nest)."""
-    parts = [p for p in name.split(".") if f"{p}." not in WRAPPER_SEGMENTS]
-    return ".".join(parts)
-
-
-def _naming_hint(unknown: list[str], specs) -> str:
-    """Why a plan's names may not be the engine's, where it can be told: a wrapped
-    module's names, or fused experts. Empty otherwise."""
-    return _wrapper_hint(unknown, specs) or _fused_experts_hint(unknown, specs)
-
-
-def _wrapper_hint(unknown: list[str], specs) -> str:
-    """Names of a wrapped module (``torch.compile(model).named_parameters()`` gives
-    ``_orig_mod.embed.weight``) where the engine has the bare ones."""
-    for name in unknown:
-        bare = _unwrapped(name)
-        if bare != name and bare in specs:
-            segments = sorted({f"{p}." for p in name.split(".") if f"{p}." in WRAPPER_SEGMENTS})
-            return (f"; {name!r} is the engine's {bare!r} under a wrapper's {' '.join(segments)} prefix "
-                    f"(torch.compile, DistributedDataParallel, FSDP): send the wrapped module's own tensors "
-                    f"(model._orig_mod, model.module) or their names without it")
-    return ""
-
-
-def _fused_experts_hint(unknown: list[str], specs) -> str:
-    """A hint for the commonest such refusal: a trainer whose model holds a layer's
-    experts fused into one tensor (transformers 5 loads Qwen-MoE and Mixtral so:
-    ``mlp.experts.gate_up_proj``), against an engine whose checkpoint keeps every
-    expert's matrices apart (``mlp.experts.0.gate_proj.weight``). Empty otherwise."""
-    for name in unknown:
-        parent = name.rpartition(".")[0] + "."
-        example = next((n for n in specs if n.startswith(parent) and n[len(parent):len(parent) + 1].isdigit()), None)
-        if example is not None:
-            return (f"; the engine's checkpoint keeps each expert's matrices apart (e.g. {example!r}) where the "
-                    f"plan has one tensor for all of a layer's experts: send the model's tensors by checkpoint "
-                    f"names (docs/guides/trainer.md: 'Mixture-of-experts models')")
-    return ""
-
-
-def _never_started(error: BaseException) -> WeightSyncError:
-    """``error`` (of a rendezvous that wrote nothing), saying so; typed as before."""
-    prefix = "the transfer never started; nothing was written and the engine keeps its weights: "
-    if isinstance(error, WeightSyncError):
-        error.message = bounded(prefix + error.message, MAX_MESSAGE_BYTES)
-        error.args = (error.message,)
-        return error
-    return TransferError(prefix + repr(error), reason="TRANSFER_NEVER_STARTED")
-
-
-@dataclass(frozen=True)
-class _Checked:
-    """A Receive that passed every check: what it needs to run."""
-
-    plan: BucketPlan
-    receiver: Receiver
-    probe: Probe | None
-    senders: tuple[SenderLane, ...] = ()
-    owners: Owners | None = None
-    relays: tuple[_Forward, ...] = ()
-
-
-@dataclass(frozen=True)
-class _Forward:
-    """A lane this agent relays: ``upstream`` (gloo, from the trainer or one of its
-    ranks) re-shared as rank 0 of ``downstream`` (its host's shm lane), laid out as
-    ``plan``. ``index``: which of the agent's relays (each keeps its own group and segment)."""
-
-    index: int
-    upstream: common_pb2.Rendezvous
-    downstream: common_pb2.Rendezvous
-    plan: BucketPlan
-
-
-@dataclass
-class _ReceiveJob:
-    """One Receive on this engine: what it was asked, and what its steps left."""
-
-    request: agent_pb2.ReceiveRequest
-    plan: BucketPlan
-    receiver: Receiver
-    probe: Probe | None
-    senders: tuple[SenderLane, ...]     # a sharded trainer's lanes (empty: one sender)
-    owners: Owners | None
-    relays: tuple[_Forward, ...]        # the lanes this agent forwards as its host's relay
-    deadline_at: float
-    started: float = field(default_factory=time.monotonic)
-    finished: float | None = None       # when the steps ended (settling takes longer)
-    error: BaseException | None = None
-    cancelled: bool = False             # a cancellation arrived: re-raised once settled
-    attest_max_diff: float | None = None
-    bytes_in: bool = False              # the transfer itself ended well (later checks may still fail)
-
-    async def wait(self, step: asyncio.Future):
-        """The step's result; a step that failed sets ``error`` (and returns None). A
-        cancellation meanwhile is remembered, never abandons the step."""
-        self.cancelled |= await wait_through_cancellation(step)
-        if step.exception() is not None:
-            if self.error is None:
-                self.error = step.exception()
-            return None
-        return step.result()
-
-    def seconds(self) -> float:
-        """How long the steps took."""
-        return (self.finished or time.monotonic()) - self.started
-
-    def outcome(self, make_outcome: Callable[..., common_pb2.EngineOutcome]) -> common_pb2.EngineOutcome:
-        """The settled receive's answer: its outcome, or its error (a cancellation
-        first, chained to what failed)."""
-        if self.cancelled:
-            raise asyncio.CancelledError() from self.error
-        if self.error is not None:
-            error = self.error
-            if not isinstance(error, WeightSyncError):
-                error = TransferError(f"receive failed: {error!r}")
-                error.__cause__ = self.error
-            if self.bytes_in:
-                # The data plane is done with this engine: the sender need not stop for it
-                # (it would tear the engines still reading the same lane).
-                error.metadata[AFTER_TRANSFER] = "true"
-            raise error
-        attested = {} if self.attest_max_diff is None else {"attested": True, "attest_max_diff": self.attest_max_diff}
-        return make_outcome(bytes=self.plan.total_bytes, seconds=self.seconds(), rank=self.request.rank, **attested)
 
 
 class AgentCore(agent_pb2_grpc.EngineAgentServicer):
@@ -247,8 +108,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._relay_threads = ThreadPoolExecutor(MAX_RELAYED_LANES, thread_name_prefix="weightsync-relay")
         self._coordinator_heard_at = time.monotonic()  # the last heartbeat that got through
         self.workers = 0  # ranks the engine takes in a group (its worker processes); 0 = not asked yet
+        self.receive_checks = ReceiveChecks(engine_id, adapter, receiver_for=self._receiver,
+                                            note_workers=lambda n: setattr(self, "workers", n))
         self.registered = False  # with the coordinator, at least once (the shutdown deregisters then)
-        self._plan_fits = ""  # plan_id of the last plan checked against the engine's tensors
         self._idempotency = IdempotencyStore()
         self._receive_task: asyncio.Future | None = None
         self._abort = threading.Event()
@@ -499,57 +361,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             try:
                 # Off the loop: the plan may hold 20k tensors, and an HTTP engine answers slowly.
                 await self.run_on_engine(self._check_alive)
-                await self.run_on_engine(self.validate_receive, request)
+                await self.run_on_engine(self.receive_checks.validate, request)
             except WeightSyncError as exc:
                 await abort_with(context, exc)
             return self._outcome()
         self.loop_lag.round_started()
         return await self._handle(context, request.idempotency_key, "receive", request,
                                   lambda: self._receive(request), common_pb2.EngineOutcome)
-
-    def validate_receive(self, request) -> _Checked:
-        """Checks everything about a Receive before anything changes."""
-        check_timeout(request.timeout_s)
-        if not is_reference(request.plan):
-            self._check_plan_not_larger(request.plan)
-        plan = BucketPlan.from_proto(request.plan)
-        probe = Probe.from_proto(request.probe) if request.HasField("probe") else None
-        if plan.plan_id != self._plan_fits:  # the engine's specs never change: check a plan once
-            self._check_plan_fits(plan)
-            self._plan_fits = plan.plan_id
-        rdzv = request.rendezvous
-        if rdzv.transport not in transports.KIND_NAMES:
-            raise InvalidArgument(f"unknown transport {rdzv.transport}")
-        if not rdzv.group_id or not rdzv.session_id or not rdzv.store_host:
-            raise InvalidArgument("rendezvous needs group_id, session_id and store_host")
-        check_port(rdzv.store_port, "rendezvous store_port")
-        if rdzv.world_size < 2 or not 1 <= request.rank < rdzv.world_size:
-            raise InvalidArgument(f"rank {request.rank} is not a receiver rank of world {rdzv.world_size}")
-        self.workers = self.adapter.workers()  # a live answer: this runs on the control thread
-        if request.rank + self.workers > rdzv.world_size:
-            # The round was planned before this engine's worker count was known (or it
-            # changed): nothing has started; the next round uses the count reported now.
-            raise FailedPrecondition(f"engine {self.engine_id} receives with {self.workers} workers from rank "
-                                     f"{request.rank}; the round's group has {rdzv.world_size} ranks",
-                                     reason="ENGINE_WORKERS_CHANGED")
-        relays: tuple[_Forward, ...] = ()
-        if request.HasField("relay"):
-            self._check_relay(request.relay, rdzv)
-            relays = (_Forward(0, request.relay, rdzv, plan),)
-        senders, owners = self._sender_lanes(request, plan) if request.HasField("owners") else ((), None)
-        if owners is not None:
-            relays = self._forwarded_lanes(request, owners)
-        self.adapter.check_receive(request)
-        if probe is not None:
-            self.adapter.check_probe(probe)
-        served = self.adapter.weight_version  # a live reading: this runs on the control thread
-        if served is None:
-            raise EngineUnavailable(f"engine {self.engine_id}'s weight version cannot be read, so a newer one "
-                                    "cannot be checked; try again when it answers", reason="VERSION_UNKNOWN")
-        if request.version <= served:
-            raise FailedPrecondition(f"version {request.version} is not newer than the served version "
-                                     f"{served}", reason="VERSION_NOT_NEWER")
-        return _Checked(plan, self._receiver(rdzv.transport), probe, senders, owners, relays)
 
     def _receiver(self, kind: int, lane: int = 0) -> Receiver:
         """This agent's receiver of ``kind`` for its ``lane``-th concurrent lane (each has
@@ -558,99 +376,6 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         if receiver is None:
             receiver = self._receivers[(kind, lane)] = transports.make_receiver(kind, data_host=self.data_host)
         return receiver
-
-    def _sender_lanes(self, request, plan: BucketPlan) -> tuple[tuple[SenderLane, ...], Owners]:
-        """A sharded trainer's round: who sends which parts (they must cover every tensor
-        once) and the lane this engine receives each sender in (gloo or shm, each its
-        own), all of one size, this engine at one rank."""
-        if request.HasField("relay"):
-            raise InvalidArgument("a round from several senders is not relayed")
-        owners = Owners.from_proto(request.owners, plan)
-        lanes = []
-        for i, parts in enumerate(request.owners.senders):
-            lane = parts.lane
-            if lane.transport not in (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM):
-                raise InvalidArgument("a round from several senders takes gloo or shm lanes")
-            # Each sender's lane may be of its own transport (shm from a rank on this host,
-            # gloo from one elsewhere), but every lane holds this engine at the same rank.
-            if lane.world_size != request.rendezvous.world_size:
-                raise InvalidArgument(f"sender {parts.sender}'s lane differs from the round's size")
-            if not lane.group_id or not lane.session_id or not lane.store_host or lane.sender != parts.sender:
-                raise InvalidArgument(f"sender {parts.sender}'s lane needs group_id, session_id, store_host and "
-                                      "its sender rank")
-            check_port(lane.store_port, "sender lane store_port")
-            lanes.append(SenderLane(lane, owners.part_plan(parts.sender), self._receiver(lane.transport, i),
-                                    parts.sender))
-        return tuple(lanes), owners
-
-    def _forwarded_lanes(self, request, owners: Owners) -> tuple[_Forward, ...]:
-        """A sharded trainer's round: the senders' lanes this agent relays to its host
-        (``SenderParts.relay``), each checked as a one-sender relay is."""
-        relays = []
-        for i, parts in enumerate(request.owners.senders):
-            if parts.HasField("relay"):
-                self._check_relay(parts.relay, parts.lane)
-                if parts.relay.sender != parts.sender or parts.lane.relayed_by != parts.relay.relayed_by:
-                    raise InvalidArgument(f"sender {parts.sender}'s relayed lane and its host lane do not match")
-                relays.append(_Forward(i, parts.relay, parts.lane, owners.part_plan(parts.sender)))
-        return tuple(relays)
-
-    @staticmethod
-    def _check_relay(relay: common_pb2.Rendezvous, rdzv: common_pb2.Rendezvous) -> None:
-        """A relay receives a two-member gloo lane and sends its host's shm lane."""
-        if relay.transport != common_pb2.TRANSPORT_KIND_GLOO or relay.world_size != 2:
-            raise InvalidArgument("a relay's upstream lane is gloo with 2 members")
-        if rdzv.transport != common_pb2.TRANSPORT_KIND_SHM:
-            raise InvalidArgument("a relay re-shares over shm")
-        if not relay.group_id or not relay.session_id or not relay.store_host:
-            raise InvalidArgument("the relay's rendezvous needs group_id, session_id and store_host")
-        check_port(relay.store_port, "relay store_port")
-        for kind in (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM):
-            reason = transports.unavailable_reason(kind)
-            if reason is not None:
-                raise FailedPrecondition(f"this agent cannot relay: {reason}", reason="TRANSPORT_UNAVAILABLE")
-
-    def _check_plan_not_larger(self, wire: common_pb2.WeightPlan) -> None:
-        """A plan listing more tensors than the engine has (names are unique, so some
-        are not the engine's) is refused before it is parsed: its count is one length,
-        and a plan may list a million tensors. The first names are read to say which."""
-        count, specs = len(wire.dtypes), self.adapter.tensor_specs()
-        if count <= len(specs):
-            return
-        blob = wire.names
-        head = blob[:64 * 1024].decode("utf-8", errors="replace").split("\0")
-        if len(blob) > 64 * 1024:
-            head.pop()  # cut short
-        unknown = list(islice((n for n in head if n not in specs), 5))
-        if unknown:
-            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown} (it lists {count} "
-                                  f"tensors; the engine has {len(specs)}){_naming_hint(unknown, specs)}",
-                                  metadata={"tensor": unknown[0]})
-        raise InvalidArgument(f"plan lists {count} tensors; the engine has {len(specs)}")
-
-    def _check_plan_fits(self, plan: BucketPlan) -> None:
-        """The plan names exactly the engine's tensors, with their dtypes and shapes.
-        Names first: a plan that is not for this engine is refused before any
-        per-tensor shape is looked at."""
-        specs = self.adapter.tensor_specs()
-        names = plan.names
-        unknown = list(islice((n for n in names if n not in specs), 5))
-        if unknown:
-            raise InvalidArgument(f"plan names tensors the engine does not have: {unknown}"
-                                  f"{_naming_hint(unknown, specs)}", metadata={"tensor": unknown[0]})
-        if len(names) != len(specs):  # every name is the engine's and names are unique: some are missing
-            planned = set(names)
-            missing = list(islice((n for n in specs if n not in planned), 5))
-            raise InvalidArgument(f"plan lacks engine tensors: {missing} (a sync must cover every weight)",
-                                  metadata={"tensor": missing[0]})
-        for name, planned_dtype, planned_shape in zip(names, plan.dtypes, plan.shapes, strict=True):
-            dtype, shape = specs[name]
-            if planned_dtype != dtype:
-                raise InvalidArgument(f"tensor {name!r}: plan dtype {dtype_name(planned_dtype)} != engine "
-                                      f"dtype {dtype_name(dtype)}", metadata={"tensor": name})
-            if planned_shape != tuple(shape):
-                raise InvalidArgument(f"tensor {name!r}: plan shape {list(planned_shape)} != engine shape "
-                                      f"{list(shape)}", metadata={"tensor": name})
 
     async def _receive(self, request) -> common_pb2.EngineOutcome:
         job = await self._start_receive(request)
@@ -663,11 +388,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             await self._settle_receive(job)
         return job.outcome(self._outcome)
 
-    async def _start_receive(self, request) -> _ReceiveJob:
+    async def _start_receive(self, request) -> ReceiveJob:
         """Checks everything, then claims the engine for one receive (nothing has
         changed if this raises)."""
         await self.run_on_engine(self._check_alive)
-        checked = await self.run_on_engine(self.validate_receive, request)
+        checked = await self.run_on_engine(self.receive_checks.validate, request)
         if not (self.paused or self.fence.fenced):  # a fenced engine is paused: a catch-up receives into it
             raise FailedPrecondition("receive needs a paused engine: call Pause first")
         # Its weights are being sent to a peer: they must not change. Only the end of an
@@ -684,11 +409,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         self._abort.clear()
         self.record("transfer_started", version=request.version, bytes=checked.plan.total_bytes,
                     plan="by_id" if is_reference(request.plan) else "whole")
-        return _ReceiveJob(request, checked.plan, checked.receiver, checked.probe, checked.senders, checked.owners,
+        return ReceiveJob(request, checked.plan, checked.receiver, checked.probe, checked.senders, checked.owners,
                            checked.relays,
                            deadline_at=time.monotonic() + (request.timeout_s or DEFAULT_TIMEOUT_S))
 
-    async def _receive_steps(self, job: _ReceiveJob) -> None:
+    async def _receive_steps(self, job: ReceiveJob) -> None:
         """The bytes, then the checks that decide whether they are good (digest, the
         attestation probe), then the version commit. Invariant cancel-waits-for-transfer
         on the engine side: a cancellation still waits for each step, so the receive
@@ -721,7 +446,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             if job.error is None:
                 self.watch.committed(request.version)
 
-    def _start_transfer(self, job: _ReceiveJob) -> asyncio.Future:
+    def _start_transfer(self, job: ReceiveJob) -> asyncio.Future:
         """The transfer, on the transfer thread, through the adapter's one receive entry
         point (into tensors this process holds, or inside the engine's own processes)."""
         request, faults, version = job.request, self.faults, job.request.version
@@ -762,7 +487,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             raise results[0]
         return results[0]
 
-    async def _settle_receive(self, job: _ReceiveJob) -> None:
+    async def _settle_receive(self, job: ReceiveJob) -> None:
         """Always runs, once per receive: the engine's weights are trusted, or torn, or
         (a rendezvous that wrote nothing) as they were; the receive slot is freed; the
         KV cache the sync put to sleep is woken."""
@@ -780,7 +505,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             # The rendezvous failed before any byte reached the engine's tensors: its
             # weights are what they were (trusted unless already torn), and the error
             # says the transfer never started.
-            job.error = _never_started(error)
+            job.error = never_started(error)
             self.record("transfer_failed", version=request.version, error=str(job.error), wrote="nothing")
         else:
             self.torn, self.torn_version = True, request.version
