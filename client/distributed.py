@@ -53,13 +53,11 @@ each rank took of what it holds, then has the engines check the full tensors' di
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
 import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,17 +69,27 @@ from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.context import AsyncClient
-from weightsync.client.lane_sends import MAX_CONCURRENT_LANES, Lane
-from weightsync.client.prepared_weights import Prepared
-from weightsync.client.results import EngineResult, SyncFailed, SyncResult
+from weightsync.client.lane_sends import MAX_CONCURRENT_LANES
+from weightsync.client.rank_protocol import (
+    CLOSE_GRACE_S,
+    HEARTBEAT_S,
+    STOP_GRACE_S,
+    RoundKeys,
+    acknowledge_read,
+    error_record,
+    first_set,
+    raise_recorded,
+    result_from,
+    result_record,
+)
+from weightsync.client.results import SyncResult
 from weightsync.client.retry import RetryPolicy
-from weightsync.client.trainer import TrainerClient
+from weightsync.client.sharded_driver import ShardedDriver, refuse_a_function_as_probe
 from weightsync.errors import (
     InvalidArgument,
     StepTimeoutError,
     TransferError,
     WeightSyncError,
-    outcome_error,
 )
 from weightsync.host_identity import host_id
 from weightsync.idempotency import validate_key
@@ -92,25 +100,19 @@ from weightsync.sharding import (
     HeldReplay,
     Holding,
     Owners,
-    assign,
     describe,
-    holding_of,
+    description_signature,
+    holdings_of,
     sources_for,
 )
 from weightsync.threads import run_in
 from weightsync.transport import AUTO_LAYOUT, LAYOUTS
-from weightsync.transport.base import Receiver, Sender, TransferStats
+from weightsync.transport.base import Receiver, Sender
 from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses
 from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
-from weightsync.transport.secure_store import SecureStore, StoreClient, StoreHost
-from weightsync.transport.store import session_key
+from weightsync.transport.secure_store import SecureStore, StoreHost
 from weightsync.v1 import common_pb2
 
-HEARTBEAT_S = 0.25     # a rank's "alive" tick during a round
-RANK_SILENCE_S = 3.0   # a rank whose tick stops this long is gone: its lane is stopped
-CLOSE_GRACE_S = 5.0    # rank 0, closing: how long it waits for the others to read the last round's end
-STOP_GRACE_S = 10.0    # after a stop, how long rank 0 waits for a rank to say its send ended
-_WAIT_SLICE_S = 0.02   # a blocking store wait's slice: between slices the caller looks at its cancel, peers, deadline
 _START_TIMEOUT_S = 60.0
 
 
@@ -130,248 +132,6 @@ class _FirstFailure:
             self._first = next((f.exception() for f in self.followers if f.done() and f.exception() is not None),
                                None)
         return self._first
-
-
-def _round_prefix(session: str, n: int) -> str:
-    return f"ws-dist/{session}/{n}"
-
-
-def _holdings(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Holding]:
-    held: dict[str, Holding] = {}
-    meshes: dict = {}
-    for name, tensor in named_tensors:
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs")
-        if name in held:
-            raise InvalidArgument(f"tensor {name!r} is listed twice", metadata={"tensor": name})
-        held[name] = holding_of(name, tensor, meshes)
-    if not held:
-        raise InvalidArgument("no tensors to send")
-    return held
-
-
-def _signature(described: dict) -> str:
-    return hashlib.blake2b(json.dumps(described, separators=(",", ":")).encode(), digest_size=16).hexdigest()
-
-
-def first_set(store: StoreClient, keys: list[str], deadline_at: float) -> str | None:
-    """The first of ``keys`` (in their order) that is set, waiting for one in the store
-    (no polling: answered the moment one is set) for at most one slice
-    (``_WAIT_SLICE_S``) and never past ``deadline_at``; None if none is set by then.
-    The rank protocol's waits are made of these slices, so a key set is seen at once
-    (polling every 5-20 ms cost a round of small tensors about 30 ms) while the caller
-    still looks at its cancel, its peers and its deadline between slices."""
-    slice_s = max(0.0, min(_WAIT_SLICE_S, deadline_at - time.monotonic()))
-    done, key, _ = store.wait_either(keys[:1], keys[1:], slice_s)
-    return keys[0] if done else key
-
-
-def acknowledge_read(store: SecureStore, key: str) -> None:
-    """A rank > 0 tells rank 0 it has read the round's end: rank 0 may then close its
-    store. Rank 0 sees the key as soon as its store holds it, before the store answers,
-    so it may close the connection under the answer: the round's end is already read,
-    and that lost answer is no failure of the round."""
-    try:
-        store.set(key, "1")
-    except RuntimeError:
-        pass
-
-
-def _error_record(exc: BaseException) -> dict:
-    if isinstance(exc, asyncio.CancelledError):
-        return {"type": "CancelledError", "reason": "CANCELLED",
-                "message": "the round was cancelled on rank 0 (which drives it); the engines hold whatever its "
-                           "transfer left (a transfer is never abandoned half-way): see get_state"}
-    if isinstance(exc, WeightSyncError):
-        return {"type": type(exc).__name__, "reason": exc.reason, "message": exc.message,
-                "operation": getattr(exc, "operation", "") or "", "code": exc.code.value[0]}
-    return {"type": type(exc).__name__, "reason": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
-
-
-def _result_record(result: SyncResult) -> dict:
-    data = dataclasses.asdict(result)
-    data["engines"] = [dataclasses.asdict(e) for e in result.engines]
-    data["skipped"] = [dataclasses.asdict(e) for e in result.skipped]
-    return data
-
-
-def _result_from(record: dict) -> SyncResult:
-    engines = tuple(EngineResult(**e) for e in record.pop("engines"))
-    skipped = tuple(EngineResult(**e) for e in record.pop("skipped"))
-    record["resumed"] = tuple(record["resumed"])
-    return SyncResult(engines=engines, skipped=skipped, **record)
-
-
-def _raise_recorded(record: dict) -> None:
-    """Raises the error rank 0's round ended with, as the same type."""
-    error = record["error"]
-    result = _result_from(record["result"]) if "result" in record else None
-    if error["type"] == SyncFailed.__name__ and result is not None:  # the same SyncFailed, with its result
-        raise SyncFailed(error["message"], result=result)
-    if error["type"] == "CancelledError":
-        raise TransferError(error["message"])
-    typed = outcome_error(error["reason"], error["message"], operation=error.get("operation") or "sync",
-                          code=error.get("code", 0))
-    if result is not None:  # a timeout or a mismatch that carries the round's outcome
-        typed.result = result  # type: ignore[attr-defined]
-    raise typed
-
-
-def _refuse_a_function_as_probe(attest) -> None:
-    if attest is not None and not isinstance(attest, Probe):
-        raise InvalidArgument("a sharded trainer's attest takes a Probe computed before the call, on every rank "
-                              "(a collective forward: Probe.from_model on each), not a function rank 0 would "
-                              "call alone")
-
-
-class _ShardedDriver(TrainerClient):
-    """Rank 0's TrainerClient: plans from every rank's holdings, sends its own parts,
-    and hands the other ranks their lanes through the store."""
-
-    def __init__(self, coordinator: str, owner: DistributedTrainerClient, **kwargs) -> None:
-        super().__init__(coordinator, **kwargs)
-        self.owner = owner
-        self._described: dict[int, tuple[str, dict]] = {}  # rank -> (signature, description)
-        self._assigned: tuple[tuple, BucketPlan, Owners] | None = None  # (holdings key, plan, owners)
-        self._sources: tuple[Owners, dict, list[torch.Tensor]] | None = None  # rank 0's, for those owners and holdings
-        self.holdings: dict[str, Holding] = {}
-        self.prefix = ""
-        self.common_host = ""
-        self.rank_hosts: dict[int, str] = {}  # each rank's host id, as it said this round
-        self._handed: tuple[str, dict[int, int]] = ("", {})  # (round prefix, rank -> lanes handed to it so far)
-
-    def _trainer_host_id(self) -> str:
-        if self.owner.gathers:  # one sender, this rank: engines on its host read it over shm
-            return super()._trainer_host_id()
-        return self.common_host
-
-    def _sender_host_ids(self) -> list[str]:
-        """Ranks on several hosts, sharded: every rank's host, by rank, so that each
-        rank's lanes are laid out from its own host (shm to the engines there, a relay
-        on every other host with several engines). On one host ``trainer_host_id`` says
-        it (as an older coordinator understands it too); gathered, rank 0 alone sends."""
-        if self.owner.gathers or self.common_host:
-            return []
-        return [self.rank_hosts[rank] for rank in range(self.owner.world_size)]
-
-    def _prepare(self, named_tensors, with_digest: bool, attest=None, *, addresses: bool = False) -> Prepared:
-        _refuse_a_function_as_probe(attest)
-        if self.owner.gathers:  # the full tensors, gathered into this rank: a plain round
-            return super()._prepare(named_tensors, with_digest, attest, addresses=addresses)
-        plan, owners, hashes = self.assigned(named_tensors, with_digest)
-        sources: list[torch.Tensor] = []
-        if 0 in owners.sender_ranks:  # the same list while the owners and the holdings stay
-            if self._sources is None or self._sources[0] is not owners or self._sources[1] is not self.holdings:
-                self._sources = (owners, self.holdings, sources_for(owners, 0, self.holdings))
-            sources = self._sources[2]
-        digest = ""
-        if with_digest:  # the parts' digest (weightsync/parts_digest.py): engines hash the same slices
-            digest = combine(plan, owners, {s: sender_hashes(owners, s, hashes[s]) for s in owners.sender_ranks})
-        return Prepared(plan, sources, digest, attest, owners)
-
-    def assigned(self, named_tensors, with_digest: bool) -> tuple[BucketPlan, Owners, list]:
-        """This rank's holdings and every other rank's (each waited for in the store),
-        planned: the plan of the full tensors, who sends which part, and (``with_digest``)
-        each rank's hashes of what it holds, by rank."""
-        replay = self.owner.hold(named_tensors)
-        self.holdings, mine = replay.holdings, replay.described
-        described = [mine]
-        hashes = [holding_hashes(self.holdings.values(), self.wire_dtype)] if with_digest else []
-        self.rank_hosts = {0: host_id()}
-        store = self._store_host
-        for rank in range(1, self.owner.world_size):
-            record = self.owner.wait_key(f"{self.prefix}/holding/{rank}", operation="the ranks' holdings")
-            held = json.loads(record)
-            if held.get("error"):
-                raise outcome_error(held["error"]["reason"], f"trainer rank {rank}: {held['error']['message']}",
-                                    operation="broadcast", code=held["error"].get("code", 0))
-            self.rank_hosts[rank] = held["host"]
-            if with_digest:
-                if "hashes" not in held:
-                    raise InvalidArgument(f"trainer rank {rank} did not hash its holdings: every rank passes the "
-                                          "same verify_digest")
-                hashes.append(held["hashes"])
-            cached = self._described.get(rank)
-            if cached is None or cached[0] != held["sig"]:
-                blob = store.get(f"ws-dist/{self.owner.session}/described/{rank}/{held['sig']}")
-                if blob is None:
-                    raise TransferError(f"trainer rank {rank} did not publish what it holds")
-                cached = self._described[rank] = (held["sig"], json.loads(blob))
-            described.append(cached[1])
-        # Every rank has said what it holds for this round, so each has read the end of
-        # the rounds before: their keys can go (not sooner: a slow rank may still be
-        # reading the last round's result when this one starts).
-        self.owner.forget_rounds_before(self.prefix)
-        hosts = set(self.rank_hosts.values())
-        self.common_host = next(iter(hosts)) if len(hosts) == 1 else ""
-        sigs = (replay.signature, *(self._described[r][0] for r in range(1, self.owner.world_size)))
-        key = (sigs, self.bucket_bytes, str(self.wire_dtype))
-        if self._assigned is None or self._assigned[0] != key:
-            plan, owners = assign(described, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype)
-            self._assigned = (key, plan, owners)
-        _, plan, owners = self._assigned
-        return plan, owners, hashes
-
-    def _remote_send(self, rendezvous, prepared: Prepared) -> Lane:
-        """Hands rank ``rendezvous.sender`` one of its lanes (it may send several: shm to
-        the engines on its host, gloo to each other host's relay) and its part layout;
-        the lane's future ends when that rank says its send on it ended (or it goes
-        silent, or the deadline)."""
-        abort = threading.Event()
-        if self._handed[0] != self.prefix:  # a new round: no lane handed yet
-            self._handed = (self.prefix, {})
-        handed = self._handed[1]  # the event loop's: lanes come one by one
-        index = handed[rendezvous.sender] = handed.get(rendezvous.sender, -1) + 1
-        # On the send pool, not the event loop: a rank's part plan may list 20k parts.
-        return Lane(rendezvous, run_in(self._send_pool, self.follow_rank(rendezvous, prepared.owners, abort, index)),
-                     abort)
-
-    def follow_rank(self, rendezvous, owners: Owners, abort: threading.Event,
-                    index: int = 0) -> Callable[[], TransferStats]:
-        """The follower of rank ``rendezvous.sender``'s ``index``-th lane of the round, to
-        run on a thread: it hands the rank the lane and its part layout and returns when
-        the rank says its send on it ended; it raises when the rank failed, went silent
-        or let the deadline pass (then the lane's receivers are told to stop), and
-        ``abort`` tells the rank to stop sending on this lane (its other lanes go on)."""
-        rank, store = rendezvous.sender, self._store_host
-        local = store.client()
-        deadline_at = time.monotonic() + (deadlines.remaining(self.default_timeout_s) or 0.0)
-        prefix = self.prefix
-
-        def follow() -> TransferStats:
-            plan = owners.part_plan(rank)
-            if index == 0:  # one layout for all of the rank's lanes, set before the first
-                store.set(f"{prefix}/plan/{rank}", plan.to_proto().SerializeToString().hex())
-            store.set(f"{prefix}/lane/{rank}/{index}", rendezvous.SerializeToString().hex())
-            # The lane's own report, or the rank's for all of them (it was cancelled)
-            done_key, failed_key = f"{prefix}/done/{rank}/{index}", f"{prefix}/done/{rank}"
-            alive_key = f"{prefix}/alive/{rank}"
-            last_tick, heard = store.get(alive_key), time.monotonic()
-            stopped_at: float | None = None
-            while True:
-                done = store.get(done_key) or store.get(failed_key)
-                if done is not None:
-                    report = json.loads(done)
-                    if report["ok"]:
-                        return TransferStats(report["bytes"], report["seconds"], report["buckets"])
-                    raise TransferError(f"trainer rank {rank}: {report['error']}")
-                now = time.monotonic()
-                tick = store.get(alive_key)
-                if tick != last_tick:
-                    last_tick, heard = tick, now
-                if now - heard > RANK_SILENCE_S:
-                    why = f"trainer rank {rank} stopped answering (no heartbeat for {now - heard:.1f}s)"
-                    store.set(session_key(rendezvous, "abort"), why)  # its engines stop waiting
-                    raise TransferError(why)
-                if abort.is_set() and stopped_at is None:
-                    stopped_at = now
-                    store.set(f"{prefix}/stop/{rank}/{index}", "stopped by rank 0")
-                if now >= deadline_at or (stopped_at is not None and now - stopped_at > STOP_GRACE_S):
-                    store.set(session_key(rendezvous, "abort"), f"trainer rank {rank} did not finish")
-                    raise TransferError(f"trainer rank {rank} did not say its send ended")
-                first_set(local, [done_key, failed_key], deadline_at)  # returns the moment the rank reports
-
-        return follow
 
 
 class DistributedTrainerClient(AsyncClient):
@@ -429,9 +189,9 @@ class DistributedTrainerClient(AsyncClient):
         self.wire_dtype = wire_dtype
         self.default_timeout_s, self.resume_grace_s = default_timeout_s, resume_grace_s
         self.session = ""
-        self._driver: _ShardedDriver | None = None
+        self._driver: ShardedDriver | None = None
         if self.rank == 0:
-            self._driver = _ShardedDriver(coordinator, self, transport=transport, host=host, bucket_bytes=bucket_bytes,
+            self._driver = ShardedDriver(coordinator, self, transport=transport, host=host, bucket_bytes=bucket_bytes,
                                           wire_dtype=wire_dtype, default_timeout_s=default_timeout_s,
                                           resume_grace_s=resume_grace_s, retry=retry, security=security,
                                           group_layout=group_layout)
@@ -505,10 +265,10 @@ class DistributedTrainerClient(AsyncClient):
     def _wait_until_read(self) -> None:
         """Rank 0, closing: the other ranks read the last round's end from its store
         before it goes (bounded: a rank that died never will)."""
-        prefix, store = _round_prefix(self.session, self._round), self._driver._store_host
+        prefix, store = RoundKeys.of(self.session, self._round).prefix, self._driver._store_host
         until = time.monotonic() + CLOSE_GRACE_S
-        while time.monotonic() < until and store.get(f"{prefix}/result") is not None:
-            if all(store.get(f"{prefix}/read/{r}") is not None for r in range(1, self.world_size)):
+        while time.monotonic() < until and store.get(RoundKeys(prefix).result) is not None:
+            if all(store.get(RoundKeys(prefix).read(r)) is not None for r in range(1, self.world_size)):
                 return
             time.sleep(0.01)
 
@@ -540,7 +300,7 @@ class DistributedTrainerClient(AsyncClient):
         if self._closed or (self._driver is None and self._store is None):
             raise RuntimeError("DistributedTrainerClient is not started")
         self._round += 1
-        prefix = _round_prefix(self.session, self._round)
+        prefix = RoundKeys.of(self.session, self._round).prefix
         budget = timeout_s if timeout_s is not None else self.default_timeout_s
         if self._driver is not None:
             return await self._drive(prefix, named_tensors, version=version, key=key, timeout_s=budget, mode=mode,
@@ -562,7 +322,7 @@ class DistributedTrainerClient(AsyncClient):
         store = driver._store_host
         try:
             if self.gathers:
-                _refuse_a_function_as_probe(attest)
+                refuse_a_function_as_probe(attest)
                 deadline_at = time.monotonic() + timeout_s
                 with deadlines.scope(timeout_s, operation="gather"):
                     cancel = threading.Event()
@@ -576,13 +336,13 @@ class DistributedTrainerClient(AsyncClient):
                                                  required_engines=required_engines, attest=attest,
                                                  verify_digest=verify_digest)
         except BaseException as exc:
-            record = {"error": _error_record(exc)}
+            record = {"error": error_record(exc)}
             result_of = getattr(exc, "result", None)
             if isinstance(result_of, SyncResult):
-                record["result"] = _result_record(result_of)
-            store.set(f"{prefix}/result", json.dumps(record))
+                record["result"] = result_record(result_of)
+            store.set(RoundKeys(prefix).result, json.dumps(record))
             raise
-        store.set(f"{prefix}/result", json.dumps({"result": _result_record(result)}))
+        store.set(RoundKeys(prefix).result, json.dumps({"result": result_record(result)}))
         return result
 
     # ----- rank 0 of a gathering client: every rank's parts into full tensors here -------------
@@ -678,7 +438,7 @@ class DistributedTrainerClient(AsyncClient):
     def forget_rounds_before(self, prefix: str) -> None:
         """Rank 0: drops the store keys of every round before this one."""
         for n in range(self._forgotten + 1, self._round):
-            self._driver._store_host.forget(_round_prefix(self.session, n) + "/")
+            self._driver._store_host.forget(RoundKeys.of(self.session, n).prefix + "/")
         self._forgotten = self._round - 1
 
     async def get_state(self, *, include_digests: bool = False):
@@ -709,9 +469,9 @@ class DistributedTrainerClient(AsyncClient):
         except TypeError:
             raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs") from None
         if pairs is not None:
-            holdings = _holdings(pairs)
+            holdings = holdings_of(pairs)
             described = describe(holdings.values())
-            self.held.remember(pairs, holdings, described, _signature(described))
+            self.held.remember(pairs, holdings, described, description_signature(described))
         return self.held
 
     def wait_key(self, key: str, *, operation: str, deadline_at: float | None = None) -> bytes:
@@ -733,7 +493,7 @@ class DistributedTrainerClient(AsyncClient):
         store, rank = self._store, self.rank
         deadline_at = time.monotonic() + budget_s + self.resume_grace_s
         alive = threading.Event()
-        ticker = threading.Thread(target=self._tick, args=(f"{prefix}/alive/{rank}", alive), daemon=True,
+        ticker = threading.Thread(target=self._tick, args=(RoundKeys(prefix).alive(rank), alive), daemon=True,
                                   name="weightsync-rank-alive")
         ticker.start()
         try:
@@ -747,24 +507,24 @@ class DistributedTrainerClient(AsyncClient):
                 record = {"sig": sig, "host": host_id()}
                 if verify_digest:  # what this rank sends, hashed (rank 0 combines the senders' hashes)
                     record["hashes"] = holding_hashes(held.values(), self.wire_dtype)
-                store.set(f"{prefix}/holding/{rank}", json.dumps(record))
+                store.set(RoundKeys(prefix).holding(rank), json.dumps(record))
             except WeightSyncError as exc:
-                store.set(f"{prefix}/holding/{rank}", json.dumps({"error": _error_record(exc)}))
+                store.set(RoundKeys(prefix).holding(rank), json.dumps({"error": error_record(exc)}))
                 held = None
             if held is not None:
                 self._send_lanes(prefix, held, deadline_at, cancel)
             else:
-                self._wait_any(prefix, [f"{prefix}/result"], deadline_at, cancel)
-            record = json.loads(store.get(f"{prefix}/result"))
-            acknowledge_read(store, f"{prefix}/read/{rank}")
+                self._wait_any(prefix, [RoundKeys(prefix).result], deadline_at, cancel)
+            record = json.loads(store.get(RoundKeys(prefix).result))
+            acknowledge_read(store, RoundKeys(prefix).read(rank))
         except RuntimeError as exc:  # SecureStore: the connection to rank 0's store failed
             raise TransferError(f"trainer rank 0 (which drives the round) went away: {exc}") from exc
         finally:
             alive.set()
             ticker.join(timeout=1.0)
         if "error" in record:
-            _raise_recorded(record)
-        return _result_from(record["result"])
+            raise_recorded(record)
+        return result_from(record["result"])
 
     def _tick(self, key: str, stop: threading.Event) -> None:
         """This rank's heartbeat during a round, on its own connection (the round's
@@ -790,7 +550,7 @@ class DistributedTrainerClient(AsyncClient):
             if found is not None:
                 return found
             if cancel is not None and cancel.is_set() and not reported:
-                store.set(f"{prefix}/done/{self.rank}", json.dumps({"ok": False, "error": "cancelled on this rank"}))
+                store.set(RoundKeys(prefix).done(self.rank), json.dumps({"ok": False, "error": "cancelled on this rank"}))
                 reported = True
             if time.monotonic() >= deadline_at:
                 raise StepTimeoutError(f"deadline exceeded waiting for rank 0 ({keys[0].rsplit('/', 1)[-1]})",
@@ -805,14 +565,14 @@ class DistributedTrainerClient(AsyncClient):
         engine on it failed; the others go on) or the caller cancels (every lane, and
         ``done/<rank>`` tells rank 0 at once). Returns once the round's result is set."""
         store, rank = self._store, self.rank
-        result_key = f"{prefix}/result"
+        result_key = RoundKeys(prefix).result
         sending: list[tuple[futures.Future, threading.Event]] = []
         reported: set[int] = set()
         layout: tuple[BucketPlan, list[torch.Tensor]] | None = None
         cancel_reported = False
         try:
             while True:
-                lane_key = f"{prefix}/lane/{rank}/{len(sending)}"
+                lane_key = RoundKeys(prefix).lane(rank, len(sending))
                 found = first_set(store, [lane_key, result_key], deadline_at)
                 if found == lane_key:
                     abort = threading.Event()
@@ -827,13 +587,13 @@ class DistributedTrainerClient(AsyncClient):
                         failed.set_exception(exc)
                         sending.append((failed, abort))
                 for index, (send, abort) in enumerate(sending):
-                    if not send.done() and (cancel.is_set() or store.check([f"{prefix}/stop/{rank}/{index}"])):
+                    if not send.done() and (cancel.is_set() or store.check([RoundKeys(prefix).stop(rank, index)])):
                         abort.set()
                     if send.done() and index not in reported:
-                        store.set(f"{prefix}/done/{rank}/{index}", json.dumps(self._report(send, cancel)))
+                        store.set(RoundKeys(prefix).done(rank, index), json.dumps(self._report(send, cancel)))
                         reported.add(index)
                 if cancel.is_set() and not cancel_reported:
-                    store.set(f"{prefix}/done/{rank}", json.dumps({"ok": False, "error": "cancelled on this rank"}))
+                    store.set(RoundKeys(prefix).done(rank), json.dumps({"ok": False, "error": "cancelled on this rank"}))
                     cancel_reported = True
                 if found == result_key:
                     return
@@ -862,7 +622,7 @@ class DistributedTrainerClient(AsyncClient):
         """This rank's part plan for the round and the tensors it sends, one per part."""
         store, rank = self._store, self.rank
         plan = BucketPlan.from_proto(common_pb2.WeightPlan.FromString(
-            bytes.fromhex(store.get(f"{prefix}/plan/{rank}").decode())))
+            bytes.fromhex(store.get(RoundKeys(prefix).plan(rank)).decode())))
         # The same list while the part plan (a repeat parses to the same object) and
         # the holdings (replayed) stay: a per-part pass costs ~8 ms at 20k parts.
         if self._lane_sources is not None and self._lane_sources[0] is plan and self._lane_sources[1] is held:

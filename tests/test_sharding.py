@@ -529,10 +529,10 @@ def test_part_views_of_addressed_targets_carry_each_views_address_worked_out_onc
 
 
 def _remember(replay: HeldReplay, pairs) -> None:
-    from weightsync.client.distributed import _holdings, _signature
-    held = _holdings(pairs)
+    from weightsync.sharding import description_signature, holdings_of
+    held = holdings_of(pairs)
     described = describe(held.values())
-    replay.remember(pairs, held, described, _signature(described))
+    replay.remember(pairs, held, described, description_signature(described))
 
 
 def test_holdings_are_replayed_only_while_every_tensor_is_the_same_one():
@@ -594,14 +594,14 @@ def test_dtensor_holdings_are_replayed_while_the_same_local_shard_stands():
         "from torch.distributed.device_mesh import init_device_mesh\n"
         "from torch.distributed.tensor import distribute_tensor, Shard\n"
         "from weightsync.sharding import HeldReplay, describe\n"
-        "from weightsync.client.distributed import _holdings, _signature\n"
+        "from weightsync.sharding import description_signature, holdings_of\n"
         "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29000 + os.getpid() % 1000))\n"
         "dist.init_process_group('gloo', rank=0, world_size=1)\n"
         "mesh = init_device_mesh('cpu', (1,))\n"
         "pairs = [('a', distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)])),\n"
         "         ('b', torch.nn.Parameter(distribute_tensor(torch.randn(8), mesh, [Shard(0)])))]\n"
         "replay = HeldReplay()\n"
-        "held = _holdings(pairs); d = describe(held.values()); replay.remember(pairs, held, d, _signature(d))\n"
+        "held = holdings_of(pairs); d = describe(held.values()); replay.remember(pairs, held, d, description_signature(d))\n"
         "assert replay.replay(pairs), 'same DTensors'\n"
         "with torch.no_grad():\n"
         "    pairs[1][1].to_local().mul_(2)\n"
@@ -774,7 +774,7 @@ def test_every_rank_rebuilds_the_drivers_error_as_the_same_type():
     import asyncio
     import json
 
-    from weightsync.client.distributed import _error_record, _raise_recorded, _result_record
+    from weightsync.client.rank_protocol import error_record, raise_recorded, result_record
     from weightsync.client.trainer import EngineResult, SyncFailed, SyncResult
     from weightsync.errors import StepTimeoutError
 
@@ -786,11 +786,11 @@ def test_every_rank_rebuilds_the_drivers_error_as_the_same_type():
              (InvalidArgument("tensor 'w': no rank holds it whole"), InvalidArgument, None),
              (asyncio.CancelledError(), TransferError, None)]
     for error, expected, carried in cases:
-        record = {"error": _error_record(error)}
+        record = {"error": error_record(error)}
         if carried is not None:
-            record["result"] = _result_record(carried)
+            record["result"] = result_record(carried)
         with pytest.raises(expected) as info:
-            _raise_recorded(json.loads(json.dumps(record)))
+            raise_recorded(json.loads(json.dumps(record)))
         if carried is not None:
             assert info.value.result == carried
         if not isinstance(error, asyncio.CancelledError):
@@ -822,7 +822,7 @@ def test_a_rank_whose_read_ack_loses_its_answer_to_rank_0_closing_still_has_the_
     has read the round's end already, so the ack must not turn into 'rank 0 went away'
     (seen under load in CI). Here the host closes right after storing the key, every
     time, before it answers."""
-    from weightsync.client.distributed import acknowledge_read
+    from weightsync.client.rank_protocol import acknowledge_read
     from weightsync.transport.secure_store import _SET, SecureStore, StoreHost
 
     def ack_with(set_key: Callable[[SecureStore, str], None]) -> bytes | None:

@@ -37,9 +37,17 @@ holds) and ``assignment`` (who sends what).
 """
 
 from weightsync.sharding.assignment import assign, sources_for
-from weightsync.sharding.holdings import HeldReplay, Holding, describe, holding_of, slices_held
+from weightsync.sharding.holdings import (
+    HeldReplay,
+    Holding,
+    describe,
+    description_signature,
+    holding_of,
+    holdings_of,
+    slices_held,
+)
 from weightsync.sharding.owners import MAX_SENDERS, Owners, SenderParts, grid_tiles, part_block
 from weightsync.sharding.part_views import PartLayout, PartViews
 
-__all__ = ["Owners", "PartViews", "PartLayout", "SenderParts", "Holding", "HeldReplay", "holding_of", "describe",
+__all__ = ["Owners", "PartViews", "PartLayout", "SenderParts", "Holding", "HeldReplay", "holding_of", "holdings_of", "description_signature", "describe",
            "assign", "sources_for", "grid_tiles", "part_block", "slices_held", "MAX_SENDERS"]

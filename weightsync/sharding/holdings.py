@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -246,3 +248,24 @@ def describe(holdings: Sequence[Holding]) -> dict:
         described["extra"] = [[list(cut) for cut in h.extra] for h in holdings]
     return described
 
+
+def holdings_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Holding]:
+    """What this rank holds of every tensor it was given, by name (``holding_of`` each)."""
+    import torch  # here, not at the top: the coordinator imports this package without torch
+
+    held: dict[str, Holding] = {}
+    meshes: dict = {}
+    for name, tensor in named_tensors:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise InvalidArgument("named_tensors must be (name, torch.Tensor) pairs")
+        if name in held:
+            raise InvalidArgument(f"tensor {name!r} is listed twice", metadata={"tensor": name})
+        held[name] = holding_of(name, tensor, meshes)
+    if not held:
+        raise InvalidArgument("no tensors to send")
+    return held
+
+
+def description_signature(described: dict) -> str:
+    """A short hash of a rank's ``describe``: equal descriptions, equal signatures."""
+    return hashlib.blake2b(json.dumps(described, separators=(",", ":")).encode(), digest_size=16).hexdigest()
