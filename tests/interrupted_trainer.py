@@ -92,12 +92,9 @@ class InterruptibleClient(TrainerClient):
                 lambda: self._reach("broadcast"))
         return super()._start_send(rendezvous, prepared)
 
-    async def _resume_after(self, primary, keys):
-        if self._reach("after-broadcast"):
-            await asyncio.Event().wait()
-        return await super()._resume_after(primary, keys)
-
     async def resume(self, **kwargs):
+        if self._reach("after-broadcast"):  # the broadcast returned; Resume is never sent
+            await asyncio.Event().wait()
         if self.stop_at != "resume" or self._fired:
             return await super().resume(**kwargs)
         call = asyncio.ensure_future(super().resume(**kwargs))
