@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from weightsync.errors import FailedPrecondition
 from weightsync.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from weightsync.server.agent.service import AgentCore
+    from weightsync.server.agent.engine_ledger import EngineCommands, EngineLedger
 
 log = logging.getLogger("weightsync.agent")
 FENCE_PAUSE_TIMEOUT_S = 30.0
@@ -36,8 +37,12 @@ class VersionFence:
     """The fence of one agent's engine. All state changes happen on the agent's event
     loop, one at a time; engine calls go through the agent's control thread."""
 
-    def __init__(self, core: AgentCore) -> None:
-        self.core = core
+    def __init__(self, ledger: EngineLedger, control: EngineCommands) -> None:
+        self.ledger = ledger
+        self.control = control
+        # Why the engine's own pause state differs from the agent's (the pause keeper's
+        # ``mismatch``, set once both exist): an engine in doubt is not ready.
+        self.pause_mismatch: Callable[[], str] = lambda: ""
         self.fleet_version: int | None = None  # None until the coordinator has said
         self.fenced = False
         self.lock = asyncio.Lock()  # held by the agent's Pause and Resume too: no release races a pause
@@ -51,20 +56,20 @@ class VersionFence:
 
     def not_ready_reason(self) -> str:
         """Why the engine should get no traffic now; "" when it is ready."""
-        core = self.core
-        engine = core.watch.current()
-        fault = core.fault()
+        control = self.control
+        engine = control.watch.current()
+        fault = control.fault()
         reasons = (
             (fault, f"faulted: {fault}"),
             (self.fleet_version is None, "the fleet's version is not known yet (not registered)"),
             (not engine.version_known, "the engine's version cannot be read"),
             (self.behind(engine.weight_version),
              f"holds version {engine.weight_version}, the fleet's is {self.fleet_version}"),
-            (core.torn, f"torn weights (a failed move to version {core.torn_version})"),
-            (core.receiving(), "receiving weights"),
+            (self.ledger.torn, f"torn weights (a failed move to version {self.ledger.torn_version})"),
+            (self.ledger.receiving(), "receiving weights"),
             (self.fenced, "fenced"),
-            (core.paused, "paused"),
-            (mismatch := core.pause_keeper.mismatch(), mismatch),
+            (self.ledger.paused, "paused"),
+            (mismatch := self.pause_mismatch(), mismatch),
         )
         return next((why for condition, why in reasons if condition), "")
 
@@ -73,13 +78,13 @@ class VersionFence:
         stays paused (and fenced) until a broadcast brings it up."""
         if self.behind(engine_version):
             raise FailedPrecondition(
-                f"engine {self.core.engine_id} holds version {engine_version}, older than the fleet's "
+                f"engine {self.control.engine_id} holds version {engine_version}, older than the fleet's "
                 f"{self.fleet_version}; it stays paused until a broadcast brings it to the fleet's version",
-                reason=ENGINE_BEHIND, metadata={"engine_id": self.core.engine_id,
+                reason=ENGINE_BEHIND, metadata={"engine_id": self.control.engine_id,
                                                 "fleet_version": str(self.fleet_version)})
         if self.fenced:
             self.fenced = False
-            self.core.record("unfenced", version=engine_version, fleet_version=self.fleet_version)
+            self.control.record("unfenced", version=engine_version, fleet_version=self.fleet_version)
 
     async def stop(self) -> None:
         """Ends a check in flight (shutdown); the engine stays as it is."""
@@ -96,11 +101,11 @@ class VersionFence:
         waits instead of being dropped. A heartbeat answer lifts it if it is current."""
         async with self.lock:
             try:
-                await self.core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=FENCE_PAUSE_TIMEOUT_S)
+                await self.control.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=FENCE_PAUSE_TIMEOUT_S)
             except Exception as exc:  # a faulted engine is reported as such; it cannot serve anyway
-                log.warning("could not pause engine %s to fence it: %r", self.core.engine_id, exc)
+                log.warning("could not pause engine %s to fence it: %r", self.control.engine_id, exc)
             self.fenced = True
-            self.core.record("fenced", why=why)
+            self.control.record("fenced", why=why)
 
     async def learn(self, fleet_version: int) -> None:
         """The coordinator said the fleet's version (registration): apply it now."""
@@ -120,31 +125,31 @@ class VersionFence:
         flight settles the question itself, so nothing is done during one. The engine's
         version is the watched one (polled on the watch's thread, updated at every
         commit): this runs at every heartbeat and must not ask the engine each time."""
-        core = self.core
+        control = self.control
         async with self.lock:
-            if self.fleet_version is None or core.receiving() or core.fault():
+            if self.fleet_version is None or self.ledger.receiving() or control.fault():
                 return
-            engine = core.watch.current()
+            engine = control.watch.current()
             if not engine.version_known:
                 return  # cannot tell now; the next heartbeat looks again
             served = engine.weight_version
             try:
                 if self.behind(served) and not self.fenced:
-                    await core.pause_engine(common_pb2.PAUSE_MODE_ABORT, timeout_s=FENCE_PAUSE_TIMEOUT_S)
+                    await control.pause_engine(common_pb2.PAUSE_MODE_ABORT, timeout_s=FENCE_PAUSE_TIMEOUT_S)
                     self.fenced = True
-                    core.record("fenced", version=served, fleet_version=self.fleet_version)
-                elif not self.behind(served) and self.fenced and not core.torn:
+                    control.record("fenced", version=served, fleet_version=self.fleet_version)
+                elif not self.behind(served) and self.fenced and not self.ledger.torn:
                     await self._lift(served)  # a torn engine stays held until a good receive
             except Exception as exc:
-                log.warning("version fence check of engine %s failed: %r", core.engine_id, exc)
+                log.warning("version fence check of engine %s failed: %r", control.engine_id, exc)
 
     async def _lift(self, served: int) -> None:
-        core = self.core
+        control = self.control
         self.fenced = False
-        core.record("unfenced", version=served, fleet_version=self.fleet_version)
-        if core.paused:
+        control.record("unfenced", version=served, fleet_version=self.fleet_version)
+        if self.ledger.paused:
             return  # a round's Pause holds the engine too; its Resume releases it
-        await core.release_engine()
+        await control.release_engine()
 
 
 __all__ = ["VersionFence", "ENGINE_BEHIND"]

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 from weightsync.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from weightsync.server.agent.service import AgentCore
+    from weightsync.server.agent.engine_ledger import EngineCommands, EngineLedger
+    from weightsync.server.agent.fence import VersionFence
 
 log = logging.getLogger("weightsync.agent")
 
@@ -57,8 +58,10 @@ SETTLE_S = 5.0  # how long the state is sent again after doubt, from the engine'
 class PauseKeeper:
     """See the module docstring."""
 
-    def __init__(self, core: AgentCore) -> None:
-        self.core = core
+    def __init__(self, ledger: EngineLedger, control: EngineCommands, fence: VersionFence) -> None:
+        self.ledger = ledger
+        self.control = control
+        self.fence = fence
         self._commanded_at = 0.0  # when the agent last finished pausing or resuming the engine
         # An engine that cannot say: since when its state is in doubt (0: it is not), and
         # until when the agent's state is sent again.
@@ -81,13 +84,12 @@ class PauseKeeper:
         return self._doubt_at > 0
 
     def wanted_paused(self) -> bool:
-        core = self.core
-        return core.paused or core.fence.fenced
+        return self.ledger.paused or self.fence.fenced
 
     def mismatch(self) -> str:
         """Why the engine's own pause state differs from the agent's, or (an engine that
         cannot say) may differ; "" when it does not."""
-        engine = self.core.watch.current()
+        engine = self.control.watch.current()
         if engine.paused is None:  # it cannot say: what the agent does not know is in doubt
             if self.in_doubt or time.monotonic() < self._send_until:
                 return "the engine's pause state is in doubt (a pause or resume of unknown outcome); sending it again"
@@ -100,27 +102,27 @@ class PauseKeeper:
     async def run(self) -> None:
         """Checks after every poll of the engine, until cancelled."""
         while True:
-            await asyncio.sleep(self.core.watch.interval_s)
+            await asyncio.sleep(self.control.watch.interval_s)
             try:
                 await self.check()
             except Exception as exc:  # the engine is slow or gone: the next poll looks again
                 log.warning("could not bring engine %s back to the agent's pause state: %r",
-                            self.core.engine_id, exc)
+                            self.control.engine_id, exc)
 
     async def check(self) -> None:
-        core = self.core
-        faulted = bool(core.fault())
+        control = self.control
+        faulted = bool(control.fault())
         now = time.monotonic()
         if self._was_faulted and not faulted:
             self._doubt_at = now  # back after it could not be reached: whatever it holds now is unknown
         self._was_faulted = faulted
-        if core.watch.reboot_pending:
+        if control.watch.reboot_pending:
             # An engine seen booted again is the reboot handler's to fence, not this
             # keeper's to resume: a vLLM booted paused holds its boot weights.
             return
-        engine = core.watch.current()
+        engine = control.watch.current()
         if engine.paused is None:
-            if faulted or core.receiving():
+            if faulted or self.ledger.receiving():
                 return
             if self.in_doubt:
                 # Only once a poll begun after the doubt found the engine answering: a
@@ -134,38 +136,38 @@ class PauseKeeper:
             return
         if not self.mismatch() or faulted:
             return
-        async with core.fence.lock:
+        async with self.fence.lock:
             # Asked again under the lock: the snapshot may predate a Pause or Resume that
             # held the lock meanwhile.
-            engine = await core.watch.refresh()
+            engine = await control.watch.refresh()
             wanted = self.wanted_paused()
-            if engine.paused is None or engine.paused == wanted or core.fault() or core.watch.reboot_pending:
+            if engine.paused is None or engine.paused == wanted or control.fault() or control.watch.reboot_pending:
                 return
             if wanted:
-                await core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)
-                core.record("engine_paused_again", why="found running while the agent holds it paused")
+                await control.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)
+                control.record("engine_paused_again", why="found running while the agent holds it paused")
             else:
                 # Not release_engine: the ledger of what sleeps may be wrong here (a
                 # sleep that landed late pauses vLLM too), so all of it is woken first.
                 try:
-                    await core.run_on_engine(core.adapter.resume_awake)
+                    await control.run_on_engine(control.adapter.resume_awake)
                 finally:
                     self.commanded()
-                core.record("engine_resumed_again", why="found paused while the agent lets it run")
-            await core.watch.refresh()
+                control.record("engine_resumed_again", why="found paused while the agent lets it run")
+            await control.watch.refresh()
 
     async def _send_again(self, *, first: bool) -> None:
         """The agent's pause state, sent again to an engine that cannot say its own."""
-        core = self.core
-        async with core.fence.lock:
-            if core.fault() or core.receiving() or core.watch.reboot_pending:
+        control = self.control
+        async with self.fence.lock:
+            if control.fault() or self.ledger.receiving() or control.watch.reboot_pending:
                 return
             if self.wanted_paused():
-                await core.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)
+                await control.pause_engine(common_pb2.PAUSE_MODE_KEEP, timeout_s=REPAUSE_TIMEOUT_S)
             else:
-                await core.release_engine()
+                await control.release_engine()
             if first:
-                core.record("engine_pause_state_sent_again", paused=self.wanted_paused())
+                control.record("engine_pause_state_sent_again", paused=self.wanted_paused())
 
 
 __all__ = ["PauseKeeper"]

@@ -50,6 +50,7 @@ from weightsync.host_identity import host_id
 from weightsync.idempotency import IdempotencyStore
 from weightsync.loop_lag import LoopLagMonitor
 from weightsync.plan import BucketPlan, is_reference
+from weightsync.server.agent.engine_ledger import EngineLedger
 from weightsync.server.agent.engine_watch import EngineWatch
 from weightsync.server.agent.fence import VersionFence
 from weightsync.server.agent.launcher import EngineLauncher
@@ -112,19 +113,16 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                                             note_workers=lambda n: setattr(self, "workers", n))
         self.registered = False  # with the coordinator, at least once (the shutdown deregisters then)
         self._idempotency = IdempotencyStore()
-        self._receive_task: asyncio.Future | None = None
         self._abort = threading.Event()
-        self.torn = False
-        self.torn_version = 0
-        self.paused = False
-        self._kv_offloaded_for_sync = False
+        self.ledger = EngineLedger()
         self._progress = (0, 0)  # (buckets done, buckets total) of the running or last receive
         self.events = EventLog(log, engine_id=engine_id)
         self.loop_lag = LoopLagMonitor("agent")  # run by the agent's main on its loop
         self.accepting = True
-        self.fence = VersionFence(self)
-        self.pause_keeper = PauseKeeper(self)
-        self.exporter = WeightExporter(self)
+        self.fence = VersionFence(self.ledger, self)
+        self.pause_keeper = PauseKeeper(self.ledger, self, self.fence)
+        self.fence.pause_mismatch = self.pause_keeper.mismatch
+        self.exporter = WeightExporter(self, self.fence)
 
     # ----- helpers --------------------------------------------------------------------
 
@@ -138,7 +136,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     def receiving(self) -> bool:
         """A receive is running (its settlement included)."""
-        return self._receive_task is not None and not self._receive_task.done()
+        return self.ledger.receiving()
 
     def fault(self) -> str:
         """Why this engine cannot serve: the engine's own fault or its launched process's.
@@ -154,7 +152,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     def _outcome(self, ok: bool = True, **fields) -> common_pb2.EngineOutcome:
         return common_pb2.EngineOutcome(engine_id=self.engine_id, ok=ok,
                                         weight_version=self.watch.current().weight_version,
-                                        torn=self.torn, paused=self.paused, **fields)
+                                        torn=self.ledger.torn, paused=self.ledger.paused, **fields)
 
     async def _handle(self, context, key: str, operation: str, request, fn, response_type):
         """Runs a mutating RPC through the idempotency store; errors become statuses."""
@@ -184,13 +182,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 withheld = exc.message
         return common_pb2.EngineState(
             engine_id=self.engine_id, address=self.address, available=not fault,
-            paused=self.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
+            paused=self.ledger.paused or self.fence.fenced, fenced=self.fence.fenced, ready=not self.fence.not_ready_reason(),
             receiving=self.receiving(), engine_restarts=self.engine_restarts,
             can_export=self.adapter.can_export_weights, host_id=host_id(), workers=self.workers,
             group_layouts=self.adapter.group_layouts, receives=self.adapter.receives,
             faulted=bool(fault), fault=fault, weight_version=engine.weight_version,
-            weight_version_unknown=not engine.version_known, torn=self.torn,
-            torn_version=self.torn_version, asleep_tags=self._asleep_tags(),
+            weight_version_unknown=not engine.version_known, torn=self.ledger.torn,
+            torn_version=self.ledger.torn_version, asleep_tags=self._asleep_tags(),
             model=getattr(self.adapter, "model_label", "") or self.adapter.name,
             weights_digest=digest, digest_withheld=withheld,
             running_requests=engine.running, queued_requests=engine.queued, buckets_done=self._progress[0],
@@ -208,12 +206,12 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         timeout_s = check_timeout(request.timeout_s) or DEFAULT_TIMEOUT_S
         async with self.fence.lock:  # a fence being lifted never resumes the engine under this Pause
             await self.pause_engine(request.mode, timeout_s=timeout_s)
-            self.paused = True
+            self.ledger.paused = True
         self.record("paused", mode=common_pb2.PauseMode.Name(request.mode))
         if request.offload_kv:
             slept = await self.run_on_engine(self.adapter.sleep, ["kv_cache"])
             if slept:
-                self._kv_offloaded_for_sync = True
+                self.ledger.kv_offloaded_for_sync = True
                 self.record("kv_asleep")
         return self._outcome()
 
@@ -224,7 +222,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     async def _sleep(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
         tags = validate_tags(request.tags)
-        if not self.paused:
+        if not self.ledger.paused:
             raise FailedPrecondition("sleep needs a paused engine: call Pause first")
         slept = await self.run_on_engine(self.adapter.sleep, tags)
         for tag in slept:
@@ -245,10 +243,10 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         woken = await self.run_on_engine(self.adapter.wake_paused if keep_paused else self.adapter.wake, tags)
         if "weights" in woken:
             # Woken weights are empty storage: nothing trustworthy until a good receive.
-            self.torn, self.torn_version = True, self.torn_version or 0
+            self.ledger.torn, self.ledger.torn_version = True, self.ledger.torn_version or 0
             self.record("weights_awake")
         if "kv_cache" in woken:
-            self._kv_offloaded_for_sync = False
+            self.ledger.kv_offloaded_for_sync = False
             self.record("kv_awake")
 
     async def Resume(self, request, context):
@@ -258,7 +256,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     async def _resume(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
         timeout_s = check_timeout(request.timeout_s) or DEFAULT_TIMEOUT_S
-        task = self._receive_task
+        task = self.ledger.receive
         if task is not None and not task.done():
             # Invariant no-resume-mid-transfer: never resume while bytes still land.
             self.record("resume_waits_for_receive")
@@ -267,17 +265,17 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 raise StepTimeoutError("resume waited too long for a running receive", operation="resume")
         if "weights" in self._asleep_tags():
             await self._wake_tags(["weights"])
-        if self.torn and not request.allow_torn:
+        if self.ledger.torn and not request.allow_torn:
             raise TornWeightsError(
-                f"engine {self.engine_id} holds torn weights (failed move to version {self.torn_version}); "
+                f"engine {self.engine_id} holds torn weights (failed move to version {self.ledger.torn_version}); "
                 "it stays paused until a good broadcast or a resume with allow_torn",
-                metadata={"engine_id": self.engine_id, "torn_version": str(self.torn_version)})
+                metadata={"engine_id": self.engine_id, "torn_version": str(self.ledger.torn_version)})
         async with self.fence.lock:
             # Never release an engine older than the fleet: it stays paused and fenced.
             self.fence.check_resume(self.watch.current().weight_version)
             await self.release_engine()
-            self.paused = False
-        self.record("resumed", allow_torn=request.allow_torn, torn=self.torn)
+            self.ledger.paused = False
+        self.record("resumed", allow_torn=request.allow_torn, torn=self.ledger.torn)
         return self._outcome()
 
     @property
@@ -302,8 +300,8 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     async def _engine_started_again(self, event: str, *, why: str) -> None:
         self.adapter.engine_restarted()
-        self.torn, self.torn_version = False, 0  # boot weights: whole, if perhaps old
-        self._kv_offloaded_for_sync = False
+        self.ledger.torn, self.ledger.torn_version = False, 0  # boot weights: whole, if perhaps old
+        self.ledger.kv_offloaded_for_sync = False
         self.record(event, restarts=self.engine_restarts)
         # Paused first: the engine serves its boot weights from its first healthy answer
         # until this pause (SGLang cannot boot paused, nor a vLLM started without
@@ -315,7 +313,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         """At start-up: the engine records a receive to ``version`` that never finished
         (an agent before this one died during it). Its weights are torn: it stays paused,
         as after a failed transfer here, until a good broadcast (invariant no-torn-serving)."""
-        self.torn, self.torn_version, self.paused = True, version, True
+        self.ledger.torn, self.ledger.torn_version, self.ledger.paused = True, version, True
         self.record("torn_found", version=version)
 
     async def release_engine(self) -> None:
@@ -393,7 +391,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         changed if this raises)."""
         await self.run_on_engine(self._check_alive)
         checked = await self.run_on_engine(self.receive_checks.validate, request)
-        if not (self.paused or self.fence.fenced):  # a fenced engine is paused: a catch-up receives into it
+        if not (self.ledger.paused or self.fence.fenced):  # a fenced engine is paused: a catch-up receives into it
             raise FailedPrecondition("receive needs a paused engine: call Pause first")
         # Its weights are being sent to a peer: they must not change. Only the end of an
         # export the coordinator gave up on can meet a round (found: a round's receive
@@ -401,11 +399,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         # waited in the group for this one until the deadline).
         if self.exporter.running and not await self.exporter.wait_ended(EXPORT_END_WAIT_S):
             raise FailedPrecondition("this engine is exporting its weights to a peer; try again when it is done")
-        if self._receive_task is not None and not self._receive_task.done():
+        if self.ledger.receive is not None and not self.ledger.receive.done():
             raise FailedPrecondition("a receive is already running on this engine")
         if "weights" in self._asleep_tags():
             await self._wake_tags(["weights"])
-        self._receive_task = asyncio.get_running_loop().create_future()
+        self.ledger.receive = asyncio.get_running_loop().create_future()
         self._abort.clear()
         self.record("transfer_started", version=request.version, bytes=checked.plan.total_bytes,
                     plan="by_id" if is_reference(request.plan) else "whole")
@@ -495,7 +493,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         job.finished = time.monotonic()
         if error is None:
             self._progress = (self._progress[1], self._progress[1])
-            self.torn, self.torn_version = False, 0
+            self.ledger.torn, self.ledger.torn_version = False, 0
             # shm says how it read the bytes: "direct" (from the trainer's memory) or "ring".
             read = getattr(job.receiver, "last_mode", "")
             self.record("transfer_done", version=request.version, seconds=f"{job.seconds():.4f}",
@@ -508,13 +506,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             job.error = never_started(error)
             self.record("transfer_failed", version=request.version, error=str(job.error), wrote="nothing")
         else:
-            self.torn, self.torn_version = True, request.version
+            self.ledger.torn, self.ledger.torn_version = True, request.version
             self.record("transfer_failed", version=request.version, error=str(error))
-        self._receive_task.set_result(None)
+        self.ledger.receive.set_result(None)
         # Wake the KV cache the sync put to sleep. An engine that now holds torn weights
         # must stay paused: an engine that cannot wake without resuming (vLLM) keeps it
         # asleep, and Resume wakes it first if the engine is ever allowed to run.
-        if self._kv_offloaded_for_sync and "kv_cache" in self._asleep_tags():
+        if self.ledger.kv_offloaded_for_sync and "kv_cache" in self._asleep_tags():
             await asyncio.shield(self._wake_tags(["kv_cache"], keep_paused=job.error is not None))
 
     async def _attest(self, probe: Probe, version: int, deadline_at: float) -> tuple[float, BaseException | None]:
@@ -596,7 +594,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         sender behind it never reports). The engine stays paused and torn, as after any
         failed receive, and the next round can take it at once."""
         silent_s = time.monotonic() - self._coordinator_heard_at
-        task = self._receive_task
+        task = self.ledger.receive
         if silent_s > COORDINATOR_SILENCE_S and task is not None and not task.done() and not self._abort.is_set():
             log.warning("no contact with the coordinator for %.1f s during a receive: abandoning it", silent_s)
             self.record("receive_abandoned", silent_s=f"{silent_s:.1f}")
@@ -606,7 +604,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         """Stops new work; lets a running receive finish within ``grace_s``, else abandons it
         (the engine stays paused and torn, never resumed mid-transfer)."""
         self.accepting = False
-        task = self._receive_task
+        task = self.ledger.receive
         if task is not None and not task.done():
             done, _ = await asyncio.wait({task}, timeout=grace_s)
             if not done:

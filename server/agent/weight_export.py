@@ -35,7 +35,8 @@ from weightsync.v1 import agent_pb2, common_pb2
 from weightsync.validate import check_timeout
 
 if TYPE_CHECKING:
-    from weightsync.server.agent.service import AgentCore
+    from weightsync.server.agent.engine_ledger import EngineCommands
+    from weightsync.server.agent.fence import VersionFence
 
 log = logging.getLogger("weightsync.agent")
 EXPORT_TRANSPORTS = (common_pb2.TRANSPORT_KIND_GLOO, common_pb2.TRANSPORT_KIND_SHM)
@@ -46,8 +47,9 @@ SOURCE_NOT_READY = "SOURCE_NOT_READY"
 class WeightExporter:
     """One agent's exports, one at a time."""
 
-    def __init__(self, core: AgentCore) -> None:
-        self.core = core
+    def __init__(self, control: EngineCommands, fence: VersionFence) -> None:
+        self.control = control
+        self.fence = fence
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync-export")
         self._store: StoreHost | None = None
         self._senders: dict[int, Sender] = {}
@@ -68,21 +70,21 @@ class WeightExporter:
         return not self.running
 
     def _check(self, request: agent_pb2.ExportRequest) -> None:
-        core = self.core
+        control = self.control
         check_timeout(request.timeout_s)
         if request.rendezvous.transport not in EXPORT_TRANSPORTS:
             raise InvalidArgument("a catch-up exports over gloo or shm")
         if not request.rendezvous.group_id or not request.rendezvous.session_id:
             raise InvalidArgument("an export needs the rendezvous' group_id and session_id")
-        if not core.adapter.can_export_weights:
-            raise FailedPrecondition(f"{core.adapter.name} engines cannot export their weights",
+        if not control.adapter.can_export_weights:
+            raise FailedPrecondition(f"{control.adapter.name} engines cannot export their weights",
                                      reason="EXPORT_UNSUPPORTED")
         if self.running:
             raise FailedPrecondition("an export is already running on this engine", reason=SOURCE_NOT_READY)
-        why = core.fence.not_ready_reason()
-        served = core.watch.current().weight_version
+        why = self.fence.not_ready_reason()
+        served = control.watch.current().weight_version
         if why or served != request.version:
-            raise FailedPrecondition(f"engine {core.engine_id} cannot be a catch-up source for version "
+            raise FailedPrecondition(f"engine {control.engine_id} cannot be a catch-up source for version "
                                      f"{request.version}: {why or f'it holds version {served}'}",
                                      reason=SOURCE_NOT_READY)
 
@@ -92,11 +94,11 @@ class WeightExporter:
         self.running = True
         self._idle.clear()
         try:
-            named = await self.core.run_on_engine(self.core.adapter.export_weights)
+            named = await self.control.run_on_engine(self.control.adapter.export_weights)
             plan, sources = await run_in(self._executor, self._prepare, named,
                                          request.bucket_bytes or DEFAULT_BUCKET_BYTES)
             rendezvous = await run_in(self._executor, self._rendezvous, request.rendezvous)
-            self.core.record("export_started", version=request.version, group=rendezvous.group_id,
+            self.control.record("export_started", version=request.version, group=rendezvous.group_id,
                              transport=transports.KIND_NAMES[rendezvous.transport], bytes=plan.total_bytes)
             yield agent_pb2.ExportEvent(ready=agent_pb2.ExportReady(plan=plan.to_proto(), rendezvous=rendezvous))
             deadline_at = time.monotonic() + (request.timeout_s or DEFAULT_EXPORT_TIMEOUT_S)
@@ -108,17 +110,17 @@ class WeightExporter:
                 self._abort.set()
                 await wait_through_cancellation(sending)
                 if not sending.cancelled() and sending.exception() is not None:
-                    self.core.record("export_failed", version=request.version, error="cancelled by the coordinator")
+                    self.control.record("export_failed", version=request.version, error="cancelled by the coordinator")
                 raise
             except Exception:
                 pass  # the send's own error, read below
             if sending.exception() is not None:
-                self.core.record("export_failed", version=request.version, error=repr(sending.exception()))
+                self.control.record("export_failed", version=request.version, error=repr(sending.exception()))
                 raise sending.exception()
             stats = sending.result()
-            self.core.record("export_done", version=request.version, seconds=f"{stats.seconds:.4f}")
+            self.control.record("export_done", version=request.version, seconds=f"{stats.seconds:.4f}")
             yield agent_pb2.ExportEvent(result=common_pb2.EngineOutcome(
-                engine_id=self.core.engine_id, ok=True, weight_version=request.version, bytes=stats.bytes,
+                engine_id=self.control.engine_id, ok=True, weight_version=request.version, bytes=stats.bytes,
                 seconds=stats.seconds))
         finally:
             self.running = False
@@ -138,7 +140,7 @@ class WeightExporter:
         """Exporter thread: the coordinator's rendezvous with this agent's store (hosted
         on first use, on the host the agent serves on) and a fresh secret."""
         if self._store is None:
-            host = self.core.data_host
+            host = self.control.data_host
             self._store = StoreHost(host, timeout_s=DEFAULT_EXPORT_TIMEOUT_S)
         rendezvous = common_pb2.Rendezvous()
         rendezvous.CopyFrom(asked)
@@ -151,7 +153,7 @@ class WeightExporter:
         sender = self._senders.get(rendezvous.transport)
         if sender is None:
             sender = self._senders[rendezvous.transport] = transports.make_sender(
-                rendezvous.transport, self._store.client(), data_host=self.core.data_host)
+                rendezvous.transport, self._store.client(), data_host=self.control.data_host)
         with torch.no_grad():
             return sender.send(rendezvous, plan, sources, deadline_at=deadline_at, abort=self._abort)
 
