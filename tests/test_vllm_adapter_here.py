@@ -247,8 +247,8 @@ def test_a_sharded_trainers_owners_go_whole_once_then_by_key_and_whole_again_to_
     def receive(round_: int) -> dict[str, str]:
         lanes = tuple(SenderLane(common_pb2.Rendezvous(session_id=f"s{round_}-{r}", sender=r), owners.part_plan(r),
                                  None, r) for r in owners.sender_ranks)
-        adapter.receive(Delivery(lanes[0].rendezvous, 1, plan, None, time.monotonic() + 10, threading.Event(),
-                                 senders=lanes, owners=owners, version=round_))
+        adapter.receive(Delivery(rendezvous=lanes[0].rendezvous, rank=1, plan=plan, receiver=None,
+                                 deadline_at=time.monotonic() + 10, abort=threading.Event(), senders=lanes, owners=owners, version=round_))
         return adapter.receive_stats()
 
     assert "owners" not in receive(1).get("sent_by_key", "")
@@ -266,25 +266,25 @@ async def test_a_vllm_seen_booted_again_is_not_resumed_by_the_pause_keeper(vllm)
     The poll that tells the restart also finds it paused; the pause keeper, which puts a
     differing engine back, checked before the reboot handler had fenced it and woke it
     (``/wake_up``): the boot weights served until the fence paused it again. It now leaves
-    an engine seen booted again to that handler. (The agent's core is a stand-in: only
-    what the keeper reads of it.)"""
+    an engine seen booted again to that handler. (The agent's engine commands and fence
+    are stand-ins: only what the keeper may use of them.)"""
     import asyncio
     import types
 
+    from weightsync.server.agent.engine_ledger import EngineLedger
     from weightsync.server.agent.pause_keeper import PauseKeeper
 
     adapter = VllmAdapter(vllm.url, timeout_s=5)
     watch = EngineWatch(adapter)
-    core = types.SimpleNamespace(
-        engine_id="vllm-0", watch=watch, adapter=adapter, paused=False,
-        fence=types.SimpleNamespace(fenced=False, lock=asyncio.Lock()),
-        fault=lambda: "", receiving=lambda: False, record=lambda *args, **kw: None)
+    control = types.SimpleNamespace(engine_id="vllm-0", watch=watch, adapter=adapter, fault=lambda: "",
+                                    record=lambda *args, **kw: None)
 
     async def run_on_engine(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
-    core.run_on_engine = run_on_engine
-    keeper = PauseKeeper(core)
+    control.run_on_engine = run_on_engine
+    fence = types.SimpleNamespace(fenced=False, lock=asyncio.Lock())
+    keeper = PauseKeeper(EngineLedger(), control, fence)
     try:
         watch.committed(3)  # the agent synced the old process
         vllm.answers["GET /weight_info"] = (200, {"weight_version": "default"})

@@ -460,8 +460,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 faults.on_bucket("receive", version, bucket, deadline_at=job.deadline_at)
 
         own = run_in(self._transfer, self.adapter.receive, Delivery(
-            request.rendezvous, request.rank, job.plan, job.receiver, job.deadline_at, self._abort, on_bucket,
-            skip_post_load, self.data_host, job.senders, job.owners, request.version,
+            rendezvous=request.rendezvous, rank=request.rank, plan=job.plan, receiver=job.receiver,
+            deadline_at=job.deadline_at, abort=self._abort, on_bucket=on_bucket, skip_post_load=skip_post_load,
+            data_host=self.data_host, senders=job.senders, owners=job.owners, version=request.version,
             verify_parts=bool(request.weights_digest)))
         if not job.relays:
             return own

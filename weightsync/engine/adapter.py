@@ -67,7 +67,7 @@ def validate_tags(tags: Sequence[str]) -> list[str]:
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Delivery:
     """One receive, as the agent hands it to its engine's adapter."""
 
