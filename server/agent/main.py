@@ -174,7 +174,7 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     adapter = await asyncio.to_thread(
         make_adapter, options.engine, url=options.engine_url, checkpoint_dir=options.checkpoint_dir,
         model=options.model, step_delay_s=options.step_delay_s, sglang_flattened=options.sglang_flattened)
-    core = agent.core = AgentCore(engine_id=agent.engine_id, adapter=adapter, faults=agent.faults,
+    core = agent.core = AgentCore(engine_id=agent.engine_id, adapter=adapter, injected_faults=agent.faults,
                                   launcher=agent.launcher)
     if agent.launcher is not None:
         agent.launcher.on_relaunch = core.engine_relaunched

@@ -90,11 +90,13 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         it registered, the one the coordinator and trainers reach it at."""
         return self.address.rpartition(":")[0].strip("[]") or "127.0.0.1"
 
-    def __init__(self, *, engine_id: str, adapter: EngineAdapter, faults: FaultInjector | None = None,
+    def __init__(self, *, engine_id: str, adapter: EngineAdapter, injected_faults: FaultInjector | None = None,
                  launcher: EngineLauncher | None = None) -> None:
         self.engine_id = engine_id
         self.adapter = adapter
-        self.faults = faults
+        # Test-only fault injection (``--enable-fault-injection``); never the engine's own
+        # fault, which ``fault()`` reports.
+        self.injected_faults = injected_faults
         self.launcher = launcher
         self.watch = EngineWatch(adapter, launcher=launcher)
         self.watch.on_reboot = self.engine_rebooted
@@ -447,7 +449,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
     def _start_transfer(self, job: ReceiveJob) -> asyncio.Future:
         """The transfer, on the transfer thread, through the adapter's one receive entry
         point (into tensors this process holds, or inside the engine's own processes)."""
-        request, faults, version = job.request, self.faults, job.request.version
+        request, faults, version = job.request, self.injected_faults, job.request.version
         total = sum(lane.plan.num_buckets for lane in job.senders) if job.senders else job.plan.num_buckets
         skip_post_load = faults is not None and faults.take("receive", version=version,
                                                             action="skip_post_load") is not None
@@ -542,7 +544,7 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         """Test-only fault ``stale_tensor``: one tensor keeps its old contents after the
         receive (the bytes arrived; the engine does not use them), as a reload that skips
         a layer does. Returns the function that puts the old contents back."""
-        rule = self.faults.take("receive", version=version, action="stale_tensor") if self.faults else None
+        rule = self.injected_faults.take("receive", version=version, action="stale_tensor") if self.injected_faults else None
         targets = self.adapter.load_targets(plan) if rule is not None else []
         if not targets:
             return None
