@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from weightsync.apps.bench.baselines import METHODS, Baselines  # noqa: E402
-from weightsync.apps.bench.runner import _check_engines_hold, parse_size  # noqa: E402
+from weightsync.apps.bench.runner import check_engines_hold, parse_size  # noqa: E402
 from weightsync.apps.local_cluster import LocalCluster  # noqa: E402
 from weightsync.client import TrainerClient  # noqa: E402
 from weightsync.engine.model import ReferenceLM, config_for_size  # noqa: E402
@@ -55,7 +55,7 @@ async def paired(address: str, runs: Baselines, named, *, transport: str, baseli
             ours.append(time.perf_counter() - start)
             await client.resume()
             theirs.append(await asyncio.to_thread(runs.step, baseline, step))
-        await _check_engines_hold(client, weights_digest(named), engines=engines, version=version,
+        await check_engines_hold(client, weights_digest(named), engines=engines, version=version,
                                   transport=transport)
     return ours, theirs
 

@@ -22,9 +22,9 @@ from weightsync.apps.bench.count_sweep import sweep_counts, sweep_lines
 from weightsync.apps.bench.cpu import CpuMeter, machine_steal_s
 from weightsync.apps.bench.returned_memory import returned_kib, settle
 from weightsync.apps.bench.runner import (
-    _check_engines_hold,
     _worst_where_nothing_stolen,
     bar_figure,
+    check_engines_hold,
     how_much,
     parse_size,
 )
@@ -434,15 +434,15 @@ async def test_the_benchs_final_check_tells_other_bytes_from_a_missing_engine(cl
     async with TrainerClient(cluster.address) as client:
         await client.update_weights(model.named_parameters(), version=1, timeout_s=60)
         sent = weights_digest(model.named_parameters())
-        await _check_engines_hold(client, sent, engines=1, version=1, transport="gloo")
+        await check_engines_hold(client, sent, engines=1, version=1, transport="gloo")
         with torch.no_grad():
             next(model.parameters()).add_(1.0)
         with pytest.raises(RuntimeError, match=r"engine-0: digest [0-9a-f]{12} at version 1") as info:
-            await _check_engines_hold(client, weights_digest(model.named_parameters()), engines=1, version=1,
+            await check_engines_hold(client, weights_digest(model.named_parameters()), engines=1, version=1,
                                       transport="gloo", within_s=1)
         assert sent[:12] in str(info.value)  # what the engine holds: what was sent before the change
         with pytest.raises(RuntimeError, match="1 of 2 engines registered"):
-            await _check_engines_hold(client, sent, engines=2, version=1, transport="gloo", within_s=1)
+            await check_engines_hold(client, sent, engines=2, version=1, transport="gloo", within_s=1)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])

@@ -135,3 +135,32 @@ def test_the_plan_and_the_stores_have_no_import_circle():
 
     assert not any(n.startswith("weightsync.plan") for n in imports("weightsync/dtypes.py"))
     assert not any(n.startswith("weightsync.transport.store") for n in imports("weightsync/transport/secure_store.py"))
+
+
+def private_imports(source: str, filename: str = "<source>") -> list[str]:
+    """Every ``from weightsync... import _name``: a module reaching into another's
+    private names (what a module keeps private may change without notice)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "weightsync":
+            found += [f"{filename}:{node.lineno} from {node.module} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_the_private_import_check_sees_private_names_only():
+    assert private_imports("from weightsync.client.trainer import _Lane\n")
+    assert private_imports("def f():\n    from weightsync.plan import Plan, _varint\n")
+    assert not private_imports("from weightsync.plan import BucketPlan\nfrom weightsync import __version__\n")
+    assert not private_imports("from torch.distributed.tensor._utils import _compute_local_shape\n")
+
+
+def test_no_module_imports_anothers_private_names():
+    found = []
+    for folder in ("weightsync", "server", "client", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "v1" in path.relative_to(ROOT).parts:
+                continue  # generated
+            found += private_imports(path.read_text(), str(path.relative_to(ROOT)))
+    assert found == [], found
+

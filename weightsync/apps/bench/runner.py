@@ -241,10 +241,10 @@ async def _weightsync_runs(address: str, model: ReferenceLM, *, transports: list
                 if transport.startswith("shm"):
                     row.read.update(await _reads(agents, steps))
             local = await asyncio.to_thread(weights_digest, model.named_parameters())
-            await _check_engines_hold(client, local, engines=engines, version=version, transport=transport)
+            await check_engines_hold(client, local, engines=engines, version=version, transport=transport)
 
 
-async def _check_engines_hold(client: TrainerClient, digest: str, *, engines: int, version: int, transport: str,
+async def check_engines_hold(client: TrainerClient, digest: str, *, engines: int, version: int, transport: str,
                               within_s: float = 60.0) -> None:
     """Raises unless every engine holds exactly the trainer's bytes (``digest``) at
     ``version``, naming what each other engine holds (``TrainerClient.check_engines``:
@@ -602,5 +602,5 @@ def bar_figure(report: dict):
     return fig
 
 
-__all__ = ["run_bench", "parse_size", "table", "ratios", "against_baselines", "how_much", "plot", "bar_figure",
+__all__ = ["run_bench", "check_engines_hold", "parse_size", "table", "ratios", "against_baselines", "how_much", "plot", "bar_figure",
            "machine"]
