@@ -471,7 +471,7 @@ class TrainerClient(AsyncClient):
         ends with every available engine at ``version``, or returns (raises) the first
         call's outcome if that call had finished; a transfer that completed never runs
         again. The coordinator keeps the sync's attempts under the key
-        (``docs/architecture.md``, "One logical sync").
+        (``docs/round-in-detail.md``, "One logical sync").
 
         ``attest`` (see ``broadcast``): engines prove they compute with the new weights
         before they resume; one that does not stays paused and torn, and this raises
