@@ -69,19 +69,15 @@ from weightsync import transport as transports
 from weightsync.attest import Probe
 from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.context import AsyncClient
-from weightsync.client.lane_sends import MAX_CONCURRENT_LANES
 from weightsync.client.rank_protocol import (
     CLOSE_GRACE_S,
-    HEARTBEAT_S,
     STOP_GRACE_S,
     RoundKeys,
-    acknowledge_read,
     error_record,
     first_set,
-    raise_recorded,
-    result_from,
     result_record,
 )
+from weightsync.client.rank_sender import RankSender
 from weightsync.client.results import SyncResult
 from weightsync.client.retry import RetryPolicy
 from weightsync.client.sharded_driver import ShardedDriver, refuse_a_function_as_probe
@@ -91,14 +87,12 @@ from weightsync.errors import (
     TransferError,
     WeightSyncError,
 )
-from weightsync.host_identity import host_id
 from weightsync.idempotency import validate_key
-from weightsync.parts_digest import combine, holding_hashes, parts_digest, sender_hashes
+from weightsync.parts_digest import combine, parts_digest, sender_hashes
 from weightsync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from weightsync.security import Security
 from weightsync.sharding import (
     HeldReplay,
-    Holding,
     Owners,
     describe,
     description_signature,
@@ -107,7 +101,7 @@ from weightsync.sharding import (
 )
 from weightsync.threads import run_in
 from weightsync.transport import AUTO_LAYOUT, LAYOUTS
-from weightsync.transport.base import Receiver, Sender
+from weightsync.transport.base import Receiver
 from weightsync.transport.cross_memory import AddressedTensors, tensor_addresses
 from weightsync.transport.from_senders import SenderLane, part_targets, receive_from_senders
 from weightsync.transport.secure_store import SecureStore, StoreHost
@@ -195,14 +189,9 @@ class DistributedTrainerClient(AsyncClient):
                                           wire_dtype=wire_dtype, default_timeout_s=default_timeout_s,
                                           resume_grace_s=resume_grace_s, retry=retry, security=security,
                                           group_layout=group_layout)
-        self._store: SecureStore | None = None       # ranks > 0: their connection to rank 0's store
+        self._rank_sender: RankSender | None = None  # ranks > 0: their side of every round
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank")
-        # One thread per lane this rank sends at once (shm to its host, gloo to each relay).
-        self._send_threads = ThreadPoolExecutor(MAX_CONCURRENT_LANES, thread_name_prefix="weightsync-rank-send")
-        self._senders: dict[tuple[int, str], Sender] = {}
-        self._published: str = ""  # signature of the holdings this rank last described
         self.held = HeldReplay()  # this rank's holdings, replayed from round to round
-        self._lane_sources: tuple[BucketPlan, dict, list[torch.Tensor]] | None = None  # ranks > 0: (plan, holdings, sources)
         self._round = 0
         self._forgotten = 0  # rank 0: rounds whose store keys are gone
         self._closed = False
@@ -212,6 +201,11 @@ class DistributedTrainerClient(AsyncClient):
         self._gather_receivers: dict[tuple[int, int], Receiver] = {}
         self._gather_epoch = 0
         self._gathered: tuple[BucketPlan, list[torch.Tensor]] | None = None
+
+    @property
+    def rank_sender(self) -> RankSender | None:
+        """Ranks > 0, once started: this rank's side of every round."""
+        return self._rank_sender
 
     # ----- lifecycle --------------------------------------------------------------------
 
@@ -229,9 +223,12 @@ class DistributedTrainerClient(AsyncClient):
         await run_in(self._thread, dist.broadcast_object_list, info, src=src, group=self.group)
         store_host, port, secret, self.session = info
         if self._driver is None:
-            self._store = await run_in(self._thread, lambda: SecureStore(
+            store = await run_in(self._thread, lambda: SecureStore(
                 store_host, port, secret, deadline_at=time.monotonic() + _START_TIMEOUT_S,
                 timeout_s=self.default_timeout_s))
+            self._rank_sender = RankSender(store, rank=self.rank, session=self.session, host=self.host,
+                                           wire_dtype=self.wire_dtype, resume_grace_s=self.resume_grace_s,
+                                           hold=self.hold)
         return self
 
     async def aclose(self) -> None:
@@ -241,24 +238,21 @@ class DistributedTrainerClient(AsyncClient):
         self._closed = True
 
         def close() -> None:
-            for sender in self._senders.values():
-                sender.close()
-            self._senders.clear()
+            if self._rank_sender is not None:
+                self._rank_sender.close()
             self._close_gather_receivers()
             self._gathered = None
             self.held.forget()  # the tensors last replayed, and the lists made of them
-            self._lane_sources = None
             if self._driver is not None:
                 self._driver._sources, self._driver.holdings = None, {}
-            if self._store is not None:
-                self._store.close()
         try:
             if self._driver is not None and self._driver._store_host is not None and self._round:
                 await run_in(self._thread, self._wait_until_read)
             await run_in(self._thread, close)
         finally:
             self._thread.shutdown(wait=False)
-            self._send_threads.shutdown(wait=False)
+            if self._rank_sender is not None:
+                self._rank_sender.shutdown_threads()
             if self._driver is not None:
                 await self._driver.aclose()
 
@@ -297,7 +291,7 @@ class DistributedTrainerClient(AsyncClient):
         (``TransferError``), as ``TrainerClient``'s ``verify_digest`` does.
         Do not modify the tensors until this returns.
         """
-        if self._closed or (self._driver is None and self._store is None):
+        if self._closed or (self._driver is None and self._rank_sender is None):
             raise RuntimeError("DistributedTrainerClient is not started")
         self._round += 1
         prefix = RoundKeys.of(self.session, self._round).prefix
@@ -307,7 +301,7 @@ class DistributedTrainerClient(AsyncClient):
                                      offload_kv=offload_kv, required_engines=required_engines, attest=attest,
                                      verify_digest=verify_digest)
         cancel = threading.Event()
-        work = run_in(self._thread, self._take_part, prefix, named_tensors, budget, cancel, verify_digest)
+        work = run_in(self._thread, self._rank_sender.take_part, prefix, named_tensors, budget, cancel, verify_digest)
         # A cancel stops this rank's send; rank 0 then ends the round for everyone, and
         # this returns once it has.
         if await wait_through_cancellation(work, on_cancel=cancel.set):
@@ -485,166 +479,5 @@ class DistributedTrainerClient(AsyncClient):
                 return host.get(key)
             if time.monotonic() >= until:
                 raise StepTimeoutError(f"deadline exceeded waiting for {operation}", operation="broadcast")
-
-    def _take_part(self, prefix: str, named_tensors, budget_s: float, cancel: threading.Event,
-                   verify_digest: bool = False) -> SyncResult:
-        """Ranks > 0 (their thread): say what this rank holds, send its lane when rank 0
-        hands it one, say how the send ended, and return (or raise) the round's end."""
-        store, rank = self._store, self.rank
-        deadline_at = time.monotonic() + budget_s + self.resume_grace_s
-        alive = threading.Event()
-        ticker = threading.Thread(target=self._tick, args=(RoundKeys(prefix).alive(rank), alive), daemon=True,
-                                  name="weightsync-rank-alive")
-        ticker.start()
-        try:
-            held: dict[str, Holding] | None = None
-            try:
-                replay = self.hold(named_tensors)
-                held, sig = replay.holdings, replay.signature
-                if sig != self._published:
-                    store.set(f"ws-dist/{self.session}/described/{rank}/{sig}", json.dumps(replay.described))
-                    self._published = sig
-                record = {"sig": sig, "host": host_id()}
-                if verify_digest:  # what this rank sends, hashed (rank 0 combines the senders' hashes)
-                    record["hashes"] = holding_hashes(held.values(), self.wire_dtype)
-                store.set(RoundKeys(prefix).holding(rank), json.dumps(record))
-            except WeightSyncError as exc:
-                store.set(RoundKeys(prefix).holding(rank), json.dumps({"error": error_record(exc)}))
-                held = None
-            if held is not None:
-                self._send_lanes(prefix, held, deadline_at, cancel)
-            else:
-                self._wait_any(prefix, [RoundKeys(prefix).result], deadline_at, cancel)
-            record = json.loads(store.get(RoundKeys(prefix).result))
-            acknowledge_read(store, RoundKeys(prefix).read(rank))
-        except RuntimeError as exc:  # SecureStore: the connection to rank 0's store failed
-            raise TransferError(f"trainer rank 0 (which drives the round) went away: {exc}") from exc
-        finally:
-            alive.set()
-            ticker.join(timeout=1.0)
-        if "error" in record:
-            raise_recorded(record)
-        return result_from(record["result"])
-
-    def _tick(self, key: str, stop: threading.Event) -> None:
-        """This rank's heartbeat during a round, on its own connection (the round's
-        thread may be blocked in a store wait)."""
-        try:
-            store = self._store.clone()
-        except Exception:
-            return
-        try:
-            while not stop.wait(HEARTBEAT_S):
-                store.add(key, 1)
-        except Exception:
-            pass  # rank 0 went away: the round's thread says so
-        finally:
-            store.close()
-
-    def _wait_any(self, prefix: str, keys: list[str], deadline_at: float, cancel: threading.Event | None) -> str:
-        """The first of ``keys`` set. A cancel before then is reported to rank 0 (as this
-        rank's failed send); the wait goes on for the round's end."""
-        store, reported = self._store, False
-        while True:
-            found = first_set(store, keys, deadline_at)
-            if found is not None:
-                return found
-            if cancel is not None and cancel.is_set() and not reported:
-                store.set(RoundKeys(prefix).done(self.rank), json.dumps({"ok": False, "error": "cancelled on this rank"}))
-                reported = True
-            if time.monotonic() >= deadline_at:
-                raise StepTimeoutError(f"deadline exceeded waiting for rank 0 ({keys[0].rsplit('/', 1)[-1]})",
-                                       operation="sync")
-
-    def _send_lanes(self, prefix: str, held: dict[str, Holding], deadline_at: float,
-                    cancel: threading.Event) -> None:
-        """Sends this rank's parts on each lane rank 0 hands it (``lane/<rank>/<i>``, one
-        after another: shm to the engines on its host, gloo to each other host's relay),
-        each on a thread of its own as it comes, and says how each ended
-        (``done/<rank>/<i>``). A lane stops when rank 0 says so (``stop/<rank>/<i>``: an
-        engine on it failed; the others go on) or the caller cancels (every lane, and
-        ``done/<rank>`` tells rank 0 at once). Returns once the round's result is set."""
-        store, rank = self._store, self.rank
-        result_key = RoundKeys(prefix).result
-        sending: list[tuple[futures.Future, threading.Event]] = []
-        reported: set[int] = set()
-        layout: tuple[BucketPlan, list[torch.Tensor]] | None = None
-        cancel_reported = False
-        try:
-            while True:
-                lane_key = RoundKeys(prefix).lane(rank, len(sending))
-                found = first_set(store, [lane_key, result_key], deadline_at)
-                if found == lane_key:
-                    abort = threading.Event()
-                    rendezvous = common_pb2.Rendezvous.FromString(bytes.fromhex(store.get(lane_key).decode()))
-                    try:
-                        if layout is None:
-                            layout = self._lane_layout(prefix, held)
-                        sending.append((self._send_threads.submit(self._send, rendezvous, *layout, deadline_at,
-                                                                  abort), abort))
-                    except BaseException as exc:  # this rank cannot send what it was asked: the lane fails
-                        failed: futures.Future = futures.Future()
-                        failed.set_exception(exc)
-                        sending.append((failed, abort))
-                for index, (send, abort) in enumerate(sending):
-                    if not send.done() and (cancel.is_set() or store.check([RoundKeys(prefix).stop(rank, index)])):
-                        abort.set()
-                    if send.done() and index not in reported:
-                        store.set(RoundKeys(prefix).done(rank, index), json.dumps(self._report(send, cancel)))
-                        reported.add(index)
-                if cancel.is_set() and not cancel_reported:
-                    store.set(RoundKeys(prefix).done(rank), json.dumps({"ok": False, "error": "cancelled on this rank"}))
-                    cancel_reported = True
-                if found == result_key:
-                    return
-                if time.monotonic() >= deadline_at:
-                    raise StepTimeoutError("deadline exceeded waiting for rank 0 (result)", operation="sync")
-        finally:
-            # Whatever ended the watch (rank 0's store gone, the round's end), every send
-            # ends before this returns: its group must be retired by the sender itself,
-            # never left to the sender being closed under it.
-            for send, abort in sending:
-                if not send.done():
-                    abort.set()
-            futures.wait([send for send, _ in sending], timeout=max(0.0, deadline_at - time.monotonic()))
-
-    @staticmethod
-    def _report(send: futures.Future, cancel: threading.Event) -> dict:
-        """How one lane's send ended, for rank 0."""
-        try:
-            stats = send.result()
-        except BaseException as exc:
-            return {"ok": False, "error": "cancelled on this rank" if cancel.is_set() else str(exc) or
-                    type(exc).__name__}
-        return {"ok": True, "bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.buckets}
-
-    def _lane_layout(self, prefix: str, held: dict[str, Holding]) -> tuple[BucketPlan, list[torch.Tensor]]:
-        """This rank's part plan for the round and the tensors it sends, one per part."""
-        store, rank = self._store, self.rank
-        plan = BucketPlan.from_proto(common_pb2.WeightPlan.FromString(
-            bytes.fromhex(store.get(RoundKeys(prefix).plan(rank)).decode())))
-        # The same list while the part plan (a repeat parses to the same object) and
-        # the holdings (replayed) stay: a per-part pass costs ~8 ms at 20k parts.
-        if self._lane_sources is not None and self._lane_sources[0] is plan and self._lane_sources[1] is held:
-            return plan, self._lane_sources[2]
-        sources = []
-        for name, shape in zip(plan.names, plan.shapes, strict=True):
-            local = held[name].local if name in held else None
-            if local is None or tuple(local.shape) != shape:
-                raise InvalidArgument(f"rank {rank} was asked to send {name!r} {list(shape)}, which it does "
-                                      "not hold")
-            sources.append(local)
-        self._lane_sources = (plan, held, sources)
-        return plan, sources
-
-    def _send(self, rendezvous, plan: BucketPlan, sources, deadline_at: float, abort: threading.Event):
-        kind = rendezvous.transport
-        sender = self._senders.get((kind, rendezvous.lane))
-        if sender is None:
-            store = self._store.clone()
-            sender = self._senders[(kind, rendezvous.lane)] = transports.make_sender(kind, store, data_host=self.host)
-        with torch.no_grad():
-            return sender.send(rendezvous, plan, sources, deadline_at=deadline_at, abort=abort)
-
 
 __all__ = ["DistributedTrainerClient"]

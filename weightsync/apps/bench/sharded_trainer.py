@@ -213,11 +213,20 @@ class _StallingClient(DistributedTrainerClient):
         self.stall_version = stall_version
         self.version = 0  # the round under way, set by the caller
 
-    def _send(self, *args, **kwargs):  # one lane's send, on its own thread
-        if self.version == self.stall_version:
-            print(json.dumps({"rank": self.rank, "stalling": self.version}), flush=True)
-            time.sleep(STALL_S)
-        return super()._send(*args, **kwargs)
+    async def start(self) -> _StallingClient:
+        await super().start()
+        sender = self.rank_sender
+        if sender is not None:  # ranks > 0: their lanes' sends wait first
+            send = sender.send_lane
+
+            def stalling_send(*args, **kwargs):  # one lane's send, on its own thread
+                if self.version == self.stall_version:
+                    print(json.dumps({"rank": self.rank, "stalling": self.version}), flush=True)
+                    time.sleep(STALL_S)
+                return send(*args, **kwargs)
+
+            sender.send_lane = stalling_send
+        return self
 
 
 STALL_S = 120.0
