@@ -71,7 +71,10 @@ def first_set(store: StoreClient, keys: list[str], deadline_at: float) -> str | 
     (polling every 5-20 ms cost a round of small tensors about 30 ms) while the caller
     still looks at its cancel, its peers and its deadline between slices."""
     slice_s = max(0.0, min(_WAIT_SLICE_S, deadline_at - time.monotonic()))
-    done, key, _ = store.wait_either(keys[:1], keys[1:], slice_s)
+    # The answer may come as late as the caller's deadline (plus the store's grace): a
+    # rank 0 slowed down by a loaded machine is no rank 0 gone, and a frozen one still
+    # ends the wait by the deadline, as every engine's wait on the store does.
+    done, key, _ = store.wait_either(keys[:1], keys[1:], slice_s, answer_by=deadline_at)
     return keys[0] if done else key
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from tests.test_e2e import perturbed
 from tests.test_sync_safety import slow
-from weightsync.client import TrainerClient
+from weightsync.client import EngineClient, TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 from weightsync.errors import StateNotWritable
 
@@ -120,8 +120,14 @@ async def test_a_broadcast_whose_outcome_cannot_be_written_is_still_reported(clu
         assert (await client.update_weights(model.named_parameters(), version=1, timeout_s=60)).ok
         perturbed(model, 2)
         sync = asyncio.ensure_future(client.update_weights(model.named_parameters(), version=2, timeout_s=60))
-        while not (await client.get_state()).round.phase == "broadcasting":
-            await asyncio.sleep(0.02)
+        # The bytes are moving (an engine started its transfer): the round's own save
+        # before the transfer has happened. A disk filled before that save refuses the
+        # Broadcast with nothing changed, which is another test's case.
+        async with EngineClient(cluster.agents[0].address) as engine:
+            while not any(e.kind == "transfer_started" and e.fields.get("version") == "2"
+                          for e in await engine.events()):
+                assert not sync.done(), sync
+                await asyncio.sleep(0.02)
         small_disk.fill()
         result = await sync
         # The engines did move and resume: that is what the trainer hears, not the disk.
