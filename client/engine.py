@@ -17,16 +17,16 @@ from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 
 class EngineClient:
-    """Async client of one EngineAgent. ``async with EngineClient(addr) as e: ...``"""
+    """Async client of one engine agent (``EngineAgentService``). ``async with EngineClient(addr) as e: ...``"""
 
     def __init__(self, address: str, *, security: Security | None = None) -> None:
         self.address = address
         security = security or Security()
         self._control = LoopChannel(lambda: security.channel(address, options=CHANNEL_OPTIONS),
-                                    agent_pb2_grpc.EngineAgentStub, owner="EngineClient")
+                                    agent_pb2_grpc.EngineAgentServiceStub, owner="EngineClient")
 
     @property
-    def stub(self) -> agent_pb2_grpc.EngineAgentStub:
+    def stub(self) -> agent_pb2_grpc.EngineAgentServiceStub:
         """The agent's stub on the running event loop (opened there on first use)."""
         return self._control.stub()
 
@@ -55,12 +55,16 @@ class EngineClient:
 
     async def get(self, request_id: str, *, wait_s: float = 0.0) -> agent_pb2.Generation:
         """The request's tokens and the weight version of each; waits up to ``wait_s`` for it to end."""
-        return await self._call(self.stub.GetGeneration, agent_pb2.GetGenerationRequest(
+        response = await self._call(self.stub.GetGeneration, agent_pb2.GetGenerationRequest(
             request_id=request_id, wait_s=wait_s), timeout_s=wait_s + 10.0, operation="get_generation")
+        return response.generation
 
     async def state(self, *, include_digest: bool = False) -> common_pb2.EngineState:
-        return await self._call(self.stub.GetState, agent_pb2.AgentStateRequest(include_digest=include_digest),
-                                timeout_s=30.0, operation="get_state")
+        """The agent's own view of its engine (version, paused, torn, digest if asked)."""
+        response = await self._call(self.stub.GetEngineState,
+                                    agent_pb2.GetEngineStateRequest(include_digest=include_digest),
+                                    timeout_s=30.0, operation="get_state")
+        return response.state
 
     async def events(self, after_seq: int = 0) -> list[common_pb2.Event]:
         """The agent's event log (pause, transfer, KV, resume ... in order)."""

@@ -143,7 +143,7 @@ class TrainerClient(AsyncClient):
         self._executor: ThreadPoolExecutor | None = None
         self._send_pool: ThreadPoolExecutor | None = None  # one thread per lane being sent
         # The coordinator's channel, reopened on a new event loop (asyncio.run per step).
-        self._control: LoopChannel[coordinator_pb2_grpc.CoordinatorStub] | None = None
+        self._control: LoopChannel[coordinator_pb2_grpc.CoordinatorServiceStub] | None = None
         # Rendezvous stores, hosted on first use: status-only clients never open a port.
         # gloo and shm rounds use the authenticated store (a secret per round); the group
         # transport a torch TCPStore, which SGLang joins with torch's own client.
@@ -172,7 +172,7 @@ class TrainerClient(AsyncClient):
             self._send_pool = ThreadPoolExecutor(MAX_CONCURRENT_LANES, thread_name_prefix="weightsync-send")
             self._control = LoopChannel(
                 lambda: self.security.channel(self.coordinator, options=CHANNEL_OPTIONS),
-                coordinator_pb2_grpc.CoordinatorStub, owner="TrainerClient")
+                coordinator_pb2_grpc.CoordinatorServiceStub, owner="TrainerClient")
         if not await self._control.connect(keep_trying_s=self.connect_timeout_s, attempt_timeout_s=CONNECT_ATTEMPT_S):
             waited = f" (kept trying for {self.connect_timeout_s:g} s)" if self.connect_timeout_s else ""
             raise CoordinatorUnavailable(
@@ -214,7 +214,7 @@ class TrainerClient(AsyncClient):
         if errors:
             raise ExceptionGroup("TrainerClient.aclose failed", errors)
 
-    def _ready(self) -> coordinator_pb2_grpc.CoordinatorStub:
+    def _ready(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
         if self._control is None or self._closed:
             raise RuntimeError("TrainerClient is not started (use 'async with' or await start())")
         return self._control.stub()

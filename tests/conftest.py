@@ -50,7 +50,7 @@ def wait_available(address: str, engine_ids: list[str], timeout_s: float = 30.0)
     from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         end = time.monotonic() + timeout_s
         while True:
             try:

@@ -41,6 +41,6 @@ def test_a_bad_advertised_host_refuses_to_start(bad):
 async def test_the_coordinator_refuses_a_wildcard_registration(cluster):
     async with grpc.aio.insecure_channel(cluster.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await coordinator_pb2_grpc.CoordinatorStub(channel).RegisterEngine(coordinator_pb2.RegisterEngineRequest(
+            await coordinator_pb2_grpc.CoordinatorServiceStub(channel).RegisterEngine(coordinator_pb2.RegisterEngineRequest(
                 idempotency_key="wildcard", engine_id="engine-9", agent_address="0.0.0.0:5000"), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--advertise" in info.value.details()

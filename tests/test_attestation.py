@@ -218,7 +218,7 @@ async def test_the_coordinator_rejects_a_malformed_probe_with_invalid_argument(c
             idempotency_key="malformed-probe", version=1, plan=BucketPlan.build(specs).to_proto(),
             transport=common_pb2.TRANSPORT_KIND_GLOO, store_host="127.0.0.1", store_port=1, probe=bad)
         async with grpc.aio.insecure_channel(cluster.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 async for _ in stub.Broadcast(request, timeout=30):
                     pass

@@ -161,7 +161,7 @@ def test_a_coordinator_stub_call_to_nowhere_is_not_an_engine_error():
 
     async def call():
         async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             try:
                 await stub.GetState(coordinator_pb2.GetStateRequest(), timeout=2)
             except grpc.aio.AioRpcError as exc:

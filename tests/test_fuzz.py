@@ -74,11 +74,11 @@ coordinator_requests = st.one_of(
 )
 
 agent_requests = st.one_of(
-    poisoned(st.builds(agent_pb2.AgentPauseRequest, mode=st.integers(0, 2**31 - 1)), extra=("mode",)).map(
-        lambda m: ("Pause", m)),
+    poisoned(st.builds(agent_pb2.PauseEngineRequest, mode=st.integers(0, 2**31 - 1)), extra=("mode",)).map(
+        lambda m: ("PauseEngine", m)),
     poisoned(st.builds(agent_pb2.ReceiveRequest, version=st.integers(0, 2**64 - 1), plan=junk_plan(),
                        rank=st.integers(0, 2**32 - 1), validate_only=st.booleans())).map(lambda m: ("Receive", m)),
-    poisoned(st.builds(agent_pb2.AgentResumeRequest)).map(lambda m: ("Resume", m)),
+    poisoned(st.builds(agent_pb2.ResumeEngineRequest)).map(lambda m: ("ResumeEngine", m)),
     poisoned(st.builds(agent_pb2.SleepRequest, tags=st.lists(junk_text, max_size=3)), timeout_field=False).map(
         lambda m: ("Sleep", m)),
     poisoned(st.builds(agent_pb2.WakeRequest, tags=st.lists(junk_text, max_size=3)), timeout_field=False).map(
@@ -112,7 +112,7 @@ async def call(stub, method: str, msg):
 
 async def snapshot(address: str):
     async with grpc.aio.insecure_channel(address) as channel:
-        state = await coordinator_pb2_grpc.CoordinatorStub(channel).GetState(
+        state = await coordinator_pb2_grpc.CoordinatorServiceStub(channel).GetState(
             coordinator_pb2.GetStateRequest(include_digests=True), timeout=30)
     return (state.weight_version, state.round.phase,
             tuple((e.engine_id, e.paused, e.weight_version, e.torn, e.weights_digest, tuple(e.asleep_tags))
@@ -146,8 +146,8 @@ def test_fuzz_every_rpc(fuzz_cluster):
 
         async def go():
             async with grpc.aio.insecure_channel(address) as channel:
-                stub = (coordinator_pb2_grpc.CoordinatorStub(channel) if target == "coordinator"
-                        else agent_pb2_grpc.EngineAgentStub(channel))
+                stub = (coordinator_pb2_grpc.CoordinatorServiceStub(channel) if target == "coordinator"
+                        else agent_pb2_grpc.EngineAgentServiceStub(channel))
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await call(stub, method, msg)
                 return info.value.code()
@@ -174,7 +174,7 @@ def every_rpc() -> list[tuple[str, str, bool, list[bytes]]]:
     from google.protobuf.descriptor import FieldDescriptor
 
     out = []
-    for module, service in ((coordinator_pb2, "Coordinator"), (agent_pb2, "EngineAgent")):
+    for module, service in ((coordinator_pb2, "CoordinatorService"), (agent_pb2, "EngineAgentService")):
         for m in module.DESCRIPTOR.services_by_name[service].methods:
             first = m.input_type.fields_by_number.get(1)
             string_first = first is not None and first.type == FieldDescriptor.TYPE_STRING
@@ -195,7 +195,7 @@ def test_undecodable_requests_are_invalid_argument_on_every_rpc(fuzz_cluster):
     async def go():
         answers = {}
         for service, method, streaming, payloads in rpcs:
-            address = cluster.address if service.endswith("Coordinator") else agent
+            address = cluster.address if service.endswith("CoordinatorService") else agent
             async with grpc.aio.insecure_channel(address) as channel:
                 path = f"/{service}/{method}"
                 for payload in payloads:
@@ -242,8 +242,8 @@ def test_errors_about_huge_fields_are_bounded_and_keep_their_status(fuzz_cluster
         for target, method, msg in calls:
             address = cluster.address if target == "coordinator" else cluster.agents[0].address
             async with grpc.aio.insecure_channel(address) as channel:
-                stub = (coordinator_pb2_grpc.CoordinatorStub(channel) if target == "coordinator"
-                        else agent_pb2_grpc.EngineAgentStub(channel))
+                stub = (coordinator_pb2_grpc.CoordinatorServiceStub(channel) if target == "coordinator"
+                        else agent_pb2_grpc.EngineAgentServiceStub(channel))
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await call(stub, method, msg)
             error = from_rpc_error(info.value)

@@ -37,7 +37,7 @@ def test_a_plan_of_a_million_tensors_is_refused_while_every_engine_stays_availab
     async def go():
         async with grpc.aio.insecure_channel(cluster.address, options=[
                 ("grpc.max_send_message_length", 64 * 1024 * 1024)]) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             before = await stub.GetState(coordinator_pb2.GetStateRequest(), timeout=10)
             events = stub.WatchEvents(coordinator_pb2.WatchEventsRequest(after_seq=0))
             await stub.Pause(coordinator_pb2.PauseRequest(idempotency_key="huge-pause", mode=common_pb2.PAUSE_MODE_ABORT), timeout=30)
@@ -68,7 +68,7 @@ def test_a_plan_of_a_million_tensors_is_refused_while_every_engine_stays_availab
                     event = await asyncio.wait_for(events.read(), 1.0)
                 except TimeoutError:
                     break
-                kinds.append((event.kind, event.engine_id))
+                kinds.append((event.event.kind, event.event.engine_id))
             events.cancel()
             return refused.value, refused_after, answers, before, after, kinds
 

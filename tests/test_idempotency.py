@@ -185,7 +185,7 @@ async def test_concurrent_duplicate_broadcasts_share_one_transfer(cluster):
         return events
 
     async with grpc.aio.insecure_channel(cluster.address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         a, b = await asyncio.gather(caller(stub), caller(stub))
     sender.close()
     assert sends == 1, "exactly one caller may drive the transfer"

@@ -64,7 +64,8 @@ async def test_lost_responses_on_every_trainer_call_are_replayed(cluster_factory
 
 
 async def test_lost_and_duplicated_agent_calls_execute_once(cluster_factory):
-    rules = [rpc("Receive", "drop_response", times=2), rpc("Pause", "duplicate"), rpc("Resume", "drop_response")]
+    rules = [rpc("Receive", "drop_response", times=2), rpc("PauseEngine", "duplicate"),
+             rpc("ResumeEngine", "drop_response")]
     cluster = cluster_factory(2, agent_args=("--enable-fault-injection",),
                               agent_env={"WEIGHTSYNC_FAULTS": json.dumps(rules)})
     model = ReferenceLM(PRESETS["tiny"])

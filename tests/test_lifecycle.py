@@ -242,8 +242,8 @@ async def test_coordinator_sigterm_during_a_sync_then_restart(cluster_factory):
 
 async def test_health_and_reflection_on_both_servers(cluster):
     from weightsync.v1 import agent_pb2, coordinator_pb2
-    targets = [(cluster.address, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name),
-               (cluster.agents[0].address, agent_pb2.DESCRIPTOR.services_by_name["EngineAgent"].full_name)]
+    targets = [(cluster.address, coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name),
+               (cluster.agents[0].address, agent_pb2.DESCRIPTOR.services_by_name["EngineAgentService"].full_name)]
     for address, service in targets:
         async with grpc.aio.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)

@@ -49,7 +49,7 @@ async def test_a_store_that_fails_ends_the_receive_by_its_deadline_and_tears_not
     port = silent.getsockname()[1] if silent else _closed_port()
     try:
         with grpc.insecure_channel(cluster.address) as channel:
-            coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
+            coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             coordinator.Pause(coordinator_pb2.PauseRequest(idempotency_key=f"pause-{transport}-{store}",
                                                              mode=common_pb2.PAUSE_MODE_ABORT), timeout=30)
             started = time.monotonic()

@@ -34,7 +34,7 @@ async def test_agent_that_deregisters_during_a_pause_fails_that_engine_at_once(c
     # engine-1's Pause hangs for 30 s in its interceptor; SIGTERM makes it deregister,
     # which closes the coordinator's channel under the call in flight.
     cluster = cluster_factory(1)
-    slow_pause = [{"op": "rpc", "action": "delay", "method": "Pause", "seconds": 30}]
+    slow_pause = [{"op": "rpc", "action": "delay", "method": "PauseEngine", "seconds": 30}]
     stuck = start_agent(cluster.tmp, cluster.address, "engine-1", "--enable-fault-injection",
                         "--shutdown-grace", "1", env={"WEIGHTSYNC_FAULTS": json.dumps(slow_pause)})
     try:
@@ -65,7 +65,7 @@ async def test_a_get_state_that_asks_an_engine_as_it_deregisters_answers_at_once
     # under that question. Before the fix the handler ended without an answer and the
     # trainer waited out its own 60 s deadline (seen in CI right after a failed round).
     cluster = cluster_factory(1)
-    slow_state = [{"op": "rpc", "action": "delay", "method": "GetState", "seconds": 30, "times": 0}]
+    slow_state = [{"op": "rpc", "action": "delay", "method": "GetEngineState", "seconds": 30, "times": 0}]
     stuck = start_agent(cluster.tmp, cluster.address, "engine-1", "--enable-fault-injection",
                         "--shutdown-grace", "1", env={"WEIGHTSYNC_FAULTS": json.dumps(slow_state)})
     try:
@@ -266,10 +266,10 @@ async def coordinator_events(address: str, timeout_s: float = 2.0) -> list:
 
     events = []
     async with grpc.aio.insecure_channel(address) as channel:
-        stream = coordinator_pb2_grpc.CoordinatorStub(channel).WatchEvents(coordinator_pb2.WatchEventsRequest())
+        stream = coordinator_pb2_grpc.CoordinatorServiceStub(channel).WatchEvents(coordinator_pb2.WatchEventsRequest())
         try:
             while True:
-                events.append(await asyncio.wait_for(stream.read(), timeout=timeout_s))
+                events.append((await asyncio.wait_for(stream.read(), timeout=timeout_s)).event)
         except TimeoutError:
             stream.cancel()
     return events
@@ -297,7 +297,7 @@ async def test_a_slow_getstate_from_an_agent_that_heartbeats_is_not_unavailable(
     the coordinator's 2 s probe; its channel busy, say, with a plan of tens of MiB) but
     keeps heartbeating is alive. It stays available, and no engine_unavailable event
     says otherwise (seen on CI: a 1M-tensor plan made a probe time out)."""
-    slow_state = [{"op": "rpc", "action": "delay", "method": "GetState", "seconds": 3, "times": 0}]
+    slow_state = [{"op": "rpc", "action": "delay", "method": "GetEngineState", "seconds": 3, "times": 0}]
     cluster = cluster_factory(2, agent_args=("--enable-fault-injection",),
                               agent_env={"WEIGHTSYNC_FAULTS": json.dumps(slow_state)})
     async with TrainerClient(cluster.address) as client:
@@ -345,9 +345,10 @@ from weightsync.client import TrainerClient
 from weightsync.engine.model import PRESETS, ReferenceLM
 
 async def main():
+    weights = ReferenceLM(PRESETS["tiny"]).named_parameters()
     async with TrainerClient(sys.argv[1], transport="shm", bucket_bytes=64 * 1024) as client:
-        await client.update_weights(ReferenceLM(PRESETS["tiny"]).named_parameters(), version=1,
-                                    timeout_s=float(sys.argv[2]))
+        print("SYNCING", flush=True)  # the round's deadline counts from here
+        await client.update_weights(weights, version=1, timeout_s=float(sys.argv[2]))
 asyncio.run(main())
 """
 
@@ -364,9 +365,14 @@ async def test_a_trainer_frozen_mid_round_does_not_hold_the_engines_receive_past
 
     deadline_s = 4.0
     cluster = faulty_cluster(cluster_factory, [slow(1, 0.3)])  # 9 buckets, 0.3 s each: ~2.7 s of receive
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER_PROCESS, cluster.address, str(deadline_s)])
-    started = time.monotonic()
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER_PROCESS, cluster.address, str(deadline_s)],
+                               stdout=subprocess.PIPE, text=True)
     try:
+        # From the trainer's own start of the sync, not its process's: under load its
+        # start-up (the torch import) can take longer than the whole round's deadline.
+        line = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), timeout=120)
+        assert line.strip() == "SYNCING", f"the trainer printed {line!r}"
+        started = time.monotonic()
         await wait_for_bucket(cluster.agents[0].address)
         os.kill(trainer.pid, signal.SIGSTOP)
         async with TrainerClient(cluster.address) as observer:

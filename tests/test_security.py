@@ -132,7 +132,7 @@ async def test_health_checks_stay_open_without_token(secure_cluster, pki):
         assert response.status == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.aio.AioRpcError) as info:
             from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
-            await coordinator_pb2_grpc.CoordinatorStub(channel).GetState(coordinator_pb2.GetStateRequest(),
+            await coordinator_pb2_grpc.CoordinatorServiceStub(channel).GetState(coordinator_pb2.GetStateRequest(),
                                                                          timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
@@ -163,7 +163,7 @@ def _denied(info) -> str:
 
 async def _coordinator_state(pki, address: str) -> coordinator_pb2.GetStateResponse:
     async with role(pki, "trainer").channel(address) as channel:
-        return await coordinator_pb2_grpc.CoordinatorStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
+        return await coordinator_pb2_grpc.CoordinatorServiceStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
 
 
 async def test_each_role_may_call_only_its_own_methods(secure_cluster, pki):
@@ -176,19 +176,20 @@ async def test_each_role_may_call_only_its_own_methods(secure_cluster, pki):
     # a trainer (or another engine's agent) commanding the agent directly
     for caller in (role(pki, "trainer"), role(pki, "agent", "engine-1")):
         async with caller.channel(agent_address) as channel:
-            agent = agent_pb2_grpc.EngineAgentStub(channel)
-            for call, request in ((agent.Pause, agent_pb2.AgentPauseRequest(idempotency_key="p")),
+            agent = agent_pb2_grpc.EngineAgentServiceStub(channel)
+            for call, request in ((agent.PauseEngine, agent_pb2.PauseEngineRequest(idempotency_key="p")),
                                   (agent.Sleep, agent_pb2.SleepRequest(idempotency_key="s"))):
                 with pytest.raises(grpc.RpcError) as info:
                     await call(request, timeout=10)
                 assert "may be called by coordinator" in _denied(info)
-            assert (await agent.GetState(agent_pb2.AgentStateRequest(), timeout=10)).engine_id == "engine-0"  # reads: any role
+            state = (await agent.GetEngineState(agent_pb2.GetEngineStateRequest(), timeout=10)).state
+            assert state.engine_id == "engine-0"  # reads: any role
 
     # an agent, or the coordinator's own certificate, driving a round
     for caller in (role(pki, "agent", "engine-0"), role(pki, "coordinator")):
         async with caller.channel(address) as channel:
             with pytest.raises(grpc.RpcError) as info:
-                await coordinator_pb2_grpc.CoordinatorStub(channel).Pause(
+                await coordinator_pb2_grpc.CoordinatorServiceStub(channel).Pause(
                     coordinator_pb2.PauseRequest(idempotency_key="pause-by-wrong-role"), timeout=10)
             assert "may be called by trainer" in _denied(info)
 
@@ -197,7 +198,7 @@ async def test_each_role_may_call_only_its_own_methods(secure_cluster, pki):
     spoofed = common_pb2.EngineState(engine_id="engine-0", faulted=True, torn=True, weight_version=2**64 - 1)
     for caller in (role(pki, "agent", "engine-1"), role(pki, "trainer")):
         async with caller.channel(address) as channel:
-            coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
+            coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             with pytest.raises(grpc.RpcError) as info:
                 await coordinator.Heartbeat(coordinator_pb2.HeartbeatRequest(state=spoofed), timeout=10)
             _denied(info)
@@ -214,7 +215,8 @@ async def test_each_role_may_call_only_its_own_methods(secure_cluster, pki):
     assert (after.address, after.available, after.paused, after.torn, after.faulted, after.weight_version) == \
         (before.address, True, False, False, False, before.weight_version)
     async with role(pki, "trainer").channel(agent_address) as channel:
-        assert not (await agent_pb2_grpc.EngineAgentStub(channel).GetState(agent_pb2.AgentStateRequest(), timeout=10)).paused
+        agent = agent_pb2_grpc.EngineAgentServiceStub(channel)
+        assert not (await agent.GetEngineState(agent_pb2.GetEngineStateRequest(), timeout=10)).state.paused
 
 
 async def test_a_certificate_without_a_role_is_refused(secure_cluster, pki, tmp_path):
@@ -242,7 +244,7 @@ async def test_a_certificate_without_a_role_is_refused(secure_cluster, pki, tmp_
     address, _, _ = secure_cluster
     async with security.channel(address) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            await coordinator_pb2_grpc.CoordinatorStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
+            await coordinator_pb2_grpc.CoordinatorServiceStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
         assert "names no weightsync role" in _denied(info)
 
 
@@ -286,7 +288,7 @@ def test_pki_cli_makes_a_ca_and_role_certificates(tmp_path):
 
 def _register(address: str, engine_id: str, agent_address: str, key: str):
     with grpc.insecure_channel(address) as channel:
-        return coordinator_pb2_grpc.CoordinatorStub(channel).RegisterEngine(
+        return coordinator_pb2_grpc.CoordinatorServiceStub(channel).RegisterEngine(
             coordinator_pb2.RegisterEngineRequest(idempotency_key=key, engine_id=engine_id,
                                                   agent_address=agent_address, model="tiny"), timeout=30)
 
@@ -311,7 +313,7 @@ def test_registrations_cannot_hijack_a_live_engine_or_add_phantoms(cluster):
         from weightsync.errors import from_rpc_error
         assert from_rpc_error(info.value).reason == reason
     with grpc.insecure_channel(cluster.address) as channel:
-        state = coordinator_pb2_grpc.CoordinatorStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
+        state = coordinator_pb2_grpc.CoordinatorServiceStub(channel).GetState(coordinator_pb2.GetStateRequest(), timeout=10)
     assert {e.engine_id: e.address for e in state.engines} == {"engine-0": live,
                                                                "engine-1": cluster.agent("engine-1").address}
     assert all(e.available for e in state.engines)

@@ -134,9 +134,9 @@ async def test_waking_a_tag_never_released_is_not_sent(sglang):
     async with EngineClient(agent_address) as engine:
         async def call(method, request):
             return await engine._call(method, request, timeout_s=10, operation="test")
-        await call(engine.stub.Pause, agent_pb2.AgentPauseRequest(idempotency_key="p", mode=1))
+        await call(engine.stub.PauseEngine, agent_pb2.PauseEngineRequest(idempotency_key="p", mode=1))
         await call(engine.stub.Wake, agent_pb2.WakeRequest(idempotency_key="w", tags=["weights", "kv_cache"]))
-        await call(engine.stub.Resume, agent_pb2.AgentResumeRequest(idempotency_key="r"))
+        await call(engine.stub.ResumeEngine, agent_pb2.ResumeEngineRequest(idempotency_key="r"))
     assert standin.poll() is None, "the stand-in died: a tag that was never released was resumed"
     assert "/resume_memory_occupation" not in [p for p, _ in calls_of(calls)]
 

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_ARGS = ("--step-delay", "0.03", "--enable-fault-injection")
 # Every agent's Resume takes a second (test-only fault injection), so an interruption
 # "during Resume" lands while the coordinator's Resume is in flight.
-SLOW_RESUME = {"WEIGHTSYNC_FAULTS": json.dumps([{"op": "rpc", "action": "delay", "method": "Resume",
+SLOW_RESUME = {"WEIGHTSYNC_FAULTS": json.dumps([{"op": "rpc", "action": "delay", "method": "ResumeEngine",
                                                   "seconds": 1.0, "times": 0}])}
 
 

@@ -181,7 +181,7 @@ async def test_torn_engine_stays_paused_until_a_good_broadcast(cluster_factory):
         # a direct resume is refused with a typed error
         async with EngineClient(next(a.address for a in cluster.agents if a.engine_id == torn[0])) as engine:
             with pytest.raises(TornWeightsError):
-                await engine._call(engine.stub.Resume, agent_pb2.AgentResumeRequest(
+                await engine._call(engine.stub.ResumeEngine, agent_pb2.ResumeEngineRequest(
                     idempotency_key=uuid.uuid4().hex), timeout_s=10, operation="resume")
         result = await client.update_weights(model.named_parameters(), version=2, timeout_s=60)
         assert result.ok
@@ -251,11 +251,11 @@ async def test_agent_wakes_kv_before_resume_whatever_the_caller_sends(cluster_fa
         async def call(method, request):
             return await engine._call(method, request, timeout_s=10, operation="test")
 
-        await call(engine.stub.Pause, agent_pb2.AgentPauseRequest(idempotency_key="p1",
+        await call(engine.stub.PauseEngine, agent_pb2.PauseEngineRequest(idempotency_key="p1",
                                                                   mode=common_pb2.PAUSE_MODE_KEEP))
         await call(engine.stub.Sleep, agent_pb2.SleepRequest(idempotency_key="s1", tags=["kv_cache"]))
         # the caller "forgets" to wake the KV cache
-        await call(engine.stub.Resume, agent_pb2.AgentResumeRequest(idempotency_key="r1"))
+        await call(engine.stub.ResumeEngine, agent_pb2.ResumeEngineRequest(idempotency_key="r1"))
         gen = await engine.get(rid, wait_s=30)
         assert gen.status == "finished", gen
         events = [e.kind for e in await engine.events()]
@@ -268,7 +268,7 @@ async def test_cancelled_while_pausing_still_resumes_the_engines(cluster_factory
     """A cancellation that lands while Pause is in flight: the coordinator finishes the
     Pause it started (the agents' Pause is slowed to 2 s), so the client must resume
     before the cancellation propagates, or the engines stay paused for good."""
-    rules = [{"op": "rpc", "action": "delay", "method": "Pause", "seconds": 2.0, "times": 0}]
+    rules = [{"op": "rpc", "action": "delay", "method": "PauseEngine", "seconds": 2.0, "times": 0}]
     cluster = faulty_cluster(cluster_factory, rules)
     model = ReferenceLM(PRESETS["tiny"])
     async with TrainerClient(cluster.address) as client:

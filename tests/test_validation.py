@@ -67,7 +67,7 @@ async def test_bad_plan_is_rejected_and_changes_nothing(cluster, mutate, expecte
 async def test_missing_or_malformed_idempotency_key_is_invalid_argument(cluster):
     plan = BucketPlan.from_tensors(named(ReferenceLM(PRESETS["tiny"])))
     async with grpc.aio.insecure_channel(cluster.address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         for key in ("", "x" * 129, "bad\nkey"):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Pause(coordinator_pb2.PauseRequest(idempotency_key=key, mode=common_pb2.PAUSE_MODE_KEEP),
@@ -95,7 +95,7 @@ async def test_a_bad_group_layout_is_refused_and_changes_nothing(cluster):
         before = await client.get_state(include_digests=True)
         await client.pause()
         async with grpc.aio.insecure_channel(cluster.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             for transport, layout, expected in ((common_pb2.TRANSPORT_KIND_GROUP, "packed", "one of"),
                                                 (common_pb2.TRANSPORT_KIND_GLOO, "flattened", "group transport only"),
                                                 (common_pb2.TRANSPORT_KIND_SHM, "auto", "group transport only")):
@@ -216,7 +216,7 @@ async def test_a_bad_sender_host_list_is_refused_and_changes_nothing(cluster):
         before = await client.get_state(include_digests=True)
         await client.pause()
         async with grpc.aio.insecure_channel(cluster.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             for hosts, with_owners, expected in ((["host-a", "host-b"], False, "owners"),
                                                  (["host-a", ""], True, "1 to 64"),
                                                  (["host-a", "h" * 65], True, "1 to 64"),

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from weightsync.errors import InvalidArgument, StepTimeoutError, TransferError
@@ -71,10 +72,13 @@ class FaultInjector:
         self.rules = rules
 
     @classmethod
-    def from_env(cls, *, enabled: bool, engine_id: str | None = None) -> FaultInjector | None:
+    def from_env(cls, *, enabled: bool, engine_id: str | None = None,
+                 rpc_methods: Collection[str] = ()) -> FaultInjector | None:
         """The injector described by ``WEIGHTSYNC_FAULTS``, or None. ``engine_id``: the
         agent's engine (rules naming another engine are dropped; a process that is no
-        agent drops every rule that names one).
+        agent drops every rule that names one). ``rpc_methods``: the RPCs this server
+        serves; an ``rpc`` rule naming another is refused, so that a misspelt (or
+        renamed) method cannot leave a test injecting nothing.
 
         Raises:
             InvalidArgument: the variable is set, enabled, and malformed.
@@ -95,6 +99,9 @@ class FaultInjector:
                        "shutdown": ("fail",), "round": ("fail",)}
             if rule.action not in allowed.get(rule.op, ()):
                 raise InvalidArgument(f"unsupported fault rule {rule}")
+            if rule.op == "rpc" and rpc_methods and rule.method is not None and rule.method not in rpc_methods:
+                raise InvalidArgument(f"fault rule {rule} names no RPC of this server "
+                                      f"(it serves {', '.join(sorted(rpc_methods))})")
         rules = [r for r in rules if r.engine is None or r.engine == engine_id]
         log.warning("FAULT INJECTION ENABLED: %s", rules)
         return cls(rules)

@@ -3,11 +3,11 @@ and the policy both servers enforce under mutual TLS.
 
 | service | method | allowed callers |
 |---|---|---|
-| Coordinator | Pause, Broadcast, Resume | ``trainer`` |
-| Coordinator | RegisterEngine, Heartbeat, DeregisterEngine for engine X | ``agent:X`` only |
-| Coordinator | GetState, WatchEvents | any role |
-| EngineAgent | Pause, Receive, Resume, Sleep, Wake, Export | ``coordinator`` |
-| EngineAgent | GetState, GetEvents, Generate, GetGeneration | any role |
+| CoordinatorService | Pause, Broadcast, Resume | ``trainer`` |
+| CoordinatorService | RegisterEngine, Heartbeat, DeregisterEngine for engine X | ``agent:X`` only |
+| CoordinatorService | GetState, WatchEvents | any role |
+| EngineAgentService | PauseEngine, Receive, ResumeEngine, Sleep, Wake, Export | ``coordinator`` |
+| EngineAgentService | GetEngineState, GetEvents, Generate, GetGeneration | any role |
 
 A peer's role is its certificate's ``spiffe://weightsync/...`` URI SAN (see
 ``weightsync.pki``). Without mutual TLS there is no certificate to read, and this
@@ -103,24 +103,24 @@ _AGENT = frozenset({"agent"})
 
 # Full method name -> roles allowed. A weightsync method missing here is refused.
 POLICY: dict[str, frozenset[str]] = {
-    "/weightsync.v1.Coordinator/Pause": _TRAINER,
-    "/weightsync.v1.Coordinator/Broadcast": _TRAINER,
-    "/weightsync.v1.Coordinator/Resume": _TRAINER,
-    "/weightsync.v1.Coordinator/RegisterEngine": _AGENT,
-    "/weightsync.v1.Coordinator/Heartbeat": _AGENT,
-    "/weightsync.v1.Coordinator/DeregisterEngine": _AGENT,
-    "/weightsync.v1.Coordinator/GetState": ANY_ROLE,
-    "/weightsync.v1.Coordinator/WatchEvents": ANY_ROLE,
-    "/weightsync.v1.EngineAgent/Pause": _COORDINATOR,
-    "/weightsync.v1.EngineAgent/Receive": _COORDINATOR,
-    "/weightsync.v1.EngineAgent/Resume": _COORDINATOR,
-    "/weightsync.v1.EngineAgent/Sleep": _COORDINATOR,
-    "/weightsync.v1.EngineAgent/Wake": _COORDINATOR,
-    "/weightsync.v1.EngineAgent/Export": _COORDINATOR,
-    "/weightsync.v1.EngineAgent/GetState": ANY_ROLE,
-    "/weightsync.v1.EngineAgent/GetEvents": ANY_ROLE,
-    "/weightsync.v1.EngineAgent/Generate": ANY_ROLE,
-    "/weightsync.v1.EngineAgent/GetGeneration": ANY_ROLE,
+    "/weightsync.v1.CoordinatorService/Pause": _TRAINER,
+    "/weightsync.v1.CoordinatorService/Broadcast": _TRAINER,
+    "/weightsync.v1.CoordinatorService/Resume": _TRAINER,
+    "/weightsync.v1.CoordinatorService/RegisterEngine": _AGENT,
+    "/weightsync.v1.CoordinatorService/Heartbeat": _AGENT,
+    "/weightsync.v1.CoordinatorService/DeregisterEngine": _AGENT,
+    "/weightsync.v1.CoordinatorService/GetState": ANY_ROLE,
+    "/weightsync.v1.CoordinatorService/WatchEvents": ANY_ROLE,
+    "/weightsync.v1.EngineAgentService/PauseEngine": _COORDINATOR,
+    "/weightsync.v1.EngineAgentService/Receive": _COORDINATOR,
+    "/weightsync.v1.EngineAgentService/ResumeEngine": _COORDINATOR,
+    "/weightsync.v1.EngineAgentService/Sleep": _COORDINATOR,
+    "/weightsync.v1.EngineAgentService/Wake": _COORDINATOR,
+    "/weightsync.v1.EngineAgentService/Export": _COORDINATOR,
+    "/weightsync.v1.EngineAgentService/GetEngineState": ANY_ROLE,
+    "/weightsync.v1.EngineAgentService/GetEvents": ANY_ROLE,
+    "/weightsync.v1.EngineAgentService/Generate": ANY_ROLE,
+    "/weightsync.v1.EngineAgentService/GetGeneration": ANY_ROLE,
 }
 
 

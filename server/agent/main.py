@@ -48,7 +48,8 @@ WORKERS_QUERY_TIMEOUT_S = 60.0
 log = logging.getLogger("weightsync.agent")
 # Bounded by --register-timeout, not by a count.
 REGISTER_RETRY = RetryPolicy(max_attempts=1_000_000, initial_backoff_s=0.1, max_backoff_s=1.0, jitter=0.0)
-SERVICE = agent_pb2.DESCRIPTOR.services_by_name["EngineAgent"].full_name
+SERVICE = agent_pb2.DESCRIPTOR.services_by_name["EngineAgentService"].full_name
+RPC_METHODS = frozenset(m.name for m in agent_pb2.DESCRIPTOR.services_by_name["EngineAgentService"].methods)
 
 
 async def _register(stub, core: AgentCore, options: AgentOptions) -> float:
@@ -159,7 +160,8 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     check_engine_id(agent.engine_id)  # before anything starts, not at registration
     options.security.require_server_mode()
     options.security.require_role("agent", agent.engine_id)
-    agent.faults = FaultInjector.from_env(enabled=options.enable_fault_injection, engine_id=agent.engine_id)
+    agent.faults = FaultInjector.from_env(enabled=options.enable_fault_injection, engine_id=agent.engine_id,
+                                          rpc_methods=RPC_METHODS)
     if options.launch:
         if options.engine == "vllm" and (hint := boot_paused_hint(options.launch)):
             log.warning(hint)
@@ -196,7 +198,7 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
         log.warning("could not ask the engine how many workers receive (%r); a receive asks again", exc)
     agent.server, agent.health, bound = await start_server(
         security=options.security, faults=agent.faults, service=SERVICE, listen=options.listen,
-        add_servicer=lambda s: agent_pb2_grpc.add_EngineAgentServicer_to_server(core, s))
+        add_servicer=lambda s: agent_pb2_grpc.add_EngineAgentServiceServicer_to_server(core, s))
     # What the coordinator (and a catch-up peer) can reach: never a wildcard address.
     core.address = await asyncio.to_thread(advertised_address, bound, advertise=options.advertise,
                                            toward=options.coordinator)
@@ -207,7 +209,7 @@ async def _start(agent: _RunningAgent, options: AgentOptions) -> None:
     # Until the coordinator says the fleet's version, the engine may hold older weights.
     await core.fence.raise_now(why="fleet version not known yet")
     agent.channel = options.security.channel(options.coordinator, options=CHANNEL_OPTIONS)
-    stub = coordinator_pb2_grpc.CoordinatorStub(agent.channel)
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(agent.channel)
     interval = await _register(stub, core, options)
     if options.port_file:
         write_port_file(options.port_file, core.address)
@@ -235,7 +237,7 @@ async def _shutdown(agent: _RunningAgent, shutdown: Shutdown, grace: float) -> N
         task.cancel()
         await asyncio.wait({task}, timeout=grace)
     if agent.channel is not None and core is not None and core.registered:
-        stub = coordinator_pb2_grpc.CoordinatorStub(agent.channel)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(agent.channel)
         await shutdown.step("deregister", lambda: _deregister(stub, core), timeout_s=bound)
     if agent.server is not None:
         await shutdown.step("server", lambda: agent.server.stop(grace), timeout_s=bound)

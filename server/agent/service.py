@@ -81,7 +81,7 @@ EXPORT_END_WAIT_S = 10.0  # how long a receive waits for an export that is endin
 MAX_RELAYED_LANES = MAX_SENDERS
 
 
-class AgentCore(agent_pb2_grpc.EngineAgentServicer):
+class AgentCore(agent_pb2_grpc.EngineAgentServiceServicer):
     """The agent's state machine and RPC handlers (see the module docstring)."""
 
     @property
@@ -198,9 +198,10 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     # ----- RPCs: control --------------------------------------------------------------
 
-    async def Pause(self, request, context):
-        return await self._handle(context, request.idempotency_key, "pause", request,
-                                  lambda: self._pause(request), common_pb2.EngineOutcome)
+    async def PauseEngine(self, request, context):
+        outcome = await self._handle(context, request.idempotency_key, "pause", request,
+                                     lambda: self._pause(request), common_pb2.EngineOutcome)
+        return agent_pb2.PauseEngineResponse(outcome=outcome)
 
     async def _pause(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
@@ -218,8 +219,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return self._outcome()
 
     async def Sleep(self, request, context):
-        return await self._handle(context, request.idempotency_key, "sleep", request,
-                                  lambda: self._sleep(request), common_pb2.EngineOutcome)
+        outcome = await self._handle(context, request.idempotency_key, "sleep", request,
+                                     lambda: self._sleep(request), common_pb2.EngineOutcome)
+        return agent_pb2.SleepResponse(outcome=outcome)
 
     async def _sleep(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
@@ -232,8 +234,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         return self._outcome()
 
     async def Wake(self, request, context):
-        return await self._handle(context, request.idempotency_key, "wake", request,
-                                  lambda: self._wake(request), common_pb2.EngineOutcome)
+        outcome = await self._handle(context, request.idempotency_key, "wake", request,
+                                     lambda: self._wake(request), common_pb2.EngineOutcome)
+        return agent_pb2.WakeResponse(outcome=outcome)
 
     async def _wake(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
@@ -251,9 +254,10 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
             self.ledger.kv_offloaded_for_sync = False
             self.record("kv_awake")
 
-    async def Resume(self, request, context):
-        return await self._handle(context, request.idempotency_key, "resume", request,
-                                  lambda: self._resume(request), common_pb2.EngineOutcome)
+    async def ResumeEngine(self, request, context):
+        outcome = await self._handle(context, request.idempotency_key, "resume", request,
+                                     lambda: self._resume(request), common_pb2.EngineOutcome)
+        return agent_pb2.ResumeEngineResponse(outcome=outcome)
 
     async def _resume(self, request) -> common_pb2.EngineOutcome:
         self._check_alive()
@@ -364,10 +368,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
                 await self.run_on_engine(self.receive_checks.validate, request)
             except WeightSyncError as exc:
                 await abort_with(context, exc)
-            return self._outcome()
+            return agent_pb2.ReceiveResponse(outcome=self._outcome())
         self.loop_lag.round_started()
-        return await self._handle(context, request.idempotency_key, "receive", request,
-                                  lambda: self._receive(request), common_pb2.EngineOutcome)
+        outcome = await self._handle(context, request.idempotency_key, "receive", request,
+                                     lambda: self._receive(request), common_pb2.EngineOutcome)
+        return agent_pb2.ReceiveResponse(outcome=outcome)
 
     def _receiver(self, kind: int, lane: int = 0) -> Receiver:
         """This agent's receiver of ``kind`` for its ``lane``-th concurrent lane (each has
@@ -554,10 +559,11 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
 
     # ----- RPCs: queries and generation -----------------------------------------------
 
-    async def GetState(self, request, context):
+    async def GetEngineState(self, request, context):
         if request.include_digest:
-            return await self.run_on_engine(lambda: self.state(include_digest=True))
-        return self.state()
+            return agent_pb2.GetEngineStateResponse(
+                state=await self.run_on_engine(lambda: self.state(include_digest=True)))
+        return agent_pb2.GetEngineStateResponse(state=self.state())
 
     async def Generate(self, request, context):
         async def submit() -> agent_pb2.GenerateResponse:
@@ -576,8 +582,9 @@ class AgentCore(agent_pb2_grpc.EngineAgentServicer):
         except WeightSyncError as exc:
             await abort_with(context, exc)
             return
-        return agent_pb2.Generation(request_id=req.request_id, status=req.status, tokens=list(req.tokens),
-                                    versions=list(req.versions), error=req.error)
+        return agent_pb2.GetGenerationResponse(generation=agent_pb2.Generation(
+            request_id=req.request_id, status=req.status, tokens=list(req.tokens),
+            versions=list(req.versions), error=req.error))
 
     async def GetEvents(self, request, context):
         return agent_pb2.GetEventsResponse(events=self.events.after(request.after_seq))

@@ -100,7 +100,7 @@ class WeightExporter:
             rendezvous = await run_in(self._executor, self._rendezvous, request.rendezvous)
             self.control.record("export_started", version=request.version, group=rendezvous.group_id,
                              transport=transports.KIND_NAMES[rendezvous.transport], bytes=plan.total_bytes)
-            yield agent_pb2.ExportEvent(ready=agent_pb2.ExportReady(plan=plan.to_proto(), rendezvous=rendezvous))
+            yield agent_pb2.ExportResponse(ready=agent_pb2.ExportReady(plan=plan.to_proto(), rendezvous=rendezvous))
             deadline_at = time.monotonic() + (request.timeout_s or DEFAULT_EXPORT_TIMEOUT_S)
             self._abort.clear()
             sending = run_in(self._executor, self._send, rendezvous, plan, sources, deadline_at)
@@ -119,7 +119,7 @@ class WeightExporter:
                 raise sending.exception()
             stats = sending.result()
             self.control.record("export_done", version=request.version, seconds=f"{stats.seconds:.4f}")
-            yield agent_pb2.ExportEvent(result=common_pb2.EngineOutcome(
+            yield agent_pb2.ExportResponse(result=common_pb2.EngineOutcome(
                 engine_id=self.control.engine_id, ok=True, weight_version=request.version, bytes=stats.bytes,
                 seconds=stats.seconds))
         finally:

@@ -74,8 +74,9 @@ async def fill_real_state(registry: EngineRegistry, outcomes: list[common_pb2.En
         state = record.state
         if registry.is_available(record):
             try:
-                state = await call_agent(record, lambda: record.stub.GetState(
-                    agent_pb2.AgentStateRequest(), timeout=STATE_PROBE_S), "get_state")
+                reply = await call_agent(record, lambda: record.stub.GetEngineState(
+                    agent_pb2.GetEngineStateRequest(), timeout=STATE_PROBE_S), "get_state")
+                state = reply.state
             except (grpc.aio.AioRpcError, WeightSyncError):
                 pass
         outcome.weight_version, outcome.torn, outcome.paused = state.weight_version, state.torn, state.paused

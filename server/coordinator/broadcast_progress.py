@@ -22,7 +22,7 @@ class BroadcastProgress:
     """One running Broadcast's events, delivered in order to its current driver."""
 
     def __init__(self) -> None:
-        self.history: list[coordinator_pb2.BroadcastEvent] = []
+        self.history: list[coordinator_pb2.BroadcastResponse] = []
         self.driver: asyncio.Queue | None = None
         self.waiting: list[asyncio.Queue] = []  # attached callers, next drivers in order
         self.finished = False  # the round ended: nobody is promoted to drive it any more
@@ -31,7 +31,7 @@ class BroadcastProgress:
     def subscribers(self) -> int:
         return (self.driver is not None) + len(self.waiting)
 
-    def publish(self, event: coordinator_pb2.BroadcastEvent) -> None:
+    def publish(self, event: coordinator_pb2.BroadcastResponse) -> None:
         self.history.append(event)
         if self.driver is not None:
             self.driver.put_nowait(event)

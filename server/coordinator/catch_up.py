@@ -154,10 +154,11 @@ class CatchUp:
             ready = await call_agent(source, export.read, "catch-up")
             if ready is grpc.aio.EOF or not ready.HasField("ready"):
                 raise TransferError(f"source {source.engine_id} ended its export without a rendezvous")
-            outcome = await call_agent(joiner, lambda: joiner.stub.Receive(agent_pb2.ReceiveRequest(
+            received = await call_agent(joiner, lambda: joiner.stub.Receive(agent_pb2.ReceiveRequest(
                 idempotency_key=derive_key(key, joiner.engine_id), version=fleet, plan=ready.ready.plan,
                 rendezvous=ready.ready.rendezvous, rank=1, timeout_s=self.timeout_s),
                 timeout=self.timeout_s + RPC_MARGIN_S), "catch-up")
+            outcome = received.outcome
             result = await call_agent(source, export.read, "catch-up")
             if result is grpc.aio.EOF or not result.HasField("result") or not result.result.ok:
                 raise TransferError(f"source {source.engine_id} did not confirm the export")

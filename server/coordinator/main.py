@@ -31,7 +31,8 @@ from weightsync.statedb import StateDB
 from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("weightsync.coordinator")
-SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+RPC_METHODS = frozenset(m.name for m in coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].methods)
 
 
 @dataclass
@@ -71,7 +72,7 @@ async def _start(coordinator: _RunningCoordinator, options: CoordinatorOptions, 
     options.security.require_server_mode()
     options.security.require_role("coordinator")
     coordinator.db = StateDB(options.state_db)
-    coordinator.faults = FaultInjector.from_env(enabled=options.enable_fault_injection)
+    coordinator.faults = FaultInjector.from_env(enabled=options.enable_fault_injection, rpc_methods=RPC_METHODS)
     core = coordinator.core = CoordinatorCore(
         coordinator.db, faults=coordinator.faults, heartbeat_interval_s=options.heartbeat_interval_s,
         heartbeat_timeout_s=options.heartbeat_timeout_s, idempotency_retention_s=options.idempotency_retention_s,
@@ -84,7 +85,7 @@ async def _start(coordinator: _RunningCoordinator, options: CoordinatorOptions, 
         metrics.serve(options.metrics_port, host=options.listen.rpartition(":")[0] or "127.0.0.1")
     coordinator.server, coordinator.health, address = await start_server(
         security=options.security, faults=coordinator.faults, service=SERVICE, listen=options.listen,
-        add_servicer=lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(core, s))
+        add_servicer=lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(core, s))
     if options.port_file:
         write_port_file(options.port_file, address)
     log.info("coordinator serving on %s (state %s, weight version %d)", address, options.state_db,

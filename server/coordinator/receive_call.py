@@ -41,13 +41,13 @@ async def call_receive(request: coordinator_pb2.BroadcastRequest, setup: Broadca
     by_reference = plan_id in record.plans_held
     payload = await asyncio.to_thread(receive_payload, request, setup, record, validate_only, by_reference)
     try:
-        outcome = await record.receive_serialized(payload, timeout=rpc_timeout_s)
+        reply = await record.receive_serialized(payload, timeout=rpc_timeout_s)
     except grpc.aio.AioRpcError as exc:
         if not (by_reference and isinstance(from_rpc_error(exc), PlanUnknown)):
             raise
         record.plans_held.discard(plan_id)
         await emit("plan_unknown", engine_id=record.engine_id, plan_id=plan_id)
         payload = await asyncio.to_thread(receive_payload, request, setup, record, validate_only, False)
-        outcome = await record.receive_serialized(payload, timeout=rpc_timeout_s)
+        reply = await record.receive_serialized(payload, timeout=rpc_timeout_s)
     record.plans_held.add(plan_id)
-    return outcome
+    return reply.outcome

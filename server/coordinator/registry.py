@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightsync.grpc_options import CHANNEL_OPTIONS
 from weightsync.security import INSECURE, Security
-from weightsync.v1 import agent_pb2_grpc, common_pb2
+from weightsync.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 
 @dataclass
@@ -28,7 +28,7 @@ class EngineRecord:
     address: str
     model: str
     channel: grpc.aio.Channel
-    stub: agent_pb2_grpc.EngineAgentStub
+    stub: agent_pb2_grpc.EngineAgentServiceStub
     last_heartbeat: float = 0.0                       # time.monotonic(); 0 = never
     # Changes on every registration: an agent that registers again (a restarted
     # process) holds no data-plane group, so no group id may carry over to it.
@@ -50,8 +50,8 @@ class EngineRecord:
         for every engine, twice a round."""
         if self._receive_raw is None:
             self._receive_raw = self.channel.unary_unary(
-                "/weightsync.v1.EngineAgent/Receive", request_serializer=None,
-                response_deserializer=common_pb2.EngineOutcome.FromString)
+                "/weightsync.v1.EngineAgentService/Receive", request_serializer=None,
+                response_deserializer=agent_pb2.ReceiveResponse.FromString)
         return self._receive_raw(payload, timeout=timeout)
 
 
@@ -88,7 +88,7 @@ class EngineRegistry:
             record.model = model
         else:
             channel = self.security.channel(address, options=CHANNEL_OPTIONS)
-            record = EngineRecord(engine_id, address, model, channel, agent_pb2_grpc.EngineAgentStub(channel))
+            record = EngineRecord(engine_id, address, model, channel, agent_pb2_grpc.EngineAgentServiceStub(channel))
             stale_channel = old.channel if old is not None else None
             self._engines[engine_id] = record
         if heartbeat:  # a registration

@@ -194,10 +194,11 @@ class SyncRound:
                         reason="VERSION_NOT_NEWER")
                 members = await self._pause_members(request, timeout_s)
 
-            def call(record: EngineRecord):
-                return record.stub.Pause(agent_pb2.AgentPauseRequest(
+            async def call(record: EngineRecord) -> common_pb2.EngineOutcome:
+                reply = await record.stub.PauseEngine(agent_pb2.PauseEngineRequest(
                     idempotency_key=derive_key(request.idempotency_key, record.engine_id), mode=request.mode,
                     offload_kv=request.offload_kv, timeout_s=timeout_s), timeout=timeout_s + RPC_MARGIN_S)
+                return reply.outcome
 
             outcomes = await fan_out(members, call, operation="pause")
             member_ids = {r.engine_id for r in members}
@@ -373,7 +374,7 @@ class SyncRound:
         # The trainer starts one send per lane it sends; a host's relayed lane goes to it
         # too, so that if the relay dies it can still tell that host's engines to stop.
         for lane in setup.lanes:
-            progress.publish(coordinator_pb2.BroadcastEvent(rendezvous=lane))
+            progress.publish(coordinator_pb2.BroadcastResponse(rendezvous=lane))
         started = time.monotonic()
         metrics.BROADCAST_IN_PROGRESS.set(1)
         if self.faults is not None and self.faults.take("round", method="transfer") is not None:
@@ -386,7 +387,7 @@ class SyncRound:
                                                          emit=self.emit)),
                     "broadcast"))
             except EngineUnavailable as exc:  # its heartbeats stopped mid-transfer, or its channel closed
-                progress.publish(coordinator_pb2.BroadcastEvent(engine_failed=failed_outcome(record.engine_id, exc)))
+                progress.publish(coordinator_pb2.BroadcastResponse(engine_failed=failed_outcome(record.engine_id, exc)))
                 raise
             except grpc.aio.AioRpcError as exc:
                 # Tell the trainer now, so it stops sending instead of waiting out its
@@ -395,7 +396,7 @@ class SyncRound:
                 # may still be reading, and stopping it would tear them too.
                 error = engine_error(record, exc, "broadcast")
                 if error.metadata.get(AFTER_TRANSFER) != "true":
-                    progress.publish(coordinator_pb2.BroadcastEvent(
+                    progress.publish(coordinator_pb2.BroadcastResponse(
                         engine_failed=failed_outcome(record.engine_id, error)))
                 raise
 
@@ -471,10 +472,11 @@ class SyncRound:
                 return coordinator_pb2.ResumeResponse()
             timeout_s = request.timeout_s or DEFAULT_PAUSE_TIMEOUT_S
 
-            def call(record: EngineRecord):
-                return record.stub.Resume(agent_pb2.AgentResumeRequest(
+            async def call(record: EngineRecord) -> common_pb2.EngineOutcome:
+                reply = await record.stub.ResumeEngine(agent_pb2.ResumeEngineRequest(
                     idempotency_key=derive_key(request.idempotency_key, record.engine_id),
                     allow_torn=request.allow_torn, timeout_s=timeout_s), timeout=timeout_s + RPC_MARGIN_S)
+                return reply.outcome
 
             outcomes = await fan_out(self._members(), call, operation="resume")
             still_paused = [o.engine_id for o in outcomes if not o.ok]

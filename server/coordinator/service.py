@@ -64,7 +64,7 @@ def check_agent_address(address: str) -> None:
                               "with --advertise HOST")
 
 
-class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
+class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """The Coordinator service (see the module docstring)."""
 
     def __init__(self, db: StateDB, *, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
@@ -165,7 +165,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
             request.idempotency_key = attempt_key(request.idempotency_key, attempt)
             sync = (request.sync_key, attempt)
         key = request.idempotency_key
-        progress: asyncio.Queue[coordinator_pb2.BroadcastEvent] = asyncio.Queue()
+        progress: asyncio.Queue[coordinator_pb2.BroadcastResponse] = asyncio.Queue()
         subscribed: list[BroadcastProgress] = []
 
         def accepted() -> None:
@@ -204,7 +204,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         except WeightSyncError as exc:
             await abort_with(context, exc)
             return
-        yield coordinator_pb2.BroadcastEvent(result=result)
+        yield coordinator_pb2.BroadcastResponse(result=result)
 
     async def _guard_broadcast(self, request, accepted: Callable[[], None],
                                sync: tuple[str, int] | None) -> coordinator_pb2.BroadcastResult:
@@ -368,8 +368,10 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                 return
             probe_s = 30.0 if request.include_digests else 2.0
             try:
-                fresh = await call_agent(record, lambda: record.stub.GetState(
-                    agent_pb2.AgentStateRequest(include_digest=request.include_digests), timeout=probe_s), "get_state")
+                reply = await call_agent(record, lambda: record.stub.GetEngineState(
+                    agent_pb2.GetEngineStateRequest(include_digest=request.include_digests),
+                    timeout=probe_s), "get_state")
+                fresh = reply.state
             except EngineUnavailable as exc:  # it deregistered while we asked
                 view.available = False
                 view.fault = exc.message
@@ -382,7 +384,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
                     return
                 # Recorded in the registry, not just this answer: a Pause right after
                 # must not count in an engine GetState just reported unavailable.
-                record.unreachable = f"GetState failed: {exc.code().name}"
+                record.unreachable = f"GetEngineState failed: {exc.code().name}"
                 view.available = False
                 view.fault = record.unreachable
                 return
@@ -401,7 +403,7 @@ class CoordinatorCore(coordinator_pb2_grpc.CoordinatorServicer):
         after = request.after_seq
         while True:
             for event in await self.events.wait_after(after, timeout_s=1.0):
-                yield event
+                yield coordinator_pb2.WatchEventsResponse(event=event)
                 after = event.seq
             if not self.accepting:
                 return

@@ -490,7 +490,7 @@ async def _status(coordinator: str, *, json_to: str, watch: bool, security: Secu
     from weightsync.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     async with security.channel(coordinator) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         try:
             state = await stub.GetState(coordinator_pb2.GetStateRequest(), timeout=STATUS_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

@@ -25,43 +25,57 @@ _sym_db = _symbol_database.Default()
 from weightsync.v1 import common_pb2 as weightsync_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19weightsync/v1/agent.proto\x12\rweightsync.v1\x1a\x1aweightsync/v1/common.proto\"{\n\x11\x41gentPauseRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.weightsync.v1.PauseMode\x12\x12\n\noffload_kv\x18\x03 \x01(\x08\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xe3\x02\n\x0eReceiveRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12-\n\nrendezvous\x18\x04 \x01(\x0b\x32\x19.weightsync.v1.Rendezvous\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x16\n\x0eweights_digest\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x15\n\rvalidate_only\x18\x08 \x01(\x08\x12.\n\x05probe\x18\t \x01(\x0b\x32\x1f.weightsync.v1.AttestationProbe\x12(\n\x05relay\x18\n \x01(\x0b\x32\x19.weightsync.v1.Rendezvous\x12%\n\x06owners\x18\x0b \x01(\x0b\x32\x15.weightsync.v1.Owners\"T\n\x12\x41gentResumeRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x12\n\nallow_torn\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"5\n\x0cSleepRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0c\n\x04tags\x18\x02 \x03(\t\"4\n\x0bWakeRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0c\n\x04tags\x18\x02 \x03(\t\"+\n\x11\x41gentStateRequest\x12\x16\n\x0einclude_digest\x18\x01 \x01(\x08\"N\n\x0fGenerateRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"&\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\":\n\x14GetGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"a\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x10\n\x08versions\x18\x04 \x03(\x04\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"%\n\x10GetEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\"9\n\x11GetEventsResponse\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.weightsync.v1.Event\"\x91\x01\n\rExportRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12-\n\nrendezvous\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.Rendezvous\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x62ucket_bytes\x18\x05 \x01(\x04\"e\n\x0b\x45xportReady\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12-\n\nrendezvous\x18\x02 \x01(\x0b\x32\x19.weightsync.v1.Rendezvous\"s\n\x0b\x45xportEvent\x12+\n\x05ready\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.ExportReadyH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcomeH\x00\x42\x07\n\x05\x65vent2\xed\x05\n\x0b\x45ngineAgent\x12G\n\x05Pause\x12 .weightsync.v1.AgentPauseRequest\x1a\x1c.weightsync.v1.EngineOutcome\x12\x46\n\x07Receive\x12\x1d.weightsync.v1.ReceiveRequest\x1a\x1c.weightsync.v1.EngineOutcome\x12I\n\x06Resume\x12!.weightsync.v1.AgentResumeRequest\x1a\x1c.weightsync.v1.EngineOutcome\x12\x42\n\x05Sleep\x12\x1b.weightsync.v1.SleepRequest\x1a\x1c.weightsync.v1.EngineOutcome\x12@\n\x04Wake\x12\x1a.weightsync.v1.WakeRequest\x1a\x1c.weightsync.v1.EngineOutcome\x12H\n\x08GetState\x12 .weightsync.v1.AgentStateRequest\x1a\x1a.weightsync.v1.EngineState\x12K\n\x08Generate\x12\x1e.weightsync.v1.GenerateRequest\x1a\x1f.weightsync.v1.GenerateResponse\x12O\n\rGetGeneration\x12#.weightsync.v1.GetGenerationRequest\x1a\x19.weightsync.v1.Generation\x12N\n\tGetEvents\x12\x1f.weightsync.v1.GetEventsRequest\x1a .weightsync.v1.GetEventsResponse\x12\x44\n\x06\x45xport\x12\x1c.weightsync.v1.ExportRequest\x1a\x1a.weightsync.v1.ExportEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19weightsync/v1/agent.proto\x12\rweightsync.v1\x1a\x1aweightsync/v1/common.proto\"|\n\x12PauseEngineRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.weightsync.v1.PauseMode\x12\x12\n\noffload_kv\x18\x03 \x01(\x08\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xe3\x02\n\x0eReceiveRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12-\n\nrendezvous\x18\x04 \x01(\x0b\x32\x19.weightsync.v1.Rendezvous\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x16\n\x0eweights_digest\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x15\n\rvalidate_only\x18\x08 \x01(\x08\x12.\n\x05probe\x18\t \x01(\x0b\x32\x1f.weightsync.v1.AttestationProbe\x12(\n\x05relay\x18\n \x01(\x0b\x32\x19.weightsync.v1.Rendezvous\x12%\n\x06owners\x18\x0b \x01(\x0b\x32\x15.weightsync.v1.Owners\"@\n\x0fReceiveResponse\x12-\n\x07outcome\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"D\n\x13PauseEngineResponse\x12-\n\x07outcome\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"U\n\x13ResumeEngineRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x12\n\nallow_torn\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"E\n\x14ResumeEngineResponse\x12-\n\x07outcome\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"5\n\x0cSleepRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0c\n\x04tags\x18\x02 \x03(\t\">\n\rSleepResponse\x12-\n\x07outcome\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"4\n\x0bWakeRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0c\n\x04tags\x18\x02 \x03(\t\"=\n\x0cWakeResponse\x12-\n\x07outcome\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"/\n\x15GetEngineStateRequest\x12\x16\n\x0einclude_digest\x18\x01 \x01(\x08\"C\n\x16GetEngineStateResponse\x12)\n\x05state\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.EngineState\"N\n\x0fGenerateRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"&\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\":\n\x14GetGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"a\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x10\n\x08versions\x18\x04 \x03(\x04\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"F\n\x15GetGenerationResponse\x12-\n\ngeneration\x18\x01 \x01(\x0b\x32\x19.weightsync.v1.Generation\"%\n\x10GetEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\"9\n\x11GetEventsResponse\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.weightsync.v1.Event\"\x91\x01\n\rExportRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12-\n\nrendezvous\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.Rendezvous\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x62ucket_bytes\x18\x05 \x01(\x04\"e\n\x0b\x45xportReady\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12-\n\nrendezvous\x18\x02 \x01(\x0b\x32\x19.weightsync.v1.Rendezvous\"v\n\x0e\x45xportResponse\x12+\n\x05ready\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.ExportReadyH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcomeH\x00\x42\x07\n\x05\x65vent2\xb3\x06\n\x12\x45ngineAgentService\x12T\n\x0bPauseEngine\x12!.weightsync.v1.PauseEngineRequest\x1a\".weightsync.v1.PauseEngineResponse\x12H\n\x07Receive\x12\x1d.weightsync.v1.ReceiveRequest\x1a\x1e.weightsync.v1.ReceiveResponse\x12W\n\x0cResumeEngine\x12\".weightsync.v1.ResumeEngineRequest\x1a#.weightsync.v1.ResumeEngineResponse\x12\x42\n\x05Sleep\x12\x1b.weightsync.v1.SleepRequest\x1a\x1c.weightsync.v1.SleepResponse\x12?\n\x04Wake\x12\x1a.weightsync.v1.WakeRequest\x1a\x1b.weightsync.v1.WakeResponse\x12]\n\x0eGetEngineState\x12$.weightsync.v1.GetEngineStateRequest\x1a%.weightsync.v1.GetEngineStateResponse\x12K\n\x08Generate\x12\x1e.weightsync.v1.GenerateRequest\x1a\x1f.weightsync.v1.GenerateResponse\x12Z\n\rGetGeneration\x12#.weightsync.v1.GetGenerationRequest\x1a$.weightsync.v1.GetGenerationResponse\x12N\n\tGetEvents\x12\x1f.weightsync.v1.GetEventsRequest\x1a .weightsync.v1.GetEventsResponse\x12G\n\x06\x45xport\x12\x1c.weightsync.v1.ExportRequest\x1a\x1d.weightsync.v1.ExportResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightsync.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AGENTPAUSEREQUEST']._serialized_start=72
-  _globals['_AGENTPAUSEREQUEST']._serialized_end=195
-  _globals['_RECEIVEREQUEST']._serialized_start=198
-  _globals['_RECEIVEREQUEST']._serialized_end=553
-  _globals['_AGENTRESUMEREQUEST']._serialized_start=555
-  _globals['_AGENTRESUMEREQUEST']._serialized_end=639
-  _globals['_SLEEPREQUEST']._serialized_start=641
-  _globals['_SLEEPREQUEST']._serialized_end=694
-  _globals['_WAKEREQUEST']._serialized_start=696
-  _globals['_WAKEREQUEST']._serialized_end=748
-  _globals['_AGENTSTATEREQUEST']._serialized_start=750
-  _globals['_AGENTSTATEREQUEST']._serialized_end=793
-  _globals['_GENERATEREQUEST']._serialized_start=795
-  _globals['_GENERATEREQUEST']._serialized_end=873
-  _globals['_GENERATERESPONSE']._serialized_start=875
-  _globals['_GENERATERESPONSE']._serialized_end=913
-  _globals['_GETGENERATIONREQUEST']._serialized_start=915
-  _globals['_GETGENERATIONREQUEST']._serialized_end=973
-  _globals['_GENERATION']._serialized_start=975
-  _globals['_GENERATION']._serialized_end=1072
-  _globals['_GETEVENTSREQUEST']._serialized_start=1074
-  _globals['_GETEVENTSREQUEST']._serialized_end=1111
-  _globals['_GETEVENTSRESPONSE']._serialized_start=1113
-  _globals['_GETEVENTSRESPONSE']._serialized_end=1170
-  _globals['_EXPORTREQUEST']._serialized_start=1173
-  _globals['_EXPORTREQUEST']._serialized_end=1318
-  _globals['_EXPORTREADY']._serialized_start=1320
-  _globals['_EXPORTREADY']._serialized_end=1421
-  _globals['_EXPORTEVENT']._serialized_start=1423
-  _globals['_EXPORTEVENT']._serialized_end=1538
-  _globals['_ENGINEAGENT']._serialized_start=1541
-  _globals['_ENGINEAGENT']._serialized_end=2290
+  _globals['_PAUSEENGINEREQUEST']._serialized_start=72
+  _globals['_PAUSEENGINEREQUEST']._serialized_end=196
+  _globals['_RECEIVEREQUEST']._serialized_start=199
+  _globals['_RECEIVEREQUEST']._serialized_end=554
+  _globals['_RECEIVERESPONSE']._serialized_start=556
+  _globals['_RECEIVERESPONSE']._serialized_end=620
+  _globals['_PAUSEENGINERESPONSE']._serialized_start=622
+  _globals['_PAUSEENGINERESPONSE']._serialized_end=690
+  _globals['_RESUMEENGINEREQUEST']._serialized_start=692
+  _globals['_RESUMEENGINEREQUEST']._serialized_end=777
+  _globals['_RESUMEENGINERESPONSE']._serialized_start=779
+  _globals['_RESUMEENGINERESPONSE']._serialized_end=848
+  _globals['_SLEEPREQUEST']._serialized_start=850
+  _globals['_SLEEPREQUEST']._serialized_end=903
+  _globals['_SLEEPRESPONSE']._serialized_start=905
+  _globals['_SLEEPRESPONSE']._serialized_end=967
+  _globals['_WAKEREQUEST']._serialized_start=969
+  _globals['_WAKEREQUEST']._serialized_end=1021
+  _globals['_WAKERESPONSE']._serialized_start=1023
+  _globals['_WAKERESPONSE']._serialized_end=1084
+  _globals['_GETENGINESTATEREQUEST']._serialized_start=1086
+  _globals['_GETENGINESTATEREQUEST']._serialized_end=1133
+  _globals['_GETENGINESTATERESPONSE']._serialized_start=1135
+  _globals['_GETENGINESTATERESPONSE']._serialized_end=1202
+  _globals['_GENERATEREQUEST']._serialized_start=1204
+  _globals['_GENERATEREQUEST']._serialized_end=1282
+  _globals['_GENERATERESPONSE']._serialized_start=1284
+  _globals['_GENERATERESPONSE']._serialized_end=1322
+  _globals['_GETGENERATIONREQUEST']._serialized_start=1324
+  _globals['_GETGENERATIONREQUEST']._serialized_end=1382
+  _globals['_GENERATION']._serialized_start=1384
+  _globals['_GENERATION']._serialized_end=1481
+  _globals['_GETGENERATIONRESPONSE']._serialized_start=1483
+  _globals['_GETGENERATIONRESPONSE']._serialized_end=1553
+  _globals['_GETEVENTSREQUEST']._serialized_start=1555
+  _globals['_GETEVENTSREQUEST']._serialized_end=1592
+  _globals['_GETEVENTSRESPONSE']._serialized_start=1594
+  _globals['_GETEVENTSRESPONSE']._serialized_end=1651
+  _globals['_EXPORTREQUEST']._serialized_start=1654
+  _globals['_EXPORTREQUEST']._serialized_end=1799
+  _globals['_EXPORTREADY']._serialized_start=1801
+  _globals['_EXPORTREADY']._serialized_end=1902
+  _globals['_EXPORTRESPONSE']._serialized_start=1904
+  _globals['_EXPORTRESPONSE']._serialized_end=2022
+  _globals['_ENGINEAGENTSERVICE']._serialized_start=2025
+  _globals['_ENGINEAGENTSERVICE']._serialized_end=2844
 # @@protoc_insertion_point(module_scope)

@@ -22,7 +22,7 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
-class AgentPauseRequest(_message.Message):
+class PauseEngineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
@@ -47,7 +47,7 @@ class AgentPauseRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___AgentPauseRequest: _TypeAlias = AgentPauseRequest  # noqa: Y015
+Global___PauseEngineRequest: _TypeAlias = PauseEngineRequest  # noqa: Y015
 
 @_typing.final
 class ReceiveRequest(_message.Message):
@@ -120,7 +120,47 @@ class ReceiveRequest(_message.Message):
 Global___ReceiveRequest: _TypeAlias = ReceiveRequest  # noqa: Y015
 
 @_typing.final
-class AgentResumeRequest(_message.Message):
+class ReceiveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcome(self) -> _common_pb2.EngineOutcome: ...
+    def __init__(
+        self,
+        *,
+        outcome: _common_pb2.EngineOutcome | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReceiveResponse: _TypeAlias = ReceiveResponse  # noqa: Y015
+
+@_typing.final
+class PauseEngineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcome(self) -> _common_pb2.EngineOutcome: ...
+    def __init__(
+        self,
+        *,
+        outcome: _common_pb2.EngineOutcome | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseEngineResponse: _TypeAlias = PauseEngineResponse  # noqa: Y015
+
+@_typing.final
+class ResumeEngineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
@@ -142,7 +182,27 @@ class AgentResumeRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___AgentResumeRequest: _TypeAlias = AgentResumeRequest  # noqa: Y015
+Global___ResumeEngineRequest: _TypeAlias = ResumeEngineRequest  # noqa: Y015
+
+@_typing.final
+class ResumeEngineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcome(self) -> _common_pb2.EngineOutcome: ...
+    def __init__(
+        self,
+        *,
+        outcome: _common_pb2.EngineOutcome | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeEngineResponse: _TypeAlias = ResumeEngineResponse  # noqa: Y015
 
 @_typing.final
 class SleepRequest(_message.Message):
@@ -170,6 +230,26 @@ class SleepRequest(_message.Message):
 Global___SleepRequest: _TypeAlias = SleepRequest  # noqa: Y015
 
 @_typing.final
+class SleepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcome(self) -> _common_pb2.EngineOutcome: ...
+    def __init__(
+        self,
+        *,
+        outcome: _common_pb2.EngineOutcome | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SleepResponse: _TypeAlias = SleepResponse  # noqa: Y015
+
+@_typing.final
 class WakeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -193,7 +273,27 @@ class WakeRequest(_message.Message):
 Global___WakeRequest: _TypeAlias = WakeRequest  # noqa: Y015
 
 @_typing.final
-class AgentStateRequest(_message.Message):
+class WakeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcome(self) -> _common_pb2.EngineOutcome: ...
+    def __init__(
+        self,
+        *,
+        outcome: _common_pb2.EngineOutcome | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WakeResponse: _TypeAlias = WakeResponse  # noqa: Y015
+
+@_typing.final
+class GetEngineStateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INCLUDE_DIGEST_FIELD_NUMBER: _builtins.int
@@ -209,7 +309,27 @@ class AgentStateRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___AgentStateRequest: _TypeAlias = AgentStateRequest  # noqa: Y015
+Global___GetEngineStateRequest: _TypeAlias = GetEngineStateRequest  # noqa: Y015
+
+@_typing.final
+class GetEngineStateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def state(self) -> _common_pb2.EngineState: ...
+    def __init__(
+        self,
+        *,
+        state: _common_pb2.EngineState | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEngineStateResponse: _TypeAlias = GetEngineStateResponse  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
@@ -318,6 +438,26 @@ class Generation(_message.Message):
 Global___Generation: _TypeAlias = Generation  # noqa: Y015
 
 @_typing.final
+class GetGenerationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def generation(self) -> Global___Generation: ...
+    def __init__(
+        self,
+        *,
+        generation: Global___Generation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGenerationResponse: _TypeAlias = GetGenerationResponse  # noqa: Y015
+
+@_typing.final
 class GetEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -421,7 +561,7 @@ class ExportReady(_message.Message):
 Global___ExportReady: _TypeAlias = ExportReady  # noqa: Y015
 
 @_typing.final
-class ExportEvent(_message.Message):
+class ExportResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     READY_FIELD_NUMBER: _builtins.int
@@ -444,4 +584,4 @@ class ExportEvent(_message.Message):
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
-Global___ExportEvent: _TypeAlias = ExportEvent  # noqa: Y015
+Global___ExportResponse: _TypeAlias = ExportResponse  # noqa: Y015

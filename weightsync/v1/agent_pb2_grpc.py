@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from weightsync.v1 import agent_pb2 as weightsync_dot_v1_dot_agent__pb2
-from weightsync.v1 import common_pb2 as weightsync_dot_v1_dot_common__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -26,8 +25,12 @@ if _version_not_supported:
     )
 
 
-class EngineAgentStub:
-    """Missing associated documentation comment in .proto file."""
+class EngineAgentServiceStub:
+    """Every RPC has a request and a response of its own, so that each reply can grow a
+    field without touching the others; the control RPCs' replies carry the engine's
+    EngineOutcome (common.proto). The agent's Pause, Resume and GetState are named for
+    the engine they act on, apart from the coordinator's fleet-wide ones.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,62 +38,66 @@ class EngineAgentStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Pause = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/Pause',
-                request_serializer=weightsync_dot_v1_dot_agent__pb2.AgentPauseRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+        self.PauseEngine = channel.unary_unary(
+                '/weightsync.v1.EngineAgentService/PauseEngine',
+                request_serializer=weightsync_dot_v1_dot_agent__pb2.PauseEngineRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.PauseEngineResponse.FromString,
                 _registered_method=True)
         self.Receive = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/Receive',
+                '/weightsync.v1.EngineAgentService/Receive',
                 request_serializer=weightsync_dot_v1_dot_agent__pb2.ReceiveRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.ReceiveResponse.FromString,
                 _registered_method=True)
-        self.Resume = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/Resume',
-                request_serializer=weightsync_dot_v1_dot_agent__pb2.AgentResumeRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+        self.ResumeEngine = channel.unary_unary(
+                '/weightsync.v1.EngineAgentService/ResumeEngine',
+                request_serializer=weightsync_dot_v1_dot_agent__pb2.ResumeEngineRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.ResumeEngineResponse.FromString,
                 _registered_method=True)
         self.Sleep = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/Sleep',
+                '/weightsync.v1.EngineAgentService/Sleep',
                 request_serializer=weightsync_dot_v1_dot_agent__pb2.SleepRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.SleepResponse.FromString,
                 _registered_method=True)
         self.Wake = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/Wake',
+                '/weightsync.v1.EngineAgentService/Wake',
                 request_serializer=weightsync_dot_v1_dot_agent__pb2.WakeRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.WakeResponse.FromString,
                 _registered_method=True)
-        self.GetState = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/GetState',
-                request_serializer=weightsync_dot_v1_dot_agent__pb2.AgentStateRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_common__pb2.EngineState.FromString,
+        self.GetEngineState = channel.unary_unary(
+                '/weightsync.v1.EngineAgentService/GetEngineState',
+                request_serializer=weightsync_dot_v1_dot_agent__pb2.GetEngineStateRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.GetEngineStateResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/Generate',
+                '/weightsync.v1.EngineAgentService/Generate',
                 request_serializer=weightsync_dot_v1_dot_agent__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_agent__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GetGeneration = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/GetGeneration',
+                '/weightsync.v1.EngineAgentService/GetGeneration',
                 request_serializer=weightsync_dot_v1_dot_agent__pb2.GetGenerationRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_agent__pb2.Generation.FromString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.GetGenerationResponse.FromString,
                 _registered_method=True)
         self.GetEvents = channel.unary_unary(
-                '/weightsync.v1.EngineAgent/GetEvents',
+                '/weightsync.v1.EngineAgentService/GetEvents',
                 request_serializer=weightsync_dot_v1_dot_agent__pb2.GetEventsRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_agent__pb2.GetEventsResponse.FromString,
                 _registered_method=True)
         self.Export = channel.unary_stream(
-                '/weightsync.v1.EngineAgent/Export',
+                '/weightsync.v1.EngineAgentService/Export',
                 request_serializer=weightsync_dot_v1_dot_agent__pb2.ExportRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_agent__pb2.ExportEvent.FromString,
+                response_deserializer=weightsync_dot_v1_dot_agent__pb2.ExportResponse.FromString,
                 _registered_method=True)
 
 
-class EngineAgentServicer:
-    """Missing associated documentation comment in .proto file."""
+class EngineAgentServiceServicer:
+    """Every RPC has a request and a response of its own, so that each reply can grow a
+    field without touching the others; the control RPCs' replies carry the engine's
+    EngineOutcome (common.proto). The agent's Pause, Resume and GetState are named for
+    the engine they act on, apart from the coordinator's fleet-wide ones.
+    """
 
-    def Pause(self, request, context):
+    def PauseEngine(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,7 +109,7 @@ class EngineAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Resume(self, request, context):
+    def ResumeEngine(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,7 +127,7 @@ class EngineAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetState(self, request, context):
+    def GetEngineState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,37 +160,37 @@ class EngineAgentServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_EngineAgentServicer_to_server(servicer, server):
+def add_EngineAgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Pause': grpc.unary_unary_rpc_method_handler(
-                    servicer.Pause,
-                    request_deserializer=weightsync_dot_v1_dot_agent__pb2.AgentPauseRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.SerializeToString,
+            'PauseEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseEngine,
+                    request_deserializer=weightsync_dot_v1_dot_agent__pb2.PauseEngineRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.PauseEngineResponse.SerializeToString,
             ),
             'Receive': grpc.unary_unary_rpc_method_handler(
                     servicer.Receive,
                     request_deserializer=weightsync_dot_v1_dot_agent__pb2.ReceiveRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.SerializeToString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.ReceiveResponse.SerializeToString,
             ),
-            'Resume': grpc.unary_unary_rpc_method_handler(
-                    servicer.Resume,
-                    request_deserializer=weightsync_dot_v1_dot_agent__pb2.AgentResumeRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.SerializeToString,
+            'ResumeEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeEngine,
+                    request_deserializer=weightsync_dot_v1_dot_agent__pb2.ResumeEngineRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.ResumeEngineResponse.SerializeToString,
             ),
             'Sleep': grpc.unary_unary_rpc_method_handler(
                     servicer.Sleep,
                     request_deserializer=weightsync_dot_v1_dot_agent__pb2.SleepRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.SerializeToString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.SleepResponse.SerializeToString,
             ),
             'Wake': grpc.unary_unary_rpc_method_handler(
                     servicer.Wake,
                     request_deserializer=weightsync_dot_v1_dot_agent__pb2.WakeRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_common__pb2.EngineOutcome.SerializeToString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.WakeResponse.SerializeToString,
             ),
-            'GetState': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetState,
-                    request_deserializer=weightsync_dot_v1_dot_agent__pb2.AgentStateRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_common__pb2.EngineState.SerializeToString,
+            'GetEngineState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEngineState,
+                    request_deserializer=weightsync_dot_v1_dot_agent__pb2.GetEngineStateRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.GetEngineStateResponse.SerializeToString,
             ),
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
@@ -193,7 +200,7 @@ def add_EngineAgentServicer_to_server(servicer, server):
             'GetGeneration': grpc.unary_unary_rpc_method_handler(
                     servicer.GetGeneration,
                     request_deserializer=weightsync_dot_v1_dot_agent__pb2.GetGenerationRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_agent__pb2.Generation.SerializeToString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.GetGenerationResponse.SerializeToString,
             ),
             'GetEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEvents,
@@ -203,21 +210,25 @@ def add_EngineAgentServicer_to_server(servicer, server):
             'Export': grpc.unary_stream_rpc_method_handler(
                     servicer.Export,
                     request_deserializer=weightsync_dot_v1_dot_agent__pb2.ExportRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_agent__pb2.ExportEvent.SerializeToString,
+                    response_serializer=weightsync_dot_v1_dot_agent__pb2.ExportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'weightsync.v1.EngineAgent', rpc_method_handlers)
+            'weightsync.v1.EngineAgentService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('weightsync.v1.EngineAgent', rpc_method_handlers)
+    server.add_registered_method_handlers('weightsync.v1.EngineAgentService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class EngineAgent:
-    """Missing associated documentation comment in .proto file."""
+class EngineAgentService:
+    """Every RPC has a request and a response of its own, so that each reply can grow a
+    field without touching the others; the control RPCs' replies carry the engine's
+    EngineOutcome (common.proto). The agent's Pause, Resume and GetState are named for
+    the engine they act on, apart from the coordinator's fleet-wide ones.
+    """
 
     @staticmethod
-    def Pause(request,
+    def PauseEngine(request,
             target,
             options=(),
             channel_credentials=None,
@@ -230,9 +241,9 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/Pause',
-            weightsync_dot_v1_dot_agent__pb2.AgentPauseRequest.SerializeToString,
-            weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+            '/weightsync.v1.EngineAgentService/PauseEngine',
+            weightsync_dot_v1_dot_agent__pb2.PauseEngineRequest.SerializeToString,
+            weightsync_dot_v1_dot_agent__pb2.PauseEngineResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -257,9 +268,9 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/Receive',
+            '/weightsync.v1.EngineAgentService/Receive',
             weightsync_dot_v1_dot_agent__pb2.ReceiveRequest.SerializeToString,
-            weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+            weightsync_dot_v1_dot_agent__pb2.ReceiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -271,7 +282,7 @@ class EngineAgent:
             _registered_method=True)
 
     @staticmethod
-    def Resume(request,
+    def ResumeEngine(request,
             target,
             options=(),
             channel_credentials=None,
@@ -284,9 +295,9 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/Resume',
-            weightsync_dot_v1_dot_agent__pb2.AgentResumeRequest.SerializeToString,
-            weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+            '/weightsync.v1.EngineAgentService/ResumeEngine',
+            weightsync_dot_v1_dot_agent__pb2.ResumeEngineRequest.SerializeToString,
+            weightsync_dot_v1_dot_agent__pb2.ResumeEngineResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -311,9 +322,9 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/Sleep',
+            '/weightsync.v1.EngineAgentService/Sleep',
             weightsync_dot_v1_dot_agent__pb2.SleepRequest.SerializeToString,
-            weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+            weightsync_dot_v1_dot_agent__pb2.SleepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -338,9 +349,9 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/Wake',
+            '/weightsync.v1.EngineAgentService/Wake',
             weightsync_dot_v1_dot_agent__pb2.WakeRequest.SerializeToString,
-            weightsync_dot_v1_dot_common__pb2.EngineOutcome.FromString,
+            weightsync_dot_v1_dot_agent__pb2.WakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -352,7 +363,7 @@ class EngineAgent:
             _registered_method=True)
 
     @staticmethod
-    def GetState(request,
+    def GetEngineState(request,
             target,
             options=(),
             channel_credentials=None,
@@ -365,9 +376,9 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/GetState',
-            weightsync_dot_v1_dot_agent__pb2.AgentStateRequest.SerializeToString,
-            weightsync_dot_v1_dot_common__pb2.EngineState.FromString,
+            '/weightsync.v1.EngineAgentService/GetEngineState',
+            weightsync_dot_v1_dot_agent__pb2.GetEngineStateRequest.SerializeToString,
+            weightsync_dot_v1_dot_agent__pb2.GetEngineStateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -392,7 +403,7 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/Generate',
+            '/weightsync.v1.EngineAgentService/Generate',
             weightsync_dot_v1_dot_agent__pb2.GenerateRequest.SerializeToString,
             weightsync_dot_v1_dot_agent__pb2.GenerateResponse.FromString,
             options,
@@ -419,9 +430,9 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/GetGeneration',
+            '/weightsync.v1.EngineAgentService/GetGeneration',
             weightsync_dot_v1_dot_agent__pb2.GetGenerationRequest.SerializeToString,
-            weightsync_dot_v1_dot_agent__pb2.Generation.FromString,
+            weightsync_dot_v1_dot_agent__pb2.GetGenerationResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -446,7 +457,7 @@ class EngineAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.EngineAgent/GetEvents',
+            '/weightsync.v1.EngineAgentService/GetEvents',
             weightsync_dot_v1_dot_agent__pb2.GetEventsRequest.SerializeToString,
             weightsync_dot_v1_dot_agent__pb2.GetEventsResponse.FromString,
             options,
@@ -473,9 +484,9 @@ class EngineAgent:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/weightsync.v1.EngineAgent/Export',
+            '/weightsync.v1.EngineAgentService/Export',
             weightsync_dot_v1_dot_agent__pb2.ExportRequest.SerializeToString,
-            weightsync_dot_v1_dot_agent__pb2.ExportEvent.FromString,
+            weightsync_dot_v1_dot_agent__pb2.ExportResponse.FromString,
             options,
             channel_credentials,
             insecure,

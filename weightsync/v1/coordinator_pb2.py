@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from weightsync.v1 import common_pb2 as weightsync_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fweightsync/v1/coordinator.proto\x12\rweightsync.v1\x1a\x1aweightsync/v1/common.proto\"\xb3\x01\n\x0cPauseRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.weightsync.v1.PauseMode\x12\x12\n\noffload_kv\x18\x03 \x01(\x08\x12\x18\n\x10required_engines\x18\x04 \x03(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\x04\x12\x10\n\x08sync_key\x18\x07 \x01(\t\"P\n\rPauseResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12-\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"\xc7\x03\n\x10\x42roadcastRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12/\n\ttransport\x18\x04 \x01(\x0e\x32\x1c.weightsync.v1.TransportKind\x12\x12\n\nstore_host\x18\x05 \x01(\t\x12\x12\n\nstore_port\x18\x06 \x01(\r\x12\x16\n\x0eweights_digest\x18\x07 \x01(\t\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x15\n\rgroup_backend\x18\t \x01(\t\x12.\n\x05probe\x18\n \x01(\x0b\x32\x1f.weightsync.v1.AttestationProbe\x12\x14\n\x0cstore_secret\x18\x0b \x01(\t\x12\x17\n\x0ftrainer_host_id\x18\x0c \x01(\t\x12%\n\x06owners\x18\r \x01(\x0b\x32\x15.weightsync.v1.Owners\x12\x14\n\x0cgroup_layout\x18\x0e \x01(\t\x12\x17\n\x0fsender_host_ids\x18\x0f \x03(\t\x12\x10\n\x08sync_key\x18\x10 \x01(\t\"}\n\x0f\x42roadcastResult\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12-\n\x07\x65ngines\x18\x03 \x03(\x0b\x32\x1c.weightsync.v1.EngineOutcome\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"\xb3\x01\n\x0e\x42roadcastEvent\x12/\n\nrendezvous\x18\x01 \x01(\x0b\x32\x19.weightsync.v1.RendezvousH\x00\x12\x30\n\x06result\x18\x02 \x01(\x0b\x32\x1e.weightsync.v1.BroadcastResultH\x00\x12\x35\n\rengine_failed\x18\x03 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcomeH\x00\x42\x07\n\x05\x65vent\"a\n\rResumeRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x12\n\nallow_torn\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x10\n\x08sync_key\x18\x04 \x01(\t\"?\n\x0eResumeResponse\x12-\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"i\n\x15RegisterEngineRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\ragent_address\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"N\n\x16RegisterEngineResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"E\n\x17\x44\x65registerEngineRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"\x1a\n\x18\x44\x65registerEngineResponse\"=\n\x10HeartbeatRequest\x12)\n\x05state\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.EngineState\"?\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"*\n\x0fGetStateRequest\x12\x17\n\x0finclude_digests\x18\x01 \x01(\x08\"V\n\nRoundState\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07\x65ngines\x18\x03 \x03(\t\x12\x16\n\x0etarget_version\x18\x04 \x01(\x04\"\x81\x01\n\x10GetStateResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12+\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1a.weightsync.v1.EngineState\x12(\n\x05round\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.RoundState\"\'\n\x12WatchEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x32\x92\x05\n\x0b\x43oordinator\x12\x42\n\x05Pause\x12\x1b.weightsync.v1.PauseRequest\x1a\x1c.weightsync.v1.PauseResponse\x12M\n\tBroadcast\x12\x1f.weightsync.v1.BroadcastRequest\x1a\x1d.weightsync.v1.BroadcastEvent0\x01\x12\x45\n\x06Resume\x12\x1c.weightsync.v1.ResumeRequest\x1a\x1d.weightsync.v1.ResumeResponse\x12]\n\x0eRegisterEngine\x12$.weightsync.v1.RegisterEngineRequest\x1a%.weightsync.v1.RegisterEngineResponse\x12\x63\n\x10\x44\x65registerEngine\x12&.weightsync.v1.DeregisterEngineRequest\x1a\'.weightsync.v1.DeregisterEngineResponse\x12N\n\tHeartbeat\x12\x1f.weightsync.v1.HeartbeatRequest\x1a .weightsync.v1.HeartbeatResponse\x12K\n\x08GetState\x12\x1e.weightsync.v1.GetStateRequest\x1a\x1f.weightsync.v1.GetStateResponse\x12H\n\x0bWatchEvents\x12!.weightsync.v1.WatchEventsRequest\x1a\x14.weightsync.v1.Event0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fweightsync/v1/coordinator.proto\x12\rweightsync.v1\x1a\x1aweightsync/v1/common.proto\"\xb3\x01\n\x0cPauseRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.weightsync.v1.PauseMode\x12\x12\n\noffload_kv\x18\x03 \x01(\x08\x12\x18\n\x10required_engines\x18\x04 \x03(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\x04\x12\x10\n\x08sync_key\x18\x07 \x01(\t\"P\n\rPauseResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12-\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"\xc7\x03\n\x10\x42roadcastRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12/\n\ttransport\x18\x04 \x01(\x0e\x32\x1c.weightsync.v1.TransportKind\x12\x12\n\nstore_host\x18\x05 \x01(\t\x12\x12\n\nstore_port\x18\x06 \x01(\r\x12\x16\n\x0eweights_digest\x18\x07 \x01(\t\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x15\n\rgroup_backend\x18\t \x01(\t\x12.\n\x05probe\x18\n \x01(\x0b\x32\x1f.weightsync.v1.AttestationProbe\x12\x14\n\x0cstore_secret\x18\x0b \x01(\t\x12\x17\n\x0ftrainer_host_id\x18\x0c \x01(\t\x12%\n\x06owners\x18\r \x01(\x0b\x32\x15.weightsync.v1.Owners\x12\x14\n\x0cgroup_layout\x18\x0e \x01(\t\x12\x17\n\x0fsender_host_ids\x18\x0f \x03(\t\x12\x10\n\x08sync_key\x18\x10 \x01(\t\"}\n\x0f\x42roadcastResult\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12-\n\x07\x65ngines\x18\x03 \x03(\x0b\x32\x1c.weightsync.v1.EngineOutcome\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"\xb6\x01\n\x11\x42roadcastResponse\x12/\n\nrendezvous\x18\x01 \x01(\x0b\x32\x19.weightsync.v1.RendezvousH\x00\x12\x30\n\x06result\x18\x02 \x01(\x0b\x32\x1e.weightsync.v1.BroadcastResultH\x00\x12\x35\n\rengine_failed\x18\x03 \x01(\x0b\x32\x1c.weightsync.v1.EngineOutcomeH\x00\x42\x07\n\x05\x65vent\"a\n\rResumeRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x12\n\nallow_torn\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x10\n\x08sync_key\x18\x04 \x01(\t\"?\n\x0eResumeResponse\x12-\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1c.weightsync.v1.EngineOutcome\"i\n\x15RegisterEngineRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\ragent_address\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"N\n\x16RegisterEngineResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"E\n\x17\x44\x65registerEngineRequest\x12\x17\n\x0fidempotency_key\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"\x1a\n\x18\x44\x65registerEngineResponse\"=\n\x10HeartbeatRequest\x12)\n\x05state\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.EngineState\"?\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"*\n\x0fGetStateRequest\x12\x17\n\x0finclude_digests\x18\x01 \x01(\x08\"V\n\nRoundState\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07\x65ngines\x18\x03 \x03(\t\x12\x16\n\x0etarget_version\x18\x04 \x01(\x04\"\x81\x01\n\x10GetStateResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12+\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1a.weightsync.v1.EngineState\x12(\n\x05round\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.RoundState\"\'\n\x12WatchEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\":\n\x13WatchEventsResponse\x12#\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x14.weightsync.v1.Event2\xaa\x05\n\x12\x43oordinatorService\x12\x42\n\x05Pause\x12\x1b.weightsync.v1.PauseRequest\x1a\x1c.weightsync.v1.PauseResponse\x12P\n\tBroadcast\x12\x1f.weightsync.v1.BroadcastRequest\x1a .weightsync.v1.BroadcastResponse0\x01\x12\x45\n\x06Resume\x12\x1c.weightsync.v1.ResumeRequest\x1a\x1d.weightsync.v1.ResumeResponse\x12]\n\x0eRegisterEngine\x12$.weightsync.v1.RegisterEngineRequest\x1a%.weightsync.v1.RegisterEngineResponse\x12\x63\n\x10\x44\x65registerEngine\x12&.weightsync.v1.DeregisterEngineRequest\x1a\'.weightsync.v1.DeregisterEngineResponse\x12N\n\tHeartbeat\x12\x1f.weightsync.v1.HeartbeatRequest\x1a .weightsync.v1.HeartbeatResponse\x12K\n\x08GetState\x12\x1e.weightsync.v1.GetStateRequest\x1a\x1f.weightsync.v1.GetStateResponse\x12V\n\x0bWatchEvents\x12!.weightsync.v1.WatchEventsRequest\x1a\".weightsync.v1.WatchEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,32 +40,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BROADCASTREQUEST']._serialized_end=798
   _globals['_BROADCASTRESULT']._serialized_start=800
   _globals['_BROADCASTRESULT']._serialized_end=925
-  _globals['_BROADCASTEVENT']._serialized_start=928
-  _globals['_BROADCASTEVENT']._serialized_end=1107
-  _globals['_RESUMEREQUEST']._serialized_start=1109
-  _globals['_RESUMEREQUEST']._serialized_end=1206
-  _globals['_RESUMERESPONSE']._serialized_start=1208
-  _globals['_RESUMERESPONSE']._serialized_end=1271
-  _globals['_REGISTERENGINEREQUEST']._serialized_start=1273
-  _globals['_REGISTERENGINEREQUEST']._serialized_end=1378
-  _globals['_REGISTERENGINERESPONSE']._serialized_start=1380
-  _globals['_REGISTERENGINERESPONSE']._serialized_end=1458
-  _globals['_DEREGISTERENGINEREQUEST']._serialized_start=1460
-  _globals['_DEREGISTERENGINEREQUEST']._serialized_end=1529
-  _globals['_DEREGISTERENGINERESPONSE']._serialized_start=1531
-  _globals['_DEREGISTERENGINERESPONSE']._serialized_end=1557
-  _globals['_HEARTBEATREQUEST']._serialized_start=1559
-  _globals['_HEARTBEATREQUEST']._serialized_end=1620
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1622
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1685
-  _globals['_GETSTATEREQUEST']._serialized_start=1687
-  _globals['_GETSTATEREQUEST']._serialized_end=1729
-  _globals['_ROUNDSTATE']._serialized_start=1731
-  _globals['_ROUNDSTATE']._serialized_end=1817
-  _globals['_GETSTATERESPONSE']._serialized_start=1820
-  _globals['_GETSTATERESPONSE']._serialized_end=1949
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1951
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1990
-  _globals['_COORDINATOR']._serialized_start=1993
-  _globals['_COORDINATOR']._serialized_end=2651
+  _globals['_BROADCASTRESPONSE']._serialized_start=928
+  _globals['_BROADCASTRESPONSE']._serialized_end=1110
+  _globals['_RESUMEREQUEST']._serialized_start=1112
+  _globals['_RESUMEREQUEST']._serialized_end=1209
+  _globals['_RESUMERESPONSE']._serialized_start=1211
+  _globals['_RESUMERESPONSE']._serialized_end=1274
+  _globals['_REGISTERENGINEREQUEST']._serialized_start=1276
+  _globals['_REGISTERENGINEREQUEST']._serialized_end=1381
+  _globals['_REGISTERENGINERESPONSE']._serialized_start=1383
+  _globals['_REGISTERENGINERESPONSE']._serialized_end=1461
+  _globals['_DEREGISTERENGINEREQUEST']._serialized_start=1463
+  _globals['_DEREGISTERENGINEREQUEST']._serialized_end=1532
+  _globals['_DEREGISTERENGINERESPONSE']._serialized_start=1534
+  _globals['_DEREGISTERENGINERESPONSE']._serialized_end=1560
+  _globals['_HEARTBEATREQUEST']._serialized_start=1562
+  _globals['_HEARTBEATREQUEST']._serialized_end=1623
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1625
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1688
+  _globals['_GETSTATEREQUEST']._serialized_start=1690
+  _globals['_GETSTATEREQUEST']._serialized_end=1732
+  _globals['_ROUNDSTATE']._serialized_start=1734
+  _globals['_ROUNDSTATE']._serialized_end=1820
+  _globals['_GETSTATERESPONSE']._serialized_start=1823
+  _globals['_GETSTATERESPONSE']._serialized_end=1952
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1954
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1993
+  _globals['_WATCHEVENTSRESPONSE']._serialized_start=1995
+  _globals['_WATCHEVENTSRESPONSE']._serialized_end=2053
+  _globals['_COORDINATORSERVICE']._serialized_start=2056
+  _globals['_COORDINATORSERVICE']._serialized_end=2738
 # @@protoc_insertion_point(module_scope)

@@ -216,7 +216,7 @@ class BroadcastResult(_message.Message):
 Global___BroadcastResult: _TypeAlias = BroadcastResult  # noqa: Y015
 
 @_typing.final
-class BroadcastEvent(_message.Message):
+class BroadcastResponse(_message.Message):
     """Stream of one Broadcast: rendezvous first, then any engine failures as they
     happen (the trainer stops sending at the first one), then the result.
     """
@@ -247,7 +247,7 @@ class BroadcastEvent(_message.Message):
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
-Global___BroadcastEvent: _TypeAlias = BroadcastEvent  # noqa: Y015
+Global___BroadcastResponse: _TypeAlias = BroadcastResponse  # noqa: Y015
 
 @_typing.final
 class ResumeRequest(_message.Message):
@@ -526,3 +526,23 @@ class WatchEventsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
+
+@_typing.final
+class WatchEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> _common_pb2.Event: ...
+    def __init__(
+        self,
+        *,
+        event: _common_pb2.Event | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015

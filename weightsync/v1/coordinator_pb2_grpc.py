@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from weightsync.v1 import common_pb2 as weightsync_dot_v1_dot_common__pb2
 from weightsync.v1 import coordinator_pb2 as weightsync_dot_v1_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -26,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class CoordinatorStub:
+class CoordinatorServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -36,48 +35,48 @@ class CoordinatorStub:
             channel: A grpc.Channel.
         """
         self.Pause = channel.unary_unary(
-                '/weightsync.v1.Coordinator/Pause',
+                '/weightsync.v1.CoordinatorService/Pause',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.PauseRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.PauseResponse.FromString,
                 _registered_method=True)
         self.Broadcast = channel.unary_stream(
-                '/weightsync.v1.Coordinator/Broadcast',
+                '/weightsync.v1.CoordinatorService/Broadcast',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.BroadcastRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.BroadcastEvent.FromString,
+                response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.BroadcastResponse.FromString,
                 _registered_method=True)
         self.Resume = channel.unary_unary(
-                '/weightsync.v1.Coordinator/Resume',
+                '/weightsync.v1.CoordinatorService/Resume',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.ResumeResponse.FromString,
                 _registered_method=True)
         self.RegisterEngine = channel.unary_unary(
-                '/weightsync.v1.Coordinator/RegisterEngine',
+                '/weightsync.v1.CoordinatorService/RegisterEngine',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.RegisterEngineRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.RegisterEngineResponse.FromString,
                 _registered_method=True)
         self.DeregisterEngine = channel.unary_unary(
-                '/weightsync.v1.Coordinator/DeregisterEngine',
+                '/weightsync.v1.CoordinatorService/DeregisterEngine',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.DeregisterEngineRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.DeregisterEngineResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
-                '/weightsync.v1.Coordinator/Heartbeat',
+                '/weightsync.v1.CoordinatorService/Heartbeat',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.GetState = channel.unary_unary(
-                '/weightsync.v1.Coordinator/GetState',
+                '/weightsync.v1.CoordinatorService/GetState',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.GetStateResponse.FromString,
                 _registered_method=True)
         self.WatchEvents = channel.unary_stream(
-                '/weightsync.v1.Coordinator/WatchEvents',
+                '/weightsync.v1.CoordinatorService/WatchEvents',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.WatchEventsRequest.SerializeToString,
-                response_deserializer=weightsync_dot_v1_dot_common__pb2.Event.FromString,
+                response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
 
 
-class CoordinatorServicer:
+class CoordinatorServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Pause(self, request, context):
@@ -131,7 +130,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_CoordinatorServicer_to_server(servicer, server):
+def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Pause': grpc.unary_unary_rpc_method_handler(
                     servicer.Pause,
@@ -141,7 +140,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'Broadcast': grpc.unary_stream_rpc_method_handler(
                     servicer.Broadcast,
                     request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.BroadcastRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_coordinator__pb2.BroadcastEvent.SerializeToString,
+                    response_serializer=weightsync_dot_v1_dot_coordinator__pb2.BroadcastResponse.SerializeToString,
             ),
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
@@ -171,17 +170,17 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
                     request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.WatchEventsRequest.FromString,
-                    response_serializer=weightsync_dot_v1_dot_common__pb2.Event.SerializeToString,
+                    response_serializer=weightsync_dot_v1_dot_coordinator__pb2.WatchEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'weightsync.v1.Coordinator', rpc_method_handlers)
+            'weightsync.v1.CoordinatorService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('weightsync.v1.Coordinator', rpc_method_handlers)
+    server.add_registered_method_handlers('weightsync.v1.CoordinatorService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Coordinator:
+class CoordinatorService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -198,7 +197,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.Coordinator/Pause',
+            '/weightsync.v1.CoordinatorService/Pause',
             weightsync_dot_v1_dot_coordinator__pb2.PauseRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.PauseResponse.FromString,
             options,
@@ -225,9 +224,9 @@ class Coordinator:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/weightsync.v1.Coordinator/Broadcast',
+            '/weightsync.v1.CoordinatorService/Broadcast',
             weightsync_dot_v1_dot_coordinator__pb2.BroadcastRequest.SerializeToString,
-            weightsync_dot_v1_dot_coordinator__pb2.BroadcastEvent.FromString,
+            weightsync_dot_v1_dot_coordinator__pb2.BroadcastResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -252,7 +251,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.Coordinator/Resume',
+            '/weightsync.v1.CoordinatorService/Resume',
             weightsync_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.ResumeResponse.FromString,
             options,
@@ -279,7 +278,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.Coordinator/RegisterEngine',
+            '/weightsync.v1.CoordinatorService/RegisterEngine',
             weightsync_dot_v1_dot_coordinator__pb2.RegisterEngineRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.RegisterEngineResponse.FromString,
             options,
@@ -306,7 +305,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.Coordinator/DeregisterEngine',
+            '/weightsync.v1.CoordinatorService/DeregisterEngine',
             weightsync_dot_v1_dot_coordinator__pb2.DeregisterEngineRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.DeregisterEngineResponse.FromString,
             options,
@@ -333,7 +332,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.Coordinator/Heartbeat',
+            '/weightsync.v1.CoordinatorService/Heartbeat',
             weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
             options,
@@ -360,7 +359,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightsync.v1.Coordinator/GetState',
+            '/weightsync.v1.CoordinatorService/GetState',
             weightsync_dot_v1_dot_coordinator__pb2.GetStateRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.GetStateResponse.FromString,
             options,
@@ -387,9 +386,9 @@ class Coordinator:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/weightsync.v1.Coordinator/WatchEvents',
+            '/weightsync.v1.CoordinatorService/WatchEvents',
             weightsync_dot_v1_dot_coordinator__pb2.WatchEventsRequest.SerializeToString,
-            weightsync_dot_v1_dot_common__pb2.Event.FromString,
+            weightsync_dot_v1_dot_coordinator__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
