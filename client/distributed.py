@@ -80,7 +80,8 @@ from weightsync.client.rank_protocol import (
 from weightsync.client.rank_sender import RankSender
 from weightsync.client.results import SyncResult
 from weightsync.client.retry import RetryPolicy
-from weightsync.client.sharded_driver import ShardedDriver, refuse_a_function_as_probe
+from weightsync.client.sharded_senders import ShardedSenders, refuse_a_function_as_probe
+from weightsync.client.trainer import TrainerClient
 from weightsync.errors import (
     InvalidArgument,
     StepTimeoutError,
@@ -183,12 +184,18 @@ class DistributedTrainerClient(AsyncClient):
         self.wire_dtype = wire_dtype
         self.default_timeout_s, self.resume_grace_s = default_timeout_s, resume_grace_s
         self.session = ""
-        self._driver: ShardedDriver | None = None
+        # Rank 0: the client that drives the rounds, given this group's senders, and
+        # the store every rank meets at (hosted at start).
+        self._client: TrainerClient | None = None
+        self._senders: ShardedSenders | None = None
+        self._store: StoreHost | None = None
         if self.rank == 0:
-            self._driver = ShardedDriver(coordinator, self, transport=transport, host=host, bucket_bytes=bucket_bytes,
-                                          wire_dtype=wire_dtype, default_timeout_s=default_timeout_s,
-                                          resume_grace_s=resume_grace_s, retry=retry, security=security,
-                                          group_layout=group_layout)
+            self._senders = ShardedSenders(self, bucket_bytes=bucket_bytes, wire_dtype=wire_dtype,
+                                           default_timeout_s=default_timeout_s)
+            self._client = TrainerClient(coordinator, transport=transport, host=host, bucket_bytes=bucket_bytes,
+                                         wire_dtype=wire_dtype, default_timeout_s=default_timeout_s,
+                                         resume_grace_s=resume_grace_s, retry=retry, security=security,
+                                         group_layout=group_layout, round_senders=self._senders)
         self._rank_sender: RankSender | None = None  # ranks > 0: their side of every round
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rank")
         self.held = HeldReplay()  # this rank's holdings, replayed from round to round
@@ -212,17 +219,18 @@ class DistributedTrainerClient(AsyncClient):
     async def start(self) -> DistributedTrainerClient:
         """Collective: every rank calls it. Rank 0 opens its client and store; the others
         learn where it is (over ``group``) and connect."""
-        if self._driver is not None:
-            await self._driver.start()
-            host = await run_in(self._thread, lambda: StoreHost(self.host, timeout_s=self.default_timeout_s))
-            self._driver._store_host = host
+        if self._client is not None:
+            await self._client.start()
+            host = self._store = await run_in(self._thread, lambda: StoreHost(self.host,
+                                                                              timeout_s=self.default_timeout_s))
+            self._senders.use_store(host)
             info = [host.host, host.port, host.owner_secret, uuid.uuid4().hex[:12]]
         else:
             info = [None, None, None, None]
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         await run_in(self._thread, dist.broadcast_object_list, info, src=src, group=self.group)
         store_host, port, secret, self.session = info
-        if self._driver is None:
+        if self._client is None:
             store = await run_in(self._thread, lambda: SecureStore(
                 store_host, port, secret, deadline_at=time.monotonic() + _START_TIMEOUT_S,
                 timeout_s=self.default_timeout_s))
@@ -243,23 +251,25 @@ class DistributedTrainerClient(AsyncClient):
             self._close_gather_receivers()
             self._gathered = None
             self.held.forget()  # the tensors last replayed, and the lists made of them
-            if self._driver is not None:
-                self._driver._sources, self._driver.holdings = None, {}
+            if self._senders is not None:
+                self._senders.forget()
         try:
-            if self._driver is not None and self._driver._store_host is not None and self._round:
+            if self._store is not None and self._round:
                 await run_in(self._thread, self._wait_until_read)
             await run_in(self._thread, close)
         finally:
             self._thread.shutdown(wait=False)
             if self._rank_sender is not None:
                 self._rank_sender.shutdown_threads()
-            if self._driver is not None:
-                await self._driver.aclose()
+            if self._senders is not None:
+                self._senders.close()
+            if self._client is not None:
+                await self._client.aclose()  # and the store it was given
 
     def _wait_until_read(self) -> None:
         """Rank 0, closing: the other ranks read the last round's end from its store
         before it goes (bounded: a rank that died never will)."""
-        prefix, store = RoundKeys.of(self.session, self._round).prefix, self._driver._store_host
+        prefix, store = RoundKeys.of(self.session, self._round).prefix, self._store
         until = time.monotonic() + CLOSE_GRACE_S
         while time.monotonic() < until and store.get(RoundKeys(prefix).result) is not None:
             if all(store.get(RoundKeys(prefix).read(r)) is not None for r in range(1, self.world_size)):
@@ -291,12 +301,12 @@ class DistributedTrainerClient(AsyncClient):
         (``TransferError``), as ``TrainerClient``'s ``verify_digest`` does.
         Do not modify the tensors until this returns.
         """
-        if self._closed or (self._driver is None and self._rank_sender is None):
+        if self._closed or (self._client is None and self._rank_sender is None):
             raise RuntimeError("DistributedTrainerClient is not started")
         self._round += 1
         prefix = RoundKeys.of(self.session, self._round).prefix
         budget = timeout_s if timeout_s is not None else self.default_timeout_s
-        if self._driver is not None:
+        if self._client is not None:
             return await self._drive(prefix, named_tensors, version=version, key=key, timeout_s=budget, mode=mode,
                                      offload_kv=offload_kv, required_engines=required_engines, attest=attest,
                                      verify_digest=verify_digest)
@@ -311,9 +321,8 @@ class DistributedTrainerClient(AsyncClient):
     async def _drive(self, prefix: str, named_tensors, *, version, key, timeout_s, mode, offload_kv,
                      required_engines, attest, verify_digest) -> SyncResult:
         """Rank 0: the round, then its end published for the other ranks."""
-        driver = self._driver
-        driver.prefix = prefix
-        store = driver._store_host
+        self._senders.begin_round(prefix)
+        store = self._store
         try:
             if self.gathers:
                 refuse_a_function_as_probe(attest)
@@ -325,9 +334,10 @@ class DistributedTrainerClient(AsyncClient):
                         raise asyncio.CancelledError("update_weights cancelled") from work.exception()
                 named_tensors = work.result()
                 timeout_s = max(0.001, deadline_at - time.monotonic())
-            result = await driver.update_weights(named_tensors, version=version, key=key and validate_key(key),
-                                                 timeout_s=timeout_s, mode=mode, offload_kv=offload_kv,
-                                                 required_engines=required_engines, attest=attest,
+            result = await self._client.update_weights(named_tensors, version=version,
+                                                       key=key and validate_key(key), timeout_s=timeout_s,
+                                                       mode=mode, offload_kv=offload_kv,
+                                                       required_engines=required_engines, attest=attest,
                                                  verify_digest=verify_digest)
         except BaseException as exc:
             record = {"error": error_record(exc)}
@@ -349,8 +359,8 @@ class DistributedTrainerClient(AsyncClient):
         here while the plan stays; this rank's own parts are copied in. With
         ``verify_digest``, the parts gathered are checked against the hashes each rank
         took of what it holds (``weightsync/parts_digest.py``) before anything is sent."""
-        driver = self._driver
-        plan, owners, hashes = driver.assigned(named_tensors, verify_digest)
+        senders = self._senders
+        plan, owners, hashes = senders.assigned(named_tensors, verify_digest)
         if self._gathered is None or self._gathered[0] is not plan:
             self._gathered = None  # the old ones go before the new ones are made
             full = [torch.empty(shape, dtype=dtype) for dtype, shape in zip(plan.dtypes, plan.shapes, strict=True)]
@@ -362,7 +372,7 @@ class DistributedTrainerClient(AsyncClient):
         if 0 in owners.sender_ranks:
             views = owners.part_views(0, targets)
             with torch.no_grad():
-                for i, source in enumerate(sources_for(owners, 0, driver.holdings)):
+                for i, source in enumerate(sources_for(owners, 0, senders.holdings)):
                     views[i].copy_(source)
                     views.done(i)
         others = [s for s in owners.sender_ranks if s != 0]
@@ -381,11 +391,11 @@ class DistributedTrainerClient(AsyncClient):
         once; each lane is followed as a round's lane is (the rank's heartbeat, its
         report). The first failure stops the others; all end before this returns or
         raises (bounded by the deadline)."""
-        driver, store = self._driver, self._driver._store_host
-        here = driver.rank_hosts[0]
+        rank0, store = self._senders, self._store
+        here = rank0.rank_hosts[0]
         lanes, aborts = [], []
         for s in senders:
-            kind = common_pb2.TRANSPORT_KIND_SHM if driver.rank_hosts.get(s) == here else \
+            kind = common_pb2.TRANSPORT_KIND_SHM if rank0.rank_hosts.get(s) == here else \
                 common_pb2.TRANSPORT_KIND_GLOO
             rendezvous = common_pb2.Rendezvous(
                 group_id=f"ws-gather-{self.session}-{s}-{self._gather_epoch}", transport=kind, store_host=store.host,
@@ -398,7 +408,7 @@ class DistributedTrainerClient(AsyncClient):
             aborts.append(threading.Event())
         deadline_at = time.monotonic() + (deadlines.remaining(self.default_timeout_s) or 0.0)
         with ThreadPoolExecutor(len(lanes), thread_name_prefix="weightsync-gather-follow") as pool:
-            followers = [pool.submit(driver.follow_rank(lane.rendezvous, owners, abort))
+            followers = [pool.submit(rank0.follow_rank(lane.rendezvous, owners, abort))
                          for lane, abort in zip(lanes, aborts, strict=True)]
             failed = _FirstFailure(cancel, followers)  # a rank that failed or went silent stops every lane
             try:
@@ -432,22 +442,22 @@ class DistributedTrainerClient(AsyncClient):
     def forget_rounds_before(self, prefix: str) -> None:
         """Rank 0: drops the store keys of every round before this one."""
         for n in range(self._forgotten + 1, self._round):
-            self._driver._store_host.forget(RoundKeys.of(self.session, n).prefix + "/")
+            self._store.forget(RoundKeys.of(self.session, n).prefix + "/")
         self._forgotten = self._round - 1
 
     async def get_state(self, *, include_digests: bool = False):
         """The coordinator's view (rank 0 only: it holds the client that drives rounds)."""
-        if self._driver is None:
+        if self._client is None:
             raise InvalidArgument("get_state is asked on rank 0 (it drives the rounds)")
-        return await self._driver.get_state(include_digests=include_digests)
+        return await self._client.get_state(include_digests=include_digests)
 
     async def check_engines(self, *, digest: str, version: int | None = None, engines: int | None = None,
                             engine_ids=None, within_s: float = 60.0):
         """Rank 0: ``TrainerClient.check_engines`` against the digest of the full,
         unsharded weights (which only a collective can gather: the caller's)."""
-        if self._driver is None:
+        if self._client is None:
             raise InvalidArgument("check_engines is asked on rank 0 (it drives the rounds)")
-        return await self._driver.check_engines(digest=digest, version=version, engines=engines,
+        return await self._client.check_engines(digest=digest, version=version, engines=engines,
                                                 engine_ids=engine_ids, within_s=within_s)
 
     def hold(self, named_tensors) -> HeldReplay:
@@ -470,7 +480,7 @@ class DistributedTrainerClient(AsyncClient):
 
     def wait_key(self, key: str, *, operation: str, deadline_at: float | None = None) -> bytes:
         """Rank 0: waits (in this process) for a key another rank sets."""
-        host = self._driver._store_host
+        host = self._store
         local = host.client()
         left = deadlines.remaining(self.default_timeout_s)
         until = deadline_at if deadline_at is not None else time.monotonic() + (left or 0.0)

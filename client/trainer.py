@@ -37,7 +37,7 @@ from weightsync.cancellation import wait_through_cancellation
 from weightsync.client.channel import LoopChannel
 from weightsync.client.context import AsyncClient
 from weightsync.client.lane_sends import ADDRESSED_KINDS, MAX_CONCURRENT_LANES, Lane, LaneSends
-from weightsync.client.prepared_weights import AttestArg, PlanCache, Prepared, WeightsPreparer
+from weightsync.client.prepared_weights import AttestArg, Prepared
 from weightsync.client.results import EngineResult, SyncFailed, SyncResult, sync_result_of
 from weightsync.client.retry import (
     RetryPolicy,
@@ -45,6 +45,7 @@ from weightsync.client.retry import (
     is_transient,
     new_key,
 )
+from weightsync.client.round_senders import OneProcess, RoundSenders
 from weightsync.client.verify import WeightsCheck, check_engines, trainer_digest, validate_request
 from weightsync.client.whole_sync import WholeSync
 from weightsync.dtypes import dtype_name
@@ -58,7 +59,6 @@ from weightsync.errors import (
     outcome_error,
 )
 from weightsync.grpc_options import CHANNEL_OPTIONS
-from weightsync.host_identity import host_id
 from weightsync.plan import DEFAULT_BUCKET_BYTES, is_reference
 from weightsync.retry import retry
 from weightsync.security import Security
@@ -110,6 +110,9 @@ class TrainerClient(AsyncClient):
             default) fails at the first refused connection (or after
             ``CONNECT_ATTEMPT_S`` without any answer); give seconds to wait for a
             coordinator that is still starting.
+        round_senders: who prepares and sends the rounds (``client/round_senders.py``):
+            this process by default; ``DistributedTrainerClient`` passes rank 0's
+            ``ShardedSenders``. Not for a single trainer to set.
     """
 
     def __init__(self, coordinator: str, *, transport: str = "auto", host: str = "127.0.0.1",
@@ -117,7 +120,7 @@ class TrainerClient(AsyncClient):
                  default_timeout_s: float = 300.0, resume_grace_s: float = 30.0,
                  retry: RetryPolicy | None = None, security: Security | None = None,
                  measure_loop_lag: bool = False, group_layout: str = AUTO_LAYOUT,
-                 connect_timeout_s: float = 0.0) -> None:
+                 connect_timeout_s: float = 0.0, round_senders: RoundSenders | None = None) -> None:
         self.coordinator = coordinator
         if connect_timeout_s < 0:
             raise InvalidArgument(f"connect_timeout_s must be 0 or more, got {connect_timeout_s}")
@@ -150,9 +153,9 @@ class TrainerClient(AsyncClient):
         self._store_host: StoreHost | None = None
         self._plain_store = None
         self._senders: dict[tuple[int, str], Sender] = {}  # by (transport, lane)
-        # Each step's weights made ready, the last step's plan replayed: a trainer syncs
-        # the same tensors every step.
-        self._preparer = WeightsPreparer()
+        # Who prepares and sends the rounds: this process (the default), or rank 0 of a
+        # sharded trainer (``DistributedTrainerClient`` passes its ``ShardedSenders``).
+        self.round_senders: RoundSenders = round_senders or OneProcess()
         # Plan ids this client's coordinator has taken in whole: later Broadcasts name
         # them by id (a megabyte less per step at 20k tensors). A coordinator that no
         # longer holds one answers PLAN_UNKNOWN and gets the whole plan again.
@@ -305,8 +308,8 @@ class TrainerClient(AsyncClient):
             prepared = await self._in_thread(self._prepare, named_tensors, verify_digest, attest,
                                              addresses=addresses)
             auto = kind == common_pb2.TRANSPORT_KIND_AUTO
-            trainer_host = self._trainer_host_id() if auto else ""
-            sender_hosts = self._sender_host_ids() if auto else []
+            trainer_host = self.round_senders.trainer_host_id() if auto else ""
+            sender_hosts = self.round_senders.sender_host_ids() if auto else []
             # Built on the worker thread too: a request with the whole plan lists every tensor.
             by_reference = prepared.plan.plan_id in self._plans_sent
             request = await self._in_thread(lambda: coordinator_pb2.BroadcastRequest(
@@ -392,7 +395,8 @@ class TrainerClient(AsyncClient):
                 self._plain_store = host_store(self.host, timeout_s=self.default_timeout_s)
             return self._plain_store.port, ""
         if self._store_host is None:
-            self._store_host = StoreHost(self.host, timeout_s=self.default_timeout_s)
+            self._store_host = self.round_senders.store_host() or StoreHost(self.host,
+                                                                             timeout_s=self.default_timeout_s)
         return self._store_host.port, self._store_host.new_secret()
 
     def _abort_relayed_lane(self, rendezvous: common_pb2.Rendezvous, why: str) -> None:
@@ -400,28 +404,13 @@ class TrainerClient(AsyncClient):
         if self._store_host is not None:
             self._store_host.set(session_key(rendezvous, "abort"), why)
 
-    def _trainer_host_id(self) -> str:
-        """The host id ``auto`` compares engines' with (shm for engines on this host)."""
-        return host_id()
-
-    def _sender_host_ids(self) -> list[str]:
-        """``auto``, a sharded trainer whose ranks run on several hosts: each rank's host
-        id, by rank (asked once the tensors are prepared, when the ranks have said where
-        they run). One process: none, ``trainer_host_id`` says it."""
-        return []
-
-    def _remote_send(self, rendezvous, prepared: Prepared) -> Lane:
-        """A lane another trainer rank sends (a sharded trainer: see DistributedTrainerClient)."""
-        raise TransferError(f"the round has a lane for trainer rank {rendezvous.sender}; this client is one "
-                            "process (use DistributedTrainerClient)")
-
     def _start_send(self, rendezvous, prepared: Prepared) -> Lane:
         """Starts one lane's send on the send pool (lanes run concurrently). Each lane has
         its own sender (its own group, buffers and store connection), kept for the next
         round while the lane's name stays. A sharded trainer's lane of another rank is
         that rank's to send."""
         if rendezvous.sender != 0:
-            return self._remote_send(rendezvous, prepared)
+            return self.round_senders.remote_send(rendezvous, prepared)
         deadline_at = time.monotonic() + (deadline.remaining(self.default_timeout_s) or 0.0)
         kind, abort = rendezvous.transport, threading.Event()
         plan = prepared.owners.part_plan(0) if prepared.owners is not None else prepared.plan
@@ -439,13 +428,9 @@ class TrainerClient(AsyncClient):
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], with_digest: bool,
                  attest: AttestArg = None, *, addresses: bool = False) -> Prepared:
-        """Worker thread: this step's tensors, plan, digest and probe (``WeightsPreparer``)."""
-        return self._preparer.prepare(named_tensors, with_digest, attest, addresses=addresses,
-                                      bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype)
-
-    @property
-    def _plan_cache(self) -> PlanCache | None:
-        return self._preparer.cache
+        """Worker thread: this step's tensors, plan, digest and probe (``round_senders``)."""
+        return self.round_senders.prepare(named_tensors, with_digest, attest, addresses=addresses,
+                                          bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype)
 
     # ----- the whole sync -----------------------------------------------------------------
 

@@ -871,7 +871,7 @@ def test_a_sharded_trainers_client_refuses_what_it_cannot_send_on_every_rank(tmp
         with pytest.raises(InvalidArgument, match="gather must be"):
             DistributedTrainerClient("127.0.0.1:1", gather="yes")
         client = DistributedTrainerClient("127.0.0.1:1", transport="group", group_layout="tensors")
-        assert client.gathers and client._driver.group_layout == "tensors"
+        assert client.gathers and client._client.group_layout == "tensors"
         # the other transports gather only when asked to
         assert not DistributedTrainerClient("127.0.0.1:1").gathers
         assert DistributedTrainerClient("127.0.0.1:1", transport="auto", gather=True).gathers

@@ -104,7 +104,7 @@ def test_a_step_with_the_cached_plan_keeps_no_per_tensor_objects_alive(given):
     # Nor does the cached plan add 20k objects to every full collection of the heap:
     # its shapes are tuples of ints, which the collector stops tracking.
     gc.collect()
-    cached_shapes = client._plan_cache.shapes
+    cached_shapes = client.round_senders.preparer.cache.shapes
     assert len(cached_shapes) == len(named) and not any(gc.is_tracked(s) for s in cached_shapes)
 
 
