@@ -46,6 +46,7 @@ from weightsync.client.retry import (
     new_key,
 )
 from weightsync.client.round_senders import OneProcess, RoundSenders
+from weightsync.client.round_stores import RoundStores
 from weightsync.client.verify import WeightsCheck, check_engines, trainer_digest, validate_request
 from weightsync.client.whole_sync import WholeSync
 from weightsync.dtypes import dtype_name
@@ -65,8 +66,6 @@ from weightsync.security import Security
 from weightsync.threads import run_in
 from weightsync.transport import AUTO_LAYOUT, LAYOUTS, is_relayed
 from weightsync.transport.base import Sender
-from weightsync.transport.secure_store import StoreHost
-from weightsync.transport.store import host_store, session_key
 from weightsync.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 T = TypeVar("T")
@@ -147,15 +146,11 @@ class TrainerClient(AsyncClient):
         self._send_pool: ThreadPoolExecutor | None = None  # one thread per lane being sent
         # The coordinator's channel, reopened on a new event loop (asyncio.run per step).
         self._control: LoopChannel[coordinator_pb2_grpc.CoordinatorServiceStub] | None = None
-        # Rendezvous stores, hosted on first use: status-only clients never open a port.
-        # gloo and shm rounds use the authenticated store (a secret per round); the group
-        # transport a torch TCPStore, which SGLang joins with torch's own client.
-        self._store_host: StoreHost | None = None
-        self._plain_store = None
         self._senders: dict[tuple[int, str], Sender] = {}  # by (transport, lane)
         # Who prepares and sends the rounds: this process (the default), or rank 0 of a
         # sharded trainer (``DistributedTrainerClient`` passes its ``ShardedSenders``).
         self.round_senders: RoundSenders = round_senders or OneProcess()
+        self._stores: RoundStores | None = None  # made on the worker thread, with the first round
         # Plan ids this client's coordinator has taken in whole: later Broadcasts name
         # them by id (a megabyte less per step at 20k tensors). A coordinator that no
         # longer holds one answers PLAN_UNKNOWN and gets the whole plan again.
@@ -198,9 +193,8 @@ class TrainerClient(AsyncClient):
                 for sender in self._senders.values():
                     sender.close()
                 self._senders.clear()
-                if self._store_host is not None:
-                    self._store_host.close()
-                self._store_host = self._plain_store = None
+                if self._stores is not None:
+                    self._stores.close()
             try:
                 await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(executor, close_thread_side), 30)
             except Exception as exc:
@@ -300,7 +294,7 @@ class TrainerClient(AsyncClient):
             raise InvalidArgument("version must be a positive integer")
         key = key or new_key("broadcast")
         with deadline.scope(timeout_s, operation="broadcast"), deadline.operation("broadcast"):
-            store_port, secret = await self._in_thread(self._store_for, kind)
+            store_port, secret = await self._in_thread(lambda: self.stores.for_kind(kind))
             # Addresses for shm's direct reads, and for the network transports' runs of
             # memory (``memory_runs``, ``whole_buckets``): taken in the per-step pass.
             # (Taking them turns nothing on: shm asks ``direct_enabled`` itself.)
@@ -335,7 +329,7 @@ class TrainerClient(AsyncClient):
         """The Broadcast call, retried with the same key (a retry attaches to the running
         round, never re-runs it), and the send it starts; the send always ends before
         this returns or raises."""
-        send = LaneSends(self._abort_relayed_lane)
+        send = LaneSends(self.stores.abort_lane)
         try:
             try:
                 result = await retry(lambda: self._attempt_broadcast(stub, request, prepared, send),
@@ -387,22 +381,13 @@ class TrainerClient(AsyncClient):
             raise TransferError("broadcast stream ended without a result")
         return result
 
-    def _store_for(self, kind) -> tuple[int, str]:
-        """The store a round of ``kind`` meets at (hosted on first use): its port, and for
-        gloo and shm a fresh secret that admits this round's engines. Worker thread."""
-        if kind == common_pb2.TRANSPORT_KIND_GROUP:
-            if self._plain_store is None:
-                self._plain_store = host_store(self.host, timeout_s=self.default_timeout_s)
-            return self._plain_store.port, ""
-        if self._store_host is None:
-            self._store_host = self.round_senders.store_host() or StoreHost(self.host,
-                                                                             timeout_s=self.default_timeout_s)
-        return self._store_host.port, self._store_host.new_secret()
-
-    def _abort_relayed_lane(self, rendezvous: common_pb2.Rendezvous, why: str) -> None:
-        """Sets a relayed lane's abort key in this trainer's store (in process: no I/O)."""
-        if self._store_host is not None:
-            self._store_host.set(session_key(rendezvous, "abort"), why)
+    @property
+    def stores(self) -> RoundStores:
+        """The rendezvous stores of this client's rounds (``client/round_stores.py``)."""
+        if self._stores is None:
+            self._stores = RoundStores(self.host, timeout_s=self.default_timeout_s,
+                                       given=self.round_senders.store_host())
+        return self._stores
 
     def _start_send(self, rendezvous, prepared: Prepared) -> Lane:
         """Starts one lane's send on the send pool (lanes run concurrently). Each lane has
@@ -418,7 +403,7 @@ class TrainerClient(AsyncClient):
         def send():
             sender = self._senders.get((kind, rendezvous.lane))
             if sender is None:
-                store = self._plain_store if kind == common_pb2.TRANSPORT_KIND_GROUP else self._store_host.client()
+                store = self.stores.sender_store(kind)
                 sender = self._senders[(kind, rendezvous.lane)] = transports.make_sender(kind, store,
                                                                                         data_host=self.host)
             with torch.no_grad():  # sources are the caller's tensors, not detached copies

@@ -86,7 +86,7 @@ class InterruptibleClient(TrainerClient):
         lane = (rendezvous.transport, rendezvous.lane)
         if self.stop_at == "broadcast" and lane not in self._senders:
             # The lane's sender, made here as the client would make it, behind the delay.
-            store = self._store_host.client()
+            store = self.stores.secure.client()
             self._senders[lane] = _DelayedSender(
                 transports.make_sender(rendezvous.transport, store, data_host=self.host),
                 lambda: self._reach("broadcast"))

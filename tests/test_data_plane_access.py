@@ -78,7 +78,7 @@ async def test_a_stranger_at_the_store_learns_nothing_and_changes_nothing(cluste
     async with TrainerClient(cluster.address, transport=transport) as client:
         first = await client.update_weights(model.named_parameters(), version=1, timeout_s=60)
         assert first.ok
-        port = client._store_host.port
+        port = client.stores.secure.port
         thread = threading.Thread(target=stranger, args=(port,), daemon=True)
         thread.start()
         try:
@@ -92,7 +92,7 @@ async def test_a_stranger_at_the_store_learns_nothing_and_changes_nothing(cluste
         finally:
             stop.set()
             await asyncio.to_thread(thread.join, 60)
-        refused = client._store_host.refused
+        refused = client.stores.secure.refused
     assert attempts, "the stranger never ran"
     assert all(a in ("guessed secret refused", "raw: nonce only") or a.startswith("refused")
                or a == "no answer" for a in attempts), attempts
