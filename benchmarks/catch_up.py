@@ -43,7 +43,7 @@ async def events(client: TrainerClient, kind: str) -> list:
     call = client._ready().WatchEvents(coordinator_pb2.WatchEventsRequest())
     try:
         while True:
-            event = await asyncio.wait_for(call.read(), timeout=0.5)
+            event = (await asyncio.wait_for(call.read(), timeout=0.5)).event
             if event.kind == kind:
                 out.append(event)
     except TimeoutError:

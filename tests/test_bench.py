@@ -544,3 +544,15 @@ def test_the_bench_says_slower_when_it_is_and_its_plot_keeps_memcpy_off_the_bars
     finally:
         import matplotlib.pyplot as plt
         plt.close(figure)
+
+
+def test_catch_up_benchmark_times_a_late_engines_catch_up_against_a_broadcast():
+    """``benchmarks/catch_up.py`` at a toy size: a late engine caught up over shm, its
+    transfer timed from the coordinator's own events against the round's broadcast."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "catch_up.py")
+    done = subprocess.run([sys.executable, script, "--size", "4MiB", "--transports", "shm"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = json.loads(done.stdout)["runs"]["shm"]
+    assert run["catch_up_transfer_s"] > 0 and run["broadcast_s"] > 0 and run["bytes"] > 0
+    assert run["catch_up_over_broadcast"] == round(run["catch_up_transfer_s"] / run["broadcast_s"], 2)

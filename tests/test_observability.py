@@ -65,7 +65,24 @@ async def test_status_shows_a_torn_engine_and_watch_follows_events(cluster_facto
     model = ReferenceLM(PRESETS["tiny"])
     status = [sys.executable, "-m", "weightsync", "status", "--coordinator", cluster.address]
     watcher = subprocess.Popen([*status, "--watch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def read_until(marker: str) -> bool:
+        for line in watcher.stdout:
+            lines.append(line)
+            if marker in line:
+                return True
+        return False
+
+    def watcher_said() -> str:
+        if watcher.poll() is None:
+            return "".join(lines)
+        return "".join(lines) + f"\n[watcher exited {watcher.returncode}] " + watcher.stderr.read()
+
     try:
+        # The watcher prints its table, then follows: sync only once it is up, so a
+        # slow start under load cannot be mistaken for missing events.
+        assert await asyncio.wait_for(asyncio.to_thread(read_until, "engine-0"), timeout=60), watcher_said()
         async with TrainerClient(cluster.address, bucket_bytes=BUCKET) as client:
             try:
                 await client.update_weights(model.named_parameters(), version=1, timeout_s=60)
@@ -81,16 +98,9 @@ async def test_status_shows_a_torn_engine_and_watch_follows_events(cluster_facto
         engine = json.loads(as_json.stdout)["engines"][0]
         assert engine["torn"] is True and engine["torn_version"] == "1"
 
-        def read_until_failure() -> list[str]:
-            lines = []
-            for line in watcher.stdout:
-                lines.append(line)
-                if "broadcast_failed" in line:
-                    return lines
-            return lines
-
-        lines = await asyncio.wait_for(asyncio.to_thread(read_until_failure), timeout=30)
+        assert await asyncio.wait_for(asyncio.to_thread(read_until, "broadcast_failed"), timeout=30), watcher_said()
         kinds = [line.split()[1] for line in lines if line.strip() and line.split()[0].isdigit()]
+        assert {"paused", "broadcast_started", "bucket_progress", "engine_failed"} <= set(kinds), watcher_said()
         assert kinds.index("paused") < kinds.index("broadcast_started") < kinds.index("engine_failed")
         assert kinds.index("broadcast_started") < kinds.index("bucket_progress") < kinds.index("engine_failed")
     finally:

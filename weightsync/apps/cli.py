@@ -510,7 +510,8 @@ async def _status(coordinator: str, *, json_to: str, watch: bool, security: Secu
                       f"{'yes' if e.ready else 'no':<6} {e.weight_version:>8} {e.versions_behind:>7} {torn:<12} "
                       f"{age:<10}", flush=True)
         if watch:
-            async for event in stub.WatchEvents(coordinator_pb2.WatchEventsRequest()):
+            async for response in stub.WatchEvents(coordinator_pb2.WatchEventsRequest()):
+                event = response.event
                 if json_to:
                     print(json.dumps(MessageToDict(event, preserving_proto_field_name=True)), flush=True)
                 else:
